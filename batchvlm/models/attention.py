@@ -1,0 +1,136 @@
+"""Attention over a paged KV cache, for a flat batch of tokens from many sequences.
+
+The KV cache is one tensor of slots: `[n_layers, n_blocks * block_size, n_kv_heads, head_dim]`.
+Block 0 is the null block: padding tokens write there and padded keys read from there.
+
+Logical slot layout of every sequence (one image prefix shared by all tasks on that image):
+
+    j in [0, P)            the image prefix (BOS + image tokens), position j
+    j in [P, P_pad)        unused tail of the last prefix block (P_pad = P rounded up to a block)
+    j in [P_pad, kv_len)   the task's own tokens, position P + (j - P_pad)
+
+Because a task's own tokens start on a fresh block, the prefix blocks are shared copy-free by
+every task on the image (engine/kv_cache.py refcounts them). The image prefill itself is a
+sequence whose block table holds only the prefix blocks and whose kv_len is P.
+
+Visibility: key j is seen by a query at position p iff j is valid and pos(j) <= limit(p),
+where limit(p) = P - 1 for p < P (the prefix is bidirectional) and p otherwise (causal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+PAD_POS = 2**30  # position of padding: later than any real token
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences of similar query length, attended together as one padded batch."""
+
+    q_rows: torch.Tensor  # [B, Tq] long: rows of the flat token batch; padding -> row N (scratch)
+    q_pos: torch.Tensor  # [B, Tq] long: position of each query; padding -> PAD_POS
+    block_table: torch.Tensor  # [B, n_blocks] long: physical blocks; padding -> 0 (null block)
+    kv_len: torch.Tensor  # [B] long: logical slots in use (after this step's writes)
+
+
+@dataclass
+class AttentionBatch:
+    write_slots: torch.Tensor  # [N] long: cache slot of each token's k/v; padding -> null slot
+    groups: list[AttentionGroup]
+    block_size: int
+    prefix_len: int  # P
+
+
+@dataclass
+class GroupPlan:
+    """Per-forward derived tensors of a group, shared by all layers."""
+
+    group: AttentionGroup
+    k_slots: torch.Tensor  # [B, Lk]
+    mask: torch.Tensor  # [B, 1, Tq, Lk] bool
+
+
+def plan_groups(batch: AttentionBatch) -> list[GroupPlan]:
+    bs, P = batch.block_size, batch.prefix_len
+    P_pad = -(-P // bs) * bs
+    plans = []
+    for g in batch.groups:
+        B, nb = g.block_table.shape
+        j = torch.arange(nb * bs, device=g.block_table.device)  # logical slot
+        k_slots = g.block_table.repeat_interleave(bs, dim=1) * bs + (j % bs)
+        k_pos = torch.where(j < P, j, P + j - P_pad)
+        valid = ((j < P) | (j >= P_pad)) & (j < g.kv_len[:, None])
+        k_pos = torch.where(valid, k_pos, PAD_POS - 1)  # [B, Lk]
+        limit = torch.where(g.q_pos < P, P - 1, g.q_pos)  # [B, Tq]
+        mask = k_pos[:, None, None, :] <= limit[:, None, :, None]
+        plans.append(GroupPlan(g, k_slots, mask))
+    return plans
+
+
+def attend(
+    q_NHD: torch.Tensor,
+    k_NHD: torch.Tensor,
+    v_NHD: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    plans: list[GroupPlan],
+) -> torch.Tensor:
+    """Write this step's keys/values into their slots, then attend every group. -> [N, H, D]."""
+    k_cache.index_copy_(0, batch.write_slots, k_NHD.to(k_cache.dtype))
+    v_cache.index_copy_(0, batch.write_slots, v_NHD.to(v_cache.dtype))
+    N, H, D = q_NHD.shape
+    q_pad = torch.cat([q_NHD, q_NHD.new_zeros(1, H, D)])
+    out = q_NHD.new_zeros(N + 1, H, D)
+    for plan in plans:
+        q_BHTD = q_pad[plan.group.q_rows].transpose(1, 2)
+        k_BHLD = k_cache[plan.k_slots].transpose(1, 2).to(q_NHD.dtype)
+        v_BHLD = v_cache[plan.k_slots].transpose(1, 2).to(q_NHD.dtype)
+        o_BHTD = F.scaled_dot_product_attention(
+            q_BHTD, k_BHLD, v_BHLD, attn_mask=plan.mask, enable_gqa=k_BHLD.shape[1] != H
+        )
+        out[plan.group.q_rows] = o_BHTD.transpose(1, 2)
+    return out[:N]
+
+
+@dataclass
+class KVCache:
+    """All layers' keys and values: one allocation, per-layer views by indexing dim 0."""
+
+    k: torch.Tensor  # [n_layers, n_blocks * block_size, n_kv_heads, head_dim]
+    v: torch.Tensor
+    block_size: int
+
+    @classmethod
+    def allocate(cls, n_layers: int, n_blocks: int, block_size: int, n_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+        shape = (n_layers, n_blocks * block_size, n_kv_heads, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(shape, dtype=dtype, device=device), block_size)
+
+    @property
+    def n_blocks(self) -> int:
+        return self.k.shape[1] // self.block_size
+
+
+def slots_of(block_table: torch.Tensor, pos: torch.Tensor, block_size: int, prefix_len: int) -> torch.Tensor:
+    """Cache slot of the token at `pos` in a sequence with `block_table` ([..., n_blocks] with
+    pos [...,] or [..., T]); see the logical layout in the module docstring."""
+    P_pad = -(-prefix_len // block_size) * block_size
+    j = torch.where(pos < prefix_len, pos, P_pad + pos - prefix_len)
+    if j.dim() == block_table.dim() - 1:
+        block = block_table.gather(-1, (j // block_size)[..., None])[..., 0]
+    else:
+        block = block_table.gather(-1, j // block_size)
+    return block * block_size + j % block_size
+
+
+def logical_len(n_positions: int, block_size: int, prefix_len: int) -> int:
+    """kv_len of a sequence holding positions [0, n_positions)."""
+    if n_positions <= prefix_len:
+        return n_positions
+    return -(-prefix_len // block_size) * block_size + n_positions - prefix_len

@@ -1,0 +1,61 @@
+"""The Moondream 2 module tree (vision, text, region) and the forward primitives the
+generators and the engine build on. Parameter names are the checkpoint's minus `model.`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..attention import AttentionBatch, KVCache
+from .config import MoondreamConfig
+from .region import RegionModel
+from .text import TextModel
+from .vision import VisionModel
+
+# Kinds of a step's input at a position: a token id, a coordinate value or a (w, h) size.
+INPUT_TOKEN, INPUT_COORD, INPUT_SIZE = 0, 1, 2
+
+
+class MoondreamModel(nn.Module):
+    def __init__(self, config: MoondreamConfig):
+        super().__init__()
+        self.config = config
+        self.vision = VisionModel(config.vision)
+        self.text = TextModel(config.text)
+        self.region = RegionModel(config.region)
+
+    @property
+    def device(self) -> torch.device:
+        return self.text.wte.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.text.wte.dtype
+
+    def prefix_embeds(self, image_features_ITC: torch.Tensor) -> torch.Tensor:
+        """[BOS, image tokens] for each image -> [I, P, C]."""
+        I = image_features_ITC.shape[0]
+        bos = self.text.wte[self.config.tokenizer.bos_id].expand(I, 1, -1)
+        return torch.cat([bos, image_features_ITC.to(bos.dtype)], dim=1)
+
+    def input_embeds(self, kind_N: torch.Tensor, token_N: torch.Tensor, value_N2: torch.Tensor) -> torch.Tensor:
+        """Embeddings of decode inputs: wte[token], or the encoding of a coordinate / size.
+
+        Computed for every row and selected with `where`, so mixed text / point / detect
+        batches need no host-side split (and CUDA graphs see fixed shapes).
+        """
+        tok = self.text.wte[token_N]
+        coord = self.region.encode_coord(value_N2[:, 0]).to(tok.dtype)
+        size = self.region.encode_size(value_N2).to(tok.dtype)
+        kind = kind_N[:, None]
+        return torch.where(kind == INPUT_COORD, coord, torch.where(kind == INPUT_SIZE, size, tok))
+
+    def forward_tokens(
+        self, embeds_NC: torch.Tensor, positions_N: torch.Tensor, batch: AttentionBatch, cache: KVCache
+    ) -> torch.Tensor:
+        return self.text(embeds_NC, positions_N, batch, cache)
+
+    def new_kv_cache(self, n_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> KVCache:
+        t = self.config.text
+        return KVCache.allocate(t.n_layers, n_blocks, block_size, t.n_kv_heads, t.head_dim,
+                                dtype or self.dtype, self.device)

@@ -1,0 +1,37 @@
+"""CPU-side image preparation for Moondream: a picklable callable for loader workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from .config import VisionConfig
+from .image_crops import overlap_crops, resized_size, tiling_for
+
+
+@dataclass
+class PreparedImage:
+    crops: np.ndarray  # uint8 [n_crops, S, S, 3]; crop 0 global, then local crops row-major
+    tiling: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Preprocessor:
+    vision: VisionConfig
+    max_crops: int
+
+    def largest_size(self, width: int, height: int) -> tuple[int, int]:
+        """Largest (width, height) the crops are resized to: a JPEG may decode at reduced size
+        (draft mode) as long as it stays at least this large."""
+        tiling = tiling_for(width, height, self.vision, self.max_crops)
+        rw, rh = resized_size(tiling, self.vision) if tiling != (1, 1) else (0, 0)
+        s = self.vision.crop_size
+        return max(rw, s), max(rh, s)
+
+    def __call__(self, image: Image.Image, width: int | None = None, height: int | None = None) -> PreparedImage:
+        """`width`/`height`: the image's full size when `image` was decoded at reduced size."""
+        tiling = tiling_for(width or image.width, height or image.height, self.vision, self.max_crops)
+        crops, tiling = overlap_crops(image, self.vision, self.max_crops, tiling)
+        return PreparedImage(crops, tiling)

@@ -1,0 +1,107 @@
+"""Vision tower: SigLIP-style ViT over all crops of many images, crop fusion, projection.
+
+Every image becomes exactly `grid**2` tokens for the text model: the global crop's features
+concatenated channel-wise with the local crops' features stitched into one grid and
+average-pooled back to grid x grid.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import VisionConfig
+from .layers import MLP, Attention
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, c: VisionConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(c.enc_dim)
+        self.attn = Attention(c.enc_dim, 3 * c.enc_dim)
+        self.ln2 = nn.LayerNorm(c.enc_dim)
+        self.mlp = MLP(c.enc_dim, c.enc_ff_dim)
+        self.n_heads = c.enc_n_heads
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        B, T, C = x_BTC.shape
+        q, k, v = self.attn.qkv(self.ln1(x_BTC)).view(B, T, 3, self.n_heads, C // self.n_heads).unbind(2)
+        out_BHTD = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        x_BTC = x_BTC + self.attn.proj(out_BHTD.transpose(1, 2).reshape(B, T, C))
+        return x_BTC + self.mlp(self.ln2(x_BTC))
+
+
+class VisionModel(nn.Module):
+    def __init__(self, c: VisionConfig):
+        super().__init__()
+        self.config = c
+        patch_dim = c.enc_patch_size * c.enc_patch_size * c.in_channels
+        self.patch_emb = nn.Linear(patch_dim, c.enc_dim)
+        self.pos_emb = nn.Parameter(torch.zeros(1, c.n_image_tokens, c.enc_dim))
+        self.blocks = nn.ModuleList(VisionBlock(c) for _ in range(c.enc_n_layers))
+        self.post_ln = nn.LayerNorm(c.enc_dim)
+        self.proj_mlp = MLP(2 * c.enc_dim, c.proj_inner_dim, c.proj_out_dim)
+
+    def encode_crops(self, crops_NHWC: torch.Tensor) -> torch.Tensor:
+        """uint8 crops -> encoder features [N, grid*grid, enc_dim]. Normalizes on the device."""
+        c = self.config
+        p, g = c.enc_patch_size, c.grid
+        x = crops_NHWC.to(self.pos_emb.dtype).permute(0, 3, 1, 2)
+        x = x.div(255.0).sub_(0.5).div_(0.5)
+        N = x.shape[0]
+        # [N, C, g, p, g, p] -> [N, g, g, C, p, p]: patch vectors in (channel, row, col) order.
+        patches = x.reshape(N, c.in_channels, g, p, g, p).permute(0, 2, 4, 1, 3, 5)
+        h = self.patch_emb(patches.reshape(N, g * g, c.in_channels * p * p)) + self.pos_emb
+        for block in self.blocks:
+            h = block(h)
+        return self.post_ln(h)
+
+    def stitch_and_pool(self, local_NggC: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
+        """Local crop features -> one grid with the overlaps dropped -> pooled [grid*grid, C].
+
+        Each crop keeps its centre (g - 2m) x (g - 2m) patches; crops on the image border also
+        keep their outer margin, so the stitched grid is (rows*(g-2m) + 2m) x (cols*(g-2m) + 2m).
+        """
+        c = self.config
+        g, m = c.grid, c.overlap_margin
+        rows, cols = tiling
+        w = g - 2 * m
+        stitched = local_NggC.new_empty(rows * w + 2 * m, cols * w + 2 * m, local_NggC.shape[-1])
+        for i in range(rows):
+            for j in range(cols):
+                y0 = 0 if i == 0 else m
+                y1 = g if i == rows - 1 else g - m
+                x0 = 0 if j == 0 else m
+                x1 = g if j == cols - 1 else g - m
+                stitched[i * w + y0 : i * w + y1, j * w + x0 : j * w + x1] = local_NggC[i * cols + j, y0:y1, x0:x1]
+        pooled_CHW = F.adaptive_avg_pool2d(stitched.permute(2, 0, 1), (g, g))
+        return pooled_CHW.permute(1, 2, 0).reshape(g * g, -1)
+
+    def forward(self, crops_NHWC: torch.Tensor, tilings: list[tuple[int, int]]) -> torch.Tensor:
+        """All crops of several images (concatenated in image order) -> [n_images, grid*grid, proj_out_dim].
+
+        An image with a 1x1 tiling ships only its global crop: its one local crop would be the
+        identical resize, and pooling a grid x grid map to grid x grid is the identity, so its
+        local features equal its global features.
+        """
+        g = self.config.grid
+        feats_NTC = self.encode_crops(crops_NHWC)
+        fused, start = [], 0
+        for tiling in tilings:
+            global_TC = feats_NTC[start]
+            n_local = tiling[0] * tiling[1]
+            if n_local == 1:
+                local_TC, start = global_TC, start + 1
+            else:
+                local = feats_NTC[start + 1 : start + 1 + n_local].view(n_local, g, g, -1)
+                local_TC, start = self.stitch_and_pool(local, tiling), start + 1 + n_local
+            fused.append(torch.cat([global_TC, local_TC], dim=-1))
+        if start != feats_NTC.shape[0]:
+            raise ValueError(f"crops ({feats_NTC.shape[0]}) do not match tilings ({start})")
+        return self.proj_mlp(torch.stack(fused))
+
+
+def n_crops(tiling: tuple[int, int]) -> int:
+    """Crops shipped for an image with this tiling (see VisionModel.forward)."""
+    return 1 if tiling == (1, 1) else 1 + tiling[0] * tiling[1]

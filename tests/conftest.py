@@ -1,0 +1,34 @@
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+FIXTURES = Path(__file__).resolve().parents[1] / "shared" / "fixtures"
+if not FIXTURES.is_dir():
+    FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    if not (FIXTURES / "moondream-tiny").is_dir():
+        pytest.skip("shared/fixtures not found beside the checkout")
+    return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def tiny_expected(fixtures_dir):
+    return json.loads((fixtures_dir / "moondream-tiny" / "expected.json").read_text())

@@ -1,0 +1,108 @@
+"""Checkpoint layout, strict loading, and hub resolution through huggingface_hub (offline)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import hub_folder, id_tokenizer, random_state
+from PIL import Image
+
+from batchvlm.models.moondream.config import ConfigError, MoondreamConfig
+from batchvlm.models.moondream.family import Moondream
+from batchvlm.models.moondream.model import MoondreamModel
+from batchvlm.models.moondream.weights import ModelLoadError
+from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
+
+TINY = {
+    "text": {"dim": 32, "ff_dim": 64, "n_layers": 2, "vocab_size": 64, "n_heads": 2, "n_kv_heads": 2, "max_context": 512},
+    "vision": {"enc_dim": 16, "enc_patch_size": 14, "enc_n_layers": 1, "enc_ff_dim": 32, "enc_n_heads": 2,
+               "proj_out_dim": 32, "crop_size": 56, "max_crops": 4, "overlap_margin": 1, "proj_inner_dim": 32},
+    "region": {"dim": 32, "coord_feat_dim": 16, "coord_out_dim": 64, "size_feat_dim": 16, "size_out_dim": 64,
+               "inner_dim": 32},
+    "tokenizer": {"templates": {"caption": {"short": [1, 2, 3], "normal": [1, 2, 3], "long": [1, 2, 3]},
+                                "query": {"prefix": [1, 8], "suffix": [3]}, "detect": {"prefix": [1, 9], "suffix": [3]},
+                                "point": {"prefix": [1, 10], "suffix": [3]}}},
+}
+
+
+def test_full_size_config_matches_checkpoint_keys(fixtures_dir):
+    keys = json.loads((fixtures_dir / "moondream2-keys.json").read_text())["tensors"]
+    with torch.device("meta"):
+        model = MoondreamModel(MoondreamConfig.from_dict({}))
+    ours = {f"model.{k}": list(p.shape) for k, p in model.named_parameters()}
+    assert ours == keys
+    assert sum(p.numel() for p in model.parameters()) == 1927237104
+
+
+def test_config_rejects_unknown_keys():
+    with pytest.raises(ConfigError, match="config.text: unknown key"):
+        MoondreamConfig.from_dict({"text": {"dimm": 3}})
+
+
+def _fake_hub(cache: Path, repo: str, folder_files: Path, commit: str, revision: str) -> None:
+    """Lay a snapshot into a huggingface_hub cache as the library would have downloaded it."""
+    base = cache / f"models--{repo.replace('/', '--')}"
+    snap = base / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for f in folder_files.iterdir():
+        (snap / f.name).write_bytes(f.read_bytes())
+    (base / "refs").mkdir()
+    (base / "refs" / revision).write_text(commit)
+
+
+def test_repo_id_and_folder_load_the_same_model(tmp_path, monkeypatch):
+    folder = hub_folder(tmp_path / "local", TINY, random_state(MoondreamConfig.from_dict(TINY)), id_tokenizer(64))
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    _fake_hub(cache, "someone/tiny-moondream", folder, commit, "2025-06-21")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    from_hub = Moondream.load("someone/tiny-moondream", revision="2025-06-21", device="cpu")
+    from_dir = Moondream.load(str(folder), device="cpu")
+    assert from_hub.info.revision == commit
+    assert from_hub.info.weights_sha256 == from_dir.info.weights_sha256
+    for (n, a), (_, b) in zip(from_hub.model.state_dict().items(), from_dir.model.state_dict().items()):
+        assert torch.equal(a, b), n
+
+    with pytest.raises(ModelLoadError, match="cannot fetch 'someone/other'"):
+        Moondream.load("someone/other", device="cpu")
+    with pytest.raises(ModelLoadError, match="neither a folder nor"):
+        Moondream.load("./no/such/dir", device="cpu")
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("drop", "missing 1 tensor"),
+    ("extra", "unexpected 1 tensor"),
+    ("shape", "has shape"),
+])
+def test_strict_loading_names_the_tensor(tmp_path, damage, message):
+    state = random_state(MoondreamConfig.from_dict(TINY))
+    name = "model.text.blocks.1.mlp.fc1.weight"
+    if damage == "drop":
+        del state[name]
+    elif damage == "extra":
+        state["model.text.rogue"] = torch.zeros(3)
+    else:
+        state[name] = torch.zeros(3, 3)
+    folder = hub_folder(tmp_path / "m", TINY, state, id_tokenizer(64))
+    with pytest.raises(ModelLoadError, match=message) as err:
+        Moondream.load(str(folder), device="cpu")
+    assert ("rogue" if damage == "extra" else name) in str(err.value)
+
+
+def test_one_at_a_time_equals_sixteen_at_once(tmp_path, fixtures_dir):
+    folder = hub_folder(tmp_path / "m", TINY, random_state(MoondreamConfig.from_dict(TINY), seed=3), id_tokenizer(64))
+    md = Moondream.load(str(folder), device="cpu")
+    rng = torch.Generator().manual_seed(0)
+    images = []
+    for i in range(16):
+        w, h = 40 + 23 * i, 200 - 9 * i
+        images.append(Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=rng, dtype=torch.uint8).numpy()))
+    tasks = [CaptionTask(caption={"length": "short"}), QueryTask(query={"question": "11 12 13"}),
+             DetectTask(detect={"objects": ["20", "21 22"]}), PointTask(point={"objects": ["23"]})]
+    together = md.label(images, tasks, max_new_tokens=12, max_objects=3)
+    alone = [md.label([im], tasks, max_new_tokens=12, max_objects=3)[0] for im in images]
+    assert together == alone
+    assert any(r["detect"] for r in together) and any(r["caption"] for r in together)

@@ -1,0 +1,135 @@
+"""Parity with the upstream Moondream 2 reference (shared/fixtures/moondream-tiny)."""
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers import hub_folder, id_tokenizer
+from PIL import Image
+from safetensors.torch import load_file
+
+from batchvlm.models.attention import AttentionBatch, AttentionGroup
+from batchvlm.models.moondream.family import Moondream
+from batchvlm.models.moondream.generate import encode_images
+from batchvlm.models.moondream.image_crops import select_tiling
+from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
+
+VARIANTS = ["base", "variant-text-4heads"]
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def case(request, fixtures_dir, tmp_path_factory):
+    root = fixtures_dir / "moondream-tiny"
+    sub = root if request.param == "base" else root / request.param
+    config = json.loads((sub / "config.json").read_text())
+    folder = hub_folder(tmp_path_factory.mktemp(request.param), config, root / "weights.safetensors",
+                        id_tokenizer(config["text"]["vocab_size"]))
+    md = Moondream.load(str(folder), device="cpu", dtype="float32")
+    expected = json.loads((sub / "expected.json").read_text())
+    images = [Image.open(root / "images" / e["file"]) for e in expected["images"]]
+    return md, expected, load_file(sub / "expected.safetensors"), images
+
+
+def test_select_tiling_cases(tiny_expected):
+    for c in tiny_expected["select_tiling_cases"]:
+        got = select_tiling(c["height"] - 112, c["width"] - 112, 266, c["max_crops"])
+        assert list(got) == c["tiling"], c
+
+
+def test_crops_are_byte_exact(case):
+    md, expected, _, images = case
+    for e, im in zip(expected["images"], images):
+        prepared = md.preprocessor(im)
+        assert list(prepared.tiling) == e["tiling"]
+        hashes = [hashlib.sha256(np.ascontiguousarray(c).tobytes()).hexdigest() for c in prepared.crops]
+        if prepared.tiling == (1, 1):  # the one local crop is the global crop again; shipped once
+            assert e["crops_uint8_sha256"] == hashes * 2
+        else:
+            assert e["crops_uint8_sha256"] == hashes
+
+
+def test_image_features(case):
+    md, expected, tensors, images = case
+    if "img0.image_features" not in tensors:
+        pytest.skip("vision tensors are only in the base fixture")
+    prepared = [md.preprocessor(im) for im in images]
+    with torch.inference_mode():
+        feats = encode_images(md.model, prepared)
+        for i, p in enumerate(prepared):
+            enc = md.model.vision.encode_crops(torch.from_numpy(p.crops))
+            torch.testing.assert_close(enc[0], tensors[f"img{i}.vision_global"], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(feats[i], tensors[f"img{i}.image_features"], atol=1e-4, rtol=1e-4)
+
+
+def _prefill(md, image, prompt):
+    """Prefix + prompt through the forward primitives, one sequence -> (logits, hidden) at the end."""
+    m = md.model
+    P, bs = m.config.prefix_len, 16
+    nb = -(-P // bs)
+    cache = m.new_kv_cache(1 + nb + 1 + len(prompt) // bs + 1, bs)
+    table = torch.arange(1, 1 + nb + 1 + len(prompt) // bs + 1)[None]
+    pos = torch.arange(P)[None]
+    from batchvlm.models.attention import slots_of
+
+    prefix = m.prefix_embeds(encode_images(m, [md.preprocessor(image)]))[0]
+    batch = AttentionBatch(slots_of(table, pos, bs, P)[0], [AttentionGroup(torch.arange(P)[None], pos, table[:, :nb],
+                                                                           torch.tensor([P]))], bs, P)
+    m.forward_tokens(prefix, pos[0], batch, cache)
+    T = len(prompt)
+    pos = torch.arange(P, P + T)[None]
+    batch = AttentionBatch(slots_of(table, pos, bs, P)[0], [AttentionGroup(torch.arange(T)[None], pos, table,
+                                                                           torch.tensor([nb * bs + T]))], bs, P)
+    hidden = m.forward_tokens(m.text.wte[torch.tensor(prompt)], pos[0], batch, cache)[-1:]
+    return m.text.logits(hidden)[0], hidden[0]
+
+
+@torch.inference_mode()
+def test_prefill_logits_and_spatial_heads(case):
+    md, expected, tensors, images = case
+    for i, (e, im) in enumerate(zip(expected["images"], images)):
+        logits, _ = _prefill(md, im, e["caption_normal"]["prompt_ids"])
+        torch.testing.assert_close(logits, tensors[f"img{i}.caption_prefill_logits"], atol=1e-4, rtol=1e-4)
+        for kind in ("detect", "point"):
+            _, hidden = _prefill(md, im, e[kind]["prompt_ids"])
+            torch.testing.assert_close(hidden, tensors[f"img{i}.{kind}_prefill_hidden_last"], atol=1e-4, rtol=1e-4)
+            first_x = md.model.region.coord_logits(hidden[None])[0]
+            torch.testing.assert_close(first_x, tensors[f"img{i}.{kind}_coord_logits"][0], atol=1e-4, rtol=1e-4)
+
+
+def _tasks(expected):
+    question = " ".join(map(str, expected["question_ids"]))
+    obj = " ".join(map(str, expected["object_ids"]))
+    return [CaptionTask(caption={"length": "normal"}), QueryTask(query={"question": question}),
+            DetectTask(detect={"objects": [obj]}), PointTask(point={"objects": [obj]})]
+
+
+def test_generation_matches_reference(case):
+    md, expected, _, images = case
+    tasks = _tasks(expected)
+    seqs = md.sequences(tasks, max_new_tokens=20, max_objects=5)
+    for s, key in zip(seqs, ["caption_normal", "query", "detect", "point"]):
+        assert list(s.spec.prompt) == expected["images"][0][key]["prompt_ids"]
+
+    from batchvlm.models.moondream.generate import generate
+
+    outs = generate(md.model, [md.preprocessor(im) for im in images], [s.spec for s in seqs])
+    for e, (cap, query, det, pt) in zip(expected["images"], outs):
+        assert cap.tokens == e["caption_normal"]["token_ids"]
+        assert query.tokens == e["query"]["token_ids"]
+        boxes = [(o["x_min"], o["y_min"], o["x_max"], o["y_max"]) for o in e["detect"]["objects"]]
+        assert len(det.objects) == len(boxes)
+        np.testing.assert_allclose(np.array(det.objects).reshape(-1, 4), np.array(boxes).reshape(-1, 4), atol=1e-6)
+        assert pt.objects == [(p["x"], p["y"]) for p in e["point"]["points"]]
+
+
+def test_labels_clamp_boxes_and_keep_model_order(case):
+    md, expected, _, images = case
+    rows = md.label(images, _tasks(expected), max_new_tokens=20, max_objects=5)
+    for e, row in zip(expected["images"], rows):
+        assert row["caption"] == " ".join(map(str, e["caption_normal"]["token_ids"]))
+        assert len(row["detect"]) == len(e["detect"]["objects"])
+        for got, ref in zip(row["detect"], e["detect"]["objects"]):
+            assert got["y_min"] == pytest.approx(min(1.0, max(0.0, ref["y_min"])), abs=1e-6)
+            assert 0.0 <= got["x_min"] <= got["x_max"] <= 1.0
