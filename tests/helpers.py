@@ -51,3 +51,49 @@ def random_state(config: MoondreamConfig, seed: int = 0) -> dict[str, torch.Tens
             t = t / p.shape[1] ** 0.5
         out[f"model.{name}"] = t.contiguous()
     return out
+
+
+def write_tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    """A webdataset shard from (file name, bytes) pairs, in order."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def encode_image(im, fmt: str, **kw) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    im.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG that declares width x height pixels but holds none (a decompression bomb's header)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
+def write_job(path: Path, shards: str, out: str = "out", **sections) -> Path:
+    import yaml
+
+    job = {"name": "test-job", "input": {"shards": shards}, "model": {"name": "demo"},
+           "tasks": [{"caption": {}}, {"detect": {"objects": ["circle"]}}],
+           "engine": {"max_new_tokens": 12, "max_objects": 3}, "loader": {"workers": 0},
+           "output": {"dir": out}}
+    for k, v in sections.items():
+        job[k] = v if not isinstance(v, dict) else {**job.get(k, {}), **v}
+    path.write_text(yaml.safe_dump(job))
+    return path

@@ -1,0 +1,107 @@
+"""batchvlm command line. Every knob lives in the job file; flags here are operational only."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from .data.sources import SourceError, list_shards
+from .job import Job, JobError, load_job
+from .models.moondream.config import ConfigError
+from .models.moondream.weights import ModelLoadError
+from .output import manifest
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Label image datasets with vision-language models: shards in, Parquet labels out.")
+
+JOB_ARG = typer.Argument(..., exists=False, dir_okay=False, help="The job file (YAML).")
+USER_ERRORS = (JobError, SourceError, ModelLoadError, ConfigError, manifest.OutputConflict)
+
+
+def fail(message: str, code: int = 2) -> None:
+    typer.echo(f"batchvlm: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _load(path: Path) -> Job:
+    try:
+        return load_job(path)
+    except JobError as e:
+        fail(str(e))
+
+
+@app.command()
+def run(
+    job_file: Path = JOB_ARG,
+    limit: int | None = typer.Option(None, "--limit", min=1, help="Stop after N images (a quick look; "
+                                                                   "shards cut short are redone next run)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Delete existing output and start over."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show what would run; load nothing."),
+) -> None:
+    """Label every pending shard of JOB_FILE (finished shards are skipped)."""
+    job = _load(job_file)
+    try:
+        if dry_run:
+            _plan(job, overwrite)
+            return
+        from .dist import resolve_rank
+        from .run import run_job
+
+        summary = run_job(job, limit=limit, overwrite=overwrite, rank=resolve_rank())
+    except USER_ERRORS as e:
+        fail(str(e))
+    typer.echo(summary.line(job.output.dir), err=True)
+    if summary.shards_failed:
+        raise typer.Exit(1)
+
+
+def _plan(job: Job, overwrite: bool) -> None:
+    out = Path(job.output.dir)
+    shards = list_shards(job.input)
+    if not overwrite and out.is_dir():
+        manifest.check_settings(out, job.label_fingerprint())
+    done = [] if overwrite else [s for s in shards if manifest.is_done(out, s.stem)]
+    typer.echo(f"job {job.name}: {len(shards)} shard(s), {len(done)} done, {len(shards) - len(done)} to label")
+    typer.echo(f"model {job.model.name} (revision {job.model.revision or 'default'}), "
+               f"{len(job.tasks)} task(s), output {out}")
+
+
+@app.command()
+def validate(job_file: Path = JOB_ARG) -> None:
+    """Check JOB_FILE and its inputs without loading a model."""
+    job = _load(job_file)
+    try:
+        shards = list_shards(job.input)
+    except SourceError as e:
+        fail(str(e))
+    typer.echo(f"{job_file}: ok ({len(shards)} shard(s), {len(job.tasks)} task(s))")
+
+
+@app.command()
+def status(job_file: Path = JOB_ARG, as_json: bool = typer.Option(False, "--json", help="Machine-readable.")) -> None:
+    """Progress of JOB_FILE from its output folder: shards done / partial / pending, rows, errors."""
+    job = _load(job_file)
+    from .status import collect
+
+    try:
+        report = collect(job)
+    except SourceError as e:
+        fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(report, indent=1))
+        return
+    typer.echo(f"{job.name}: {report['done']}/{report['shards']} shards done, {report['partial']} partial, "
+               f"{report['pending']} pending; {report['rows']} rows, {report['errors']} errors")
+    for name in report["partial_shards"][:10]:
+        typer.echo(f"  partial: {name}")
+
+
+def main() -> None:
+    app(prog_name="batchvlm")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Image bytes -> an RGB PIL image at orientation-corrected size, or an error string.
+
+Handled: EXIF orientation (width / height are reported after it), CMYK / palette / grey /
+16-bit and float modes, transparency (composited onto white), decompression bombs (checked
+from the header, before any pixel is decoded), truncated files, non-images. JPEGs may be
+decoded at reduced size (draft mode) when the model needs fewer pixels.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+Image.MAX_IMAGE_PIXELS = None  # the limit is ours (max_pixels), checked before decoding
+
+_TRANSPOSED = {5, 6, 7, 8}  # EXIF orientations that swap width and height
+
+
+@dataclass
+class Decoded:
+    image: Image.Image | None
+    width: int  # after EXIF orientation, at full resolution
+    height: int
+    error: str | None = None
+
+
+def _to_rgb(im: Image.Image) -> Image.Image:
+    if im.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        a = np.asarray(im, dtype=np.float64)
+        top = 65535.0 if im.mode.startswith("I;16") else max(1.0, float(a.max()))
+        im = Image.fromarray(np.clip(a * (255.0 / top), 0, 255).astype(np.uint8), "L")
+    if im.mode == "P" and "transparency" in im.info:
+        im = im.convert("RGBA")
+    if im.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        im = im.convert("RGBA")
+        background = Image.new("RGBA", im.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, im).convert("RGB")
+    return im if im.mode == "RGB" else im.convert("RGB")
+
+
+def decode(data: bytes, max_pixels: int, draft_size: Callable[[int, int], tuple[int, int]] | None = None) -> Decoded:
+    """`draft_size(width, height)`: the smallest (w, h) the model needs at this full size."""
+    if not data:
+        return Decoded(None, 0, 0, "decode: empty file")
+    try:
+        im = Image.open(io.BytesIO(data))
+        w, h = im.size
+        if w * h > max_pixels:
+            return Decoded(None, w, h, f"too large: {w}x{h} pixels (limit {max_pixels})")
+        orientation = im.getexif().get(0x0112, 1) if hasattr(im, "getexif") else 1
+        if orientation in _TRANSPOSED:
+            w, h = h, w
+        if draft_size is not None and im.format == "JPEG":
+            need_w, need_h = draft_size(w, h)
+            if orientation in _TRANSPOSED:
+                need_w, need_h = need_h, need_w
+            im.draft("RGB", (need_w, need_h))
+        im.load()
+        im = ImageOps.exif_transpose(im)
+        return Decoded(_to_rgb(im), w, h)
+    except UnidentifiedImageError:
+        return Decoded(None, 0, 0, "decode: not an image")
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        return Decoded(None, 0, 0, f"decode: {e}")

@@ -1,0 +1,86 @@
+"""Parallel decode + preprocess: shards in, prepared samples out, in CPU worker processes.
+
+Worker w of W reads pending shards w, w+W, w+2W, ... in full, so every sample is produced by
+exactly one worker (no duplicates, no gaps) and each shard's samples arrive in shard order,
+followed by one `ShardEnd`. Crops travel as uint8 tensors (shared memory), never floats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from ..job import InputSpec, LoaderSpec
+from ..models.moondream.preprocess import Preprocessor
+from .decode import decode
+from .sources import Encoded, ShardRef, read_shard
+
+
+@dataclass
+class Sample:
+    shard: int  # index into the loader's shard list
+    index: int  # position in the shard
+    key: str
+    width: int
+    height: int
+    error: str | None
+    crops: torch.Tensor | None  # uint8 [n_crops, S, S, 3]
+    tiling: tuple[int, int] | None
+
+
+@dataclass
+class ShardEnd:
+    shard: int
+    n_samples: int
+    damaged: str | None = None  # the container broke; the samples before it were delivered
+    failed: str | None = None  # I/O error: the shard must not be marked done
+
+
+def prepare(enc: Encoded, pre: Preprocessor, spec: LoaderSpec, shard: int, index: int) -> Sample:
+    if enc.error is not None:
+        return Sample(shard, index, enc.key, 0, 0, enc.error, None, None)
+    d = decode(enc.data, spec.max_image_pixels, pre.largest_size if spec.jpeg_draft else None)
+    if d.error is not None:
+        return Sample(shard, index, enc.key, d.width, d.height, d.error, None, None)
+    try:
+        p = pre(d.image, d.width, d.height)
+    except (OSError, ValueError) as e:
+        return Sample(shard, index, enc.key, d.width, d.height, f"preprocess: {e}", None, None)
+    return Sample(shard, index, enc.key, d.width, d.height, None, torch.from_numpy(p.crops), p.tiling)
+
+
+class ShardStream(IterableDataset):
+    def __init__(self, shards: list[ShardRef], inp: InputSpec, spec: LoaderSpec, pre: Preprocessor):
+        self.shards, self.inp, self.spec, self.pre = shards, inp, spec, pre
+
+    def __iter__(self) -> Iterator[Sample | ShardEnd]:
+        info = get_worker_info()
+        wid, n = (info.id, info.num_workers) if info else (0, 1)
+        for i in range(wid, len(self.shards), n):
+            yield from self._shard(i)
+
+    def _shard(self, i: int) -> Iterator[Sample | ShardEnd]:
+        count = 0
+        try:
+            for enc in read_shard(self.shards[i], self.inp):
+                if not isinstance(enc, Encoded):
+                    yield ShardEnd(i, count, damaged=enc.error)
+                    return
+                yield prepare(enc, self.pre, self.spec, i, count)
+                count += 1
+        except OSError as e:
+            yield ShardEnd(i, count, failed=f"{type(e).__name__}: {e}")
+            return
+        yield ShardEnd(i, count)
+
+
+def load(shards: list[ShardRef], inp: InputSpec, spec: LoaderSpec, pre: Preprocessor) -> Iterator[Sample | ShardEnd]:
+    stream = ShardStream(shards, inp, spec, pre)
+    workers = min(spec.workers, len(shards))
+    if workers == 0:
+        return iter(stream)
+    return iter(DataLoader(stream, batch_size=None, num_workers=workers, prefetch_factor=spec.prefetch,
+                           multiprocessing_context="fork", persistent_workers=False))

@@ -1,0 +1,202 @@
+"""The job file: typed, validated, with every default defined here once.
+
+`load_job(path)` reads YAML and returns a `Job`, or raises `JobError` with one line naming the
+field path and what was expected. Relative local paths resolve against the job file's folder.
+`schemas/job.schema.json` is generated from these models (`batchvlm validate --schema`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from .tasks import Strict, Task, column_of
+
+RESERVED_COLUMNS = {"key", "source", "width", "height", "status", "error"}
+
+
+class JobError(ValueError):
+    pass
+
+
+def is_url(path: str) -> bool:
+    return "://" in path
+
+
+class InputSpec(Strict):
+    shards: str | list[str] | None = Field(
+        None, description="Webdataset tar shards: paths or fsspec URLs, with {000..009} brace expansion and globs.")
+    folder: str | None = Field(None, description="A directory tree of images; each directory is one shard.")
+    parquet: str | list[str] | None = Field(
+        None, description="Parquet files (brace expansion, globs); each file is one shard.")
+    image_column: str = Field("image", description="Parquet: column with image bytes or a path to the image.")
+    key_column: str | None = Field(None, description="Parquet: column with a sample key (default: row number).")
+    image_keys: list[str] = Field(["jpg", "jpeg", "png", "webp"],
+                                  description="Webdataset / folder: file extensions that hold the image, by priority.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> InputSpec:
+        given = [k for k in ("shards", "folder", "parquet") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError("give exactly one of shards, folder, parquet")
+        return self
+
+
+class ModelSpec(Strict):
+    name: str = Field("demo", description="'demo' (built in), a Hugging Face repo id, or a local model folder.")
+    revision: str | None = Field(None, description="Hub revision (tag, branch or commit); pin it for reproducible labels.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto = float32 on CPU, bfloat16 on GPU.")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N.")
+    max_crops: int | None = Field(None, ge=1, le=64,
+                                  description="Local crops per image (default: the model's). Fewer = faster vision.")
+
+
+class EngineSpec(Strict):
+    max_batch_size: int = Field(256, ge=1, description="Sequences decoded concurrently.")
+    max_new_tokens: int = Field(128, ge=1, description="Token limit of captions and answers.")
+    max_objects: int = Field(50, ge=1, description="Limit of points / boxes per object name.")
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy (reproducible labels).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling for temperature > 0.")
+    seed: int = Field(0, description="Sampling seed; each sample draws from (seed, key, task) alone.")
+    pipelined: bool = Field(True, description="false = synchronous steps, for ablation and debugging.")
+    cuda_graphs: bool = Field(True, description="Capture decode steps in CUDA graphs (CUDA only).")
+    block_size: int = Field(16, ge=1, description="KV-cache block size in tokens.")
+    kv_memory_fraction: float = Field(0.85, gt=0.0, le=0.98,
+                                      description="Share of free accelerator memory for the KV cache.")
+    max_images_in_flight: int = Field(64, ge=1, description="Images encoded but not yet fully labelled.")
+
+
+class LoaderSpec(Strict):
+    workers: int = Field(4, ge=0, description="CPU processes that decode and crop images (0 = in the main process).")
+    prefetch: int = Field(8, ge=1, description="Decoded images buffered per worker.")
+    max_image_pixels: int = Field(100_000_000, ge=1, description="Larger images become error rows.")
+    jpeg_draft: bool = Field(True, description="Decode JPEGs at reduced size when the model needs fewer pixels.")
+
+
+class OutputSpec(Strict):
+    dir: str = Field(description="Output folder (relative paths resolve against the job file).")
+    compression: Literal["zstd", "snappy", "gzip", "none"] = "zstd"
+    mode: Literal["resume", "overwrite"] = Field("resume", description="resume skips finished shards.")
+
+
+class RuntimeSpec(Strict):
+    gpus: Literal["all"] | int | list[int] = Field(
+        "all", description="GPUs of this node to use, one worker process each: all, a count, or ids.")
+    workers_per_node: int = Field(1, ge=1, description="Worker processes on a machine without GPUs.")
+    work_stealing: bool = Field(False, description="Claim shards with atomic files in the output folder "
+                                                   "(shared filesystems; for uneven shards).")
+
+
+class Job(Strict):
+    name: str = Field(min_length=1)
+    input: InputSpec
+    model: ModelSpec = ModelSpec()
+    tasks: list[Task] = Field(min_length=1)
+    engine: EngineSpec = EngineSpec()
+    loader: LoaderSpec = LoaderSpec()
+    output: OutputSpec
+    runtime: RuntimeSpec = RuntimeSpec()
+
+    @field_validator("tasks")
+    @classmethod
+    def _unique_columns(cls, tasks: list[Task]) -> list[Task]:
+        seen = set()
+        for t in tasks:
+            col = column_of(t)
+            if col in RESERVED_COLUMNS:
+                raise ValueError(f"task name {col!r} is a reserved column")
+            if col in seen:
+                raise ValueError(f"two tasks write column {col!r}; give one a distinct name")
+            seen.add(col)
+        return tasks
+
+    def label_fingerprint(self) -> str:
+        """Hash of every setting that changes labels (not inputs, not speed knobs)."""
+        e = self.engine
+        relevant = {
+            "model": self.model.model_dump(exclude={"device"}),
+            "tasks": [t.model_dump() for t in self.tasks],
+            "engine": {k: getattr(e, k) for k in ("max_new_tokens", "max_objects", "temperature", "top_p", "seed")},
+        }
+        return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _resolve(base: Path, p: str) -> str:
+    if is_url(p):
+        return p
+    path = Path(p).expanduser()
+    return str(path if path.is_absolute() else (base / path))
+
+
+_TYPE_LABELS = ("int", "str", "float", "bool", "none")
+
+
+def _clean_loc(loc: tuple) -> str:
+    """Field path without pydantic's union-member labels (`literal['all']`, `int`, task tags)."""
+    parts = []
+    for x in loc:
+        s = str(x)
+        if "[" in s or s in _TYPE_LABELS or (parts and parts[-1] == s):
+            continue
+        parts.append(s)
+    return ".".join(parts) or "<root>"
+
+
+def _format_error(e: ValidationError) -> str:
+    errors = e.errors()
+    loc = _clean_loc(errors[0]["loc"])
+    same = [err for err in errors if _clean_loc(err["loc"]) == loc]
+    msgs = []
+    for err in same:
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        if msg not in msgs:
+            msgs.append(msg)
+    rest = len(errors) - len(same)
+    extra = f" (and {rest} more error{'s' * (rest > 1)})" if rest else ""
+    return f"{loc}: {'; or '.join(msgs)}{extra}"
+
+
+def parse_job(data: Any, base: Path, source: str = "job") -> Job:
+    if not isinstance(data, dict):
+        raise JobError(f"{source}: expected a mapping at the top level")
+    try:
+        job = Job.model_validate(data)
+    except ValidationError as e:
+        raise JobError(f"{source}: {_format_error(e)}") from None
+    inp = job.input
+    updates = {}
+    for field in ("shards", "parquet"):
+        value = getattr(inp, field)
+        if value:
+            updates[field] = [_resolve(base, v) for v in ([value] if isinstance(value, str) else value)]
+    if inp.folder:
+        updates["folder"] = _resolve(base, inp.folder)
+    return job.model_copy(update={
+        "input": inp.model_copy(update=updates),
+        "output": job.output.model_copy(update={"dir": _resolve(base, job.output.dir)}),
+    })
+
+
+def load_job(path: str | Path) -> Job:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise JobError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise JobError(f"{path}:{where} invalid YAML: {getattr(e, 'problem', e)}") from None
+    return parse_job(data, path.resolve().parent, str(path))
+
+
+def json_schema() -> dict[str, Any]:
+    schema = Job.model_json_schema()
+    schema["title"] = "batchvlm job"
+    return schema

@@ -1,0 +1,84 @@
+"""What is already in an output folder: finished shards, the job that wrote them, leftovers.
+
+`<stem>.stats.json` with `"complete": true` is the done marker. `_job.json` records the
+resolved job and the fingerprint of its label-affecting settings; a run whose settings differ
+is refused unless it overwrites.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .writer import atomic_write_bytes
+
+JOB_FILE = "_job.json"
+
+
+class OutputConflict(RuntimeError):
+    pass
+
+
+def read_stats(out_dir: Path, stem: str) -> dict[str, Any] | None:
+    try:
+        return json.loads((out_dir / f"{stem}.stats.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_done(out_dir: Path, stem: str) -> bool:
+    stats = read_stats(out_dir, stem)
+    return bool(stats and stats.get("complete")) and (out_dir / f"{stem}.parquet").exists()
+
+
+def sweep_temporaries(out_dir: Path) -> list[str]:
+    """Remove `*.tmp-*` files left by crashed runs (never finished output)."""
+    gone = []
+    for p in out_dir.glob("*.tmp-*"):
+        p.unlink(missing_ok=True)
+        gone.append(p.name)
+    return gone
+
+
+def clear_outputs(out_dir: Path) -> None:
+    """--overwrite: remove everything batchvlm wrote here (and nothing else)."""
+    for pattern in ("*.parquet", "*.stats.json", "*.tmp-*", "*.claim", JOB_FILE):
+        for p in out_dir.glob(pattern):
+            p.unlink(missing_ok=True)
+
+
+@dataclass
+class PriorJob:
+    fingerprint: str
+    weights_sha256: str | None
+
+
+def read_prior(out_dir: Path) -> PriorJob | None:
+    try:
+        d = json.loads((out_dir / JOB_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return PriorJob(d.get("label_fingerprint", ""), (d.get("model") or {}).get("weights_sha256"))
+
+
+def check_settings(out_dir: Path, fingerprint: str) -> None:
+    prior = read_prior(out_dir)
+    if prior and prior.fingerprint != fingerprint:
+        raise OutputConflict(
+            f"{out_dir} holds labels made with other settings (model, tasks or sampling changed); "
+            "use --overwrite to start over, or another output.dir")
+
+
+def check_weights(out_dir: Path, sha256: str) -> None:
+    prior = read_prior(out_dir)
+    if prior and prior.weights_sha256 and prior.weights_sha256 != sha256:
+        raise OutputConflict(f"{out_dir} holds labels from other model weights ({prior.weights_sha256[:12]}...); "
+                             "use --overwrite to start over")
+
+
+def write_job_record(out_dir: Path, record: dict[str, Any]) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    atomic_write_bytes(out_dir / JOB_FILE, json.dumps(record, indent=1, default=str).encode())

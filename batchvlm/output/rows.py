@@ -1,0 +1,45 @@
+"""The output row, as typed models: documents `schemas/labels.schema.json` and validates rows."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Box(BaseModel):
+    label: str = Field(description="The object name that was asked for.")
+    x_min: float = Field(ge=0, le=1, description="Left edge, fraction of the width (after EXIF orientation).")
+    y_min: float = Field(ge=0, le=1, description="Top edge, fraction of the height.")
+    x_max: float = Field(ge=0, le=1)
+    y_max: float = Field(ge=0, le=1)
+
+
+class Point(BaseModel):
+    label: str
+    x: float = Field(ge=0, le=1)
+    y: float = Field(ge=0, le=1)
+
+
+class LabelRow(BaseModel):
+    """One row per input sample. Task columns are named by the task's `name` (default: its kind):
+    caption / query -> string; detect -> list of Box; point -> list of Point; null on error rows."""
+
+    model_config = ConfigDict(extra="allow")
+
+    key: str = Field(description="Sample key: webdataset __key__, file name, or Parquet key / row number.")
+    source: str = Field(description="The input shard (tar, Parquet file or directory) the sample came from.")
+    width: int | None = Field(description="Pixels, after EXIF orientation; null when unreadable.")
+    height: int | None
+    status: Literal["ok", "error"]
+    error: str | None = Field(description="What went wrong (decode, too large, ...); null when ok.")
+
+
+def json_schema() -> dict:
+    schema = LabelRow.model_json_schema()
+    schema["$defs"] = schema.get("$defs", {}) | {"Box": Box.model_json_schema(), "Point": Point.model_json_schema()}
+    schema["additionalProperties"] = {"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"$ref": "#/$defs/Box"}},
+        {"type": "array", "items": {"$ref": "#/$defs/Point"}}, {"type": "null"}]}
+    schema["title"] = "batchvlm label row"
+    return schema

@@ -1,0 +1,112 @@
+"""Parquet output: one file per input shard, written whole under a temporary name, fsynced,
+renamed, and only then marked done by `<stem>.stats.json` (also written atomically).
+
+A crash at any moment leaves either no file, a `*.tmp-*` file (ignored and swept on the next
+run), or a Parquet file without its stats (redone from scratch on the next run). A finished
+shard is never rewritten by a resumed run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..tasks import Task, column_of, kind_of
+
+BOX = pa.struct([("label", pa.string()), ("x_min", pa.float32()), ("y_min", pa.float32()),
+                 ("x_max", pa.float32()), ("y_max", pa.float32())])
+POINT = pa.struct([("label", pa.string()), ("x", pa.float32()), ("y", pa.float32())])
+TYPES = {"caption": pa.string(), "query": pa.string(), "detect": pa.list_(BOX), "point": pa.list_(POINT)}
+
+
+def schema(tasks: list[Task], metadata: dict[str, Any]) -> pa.Schema:
+    fields = [
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("source", pa.string(), nullable=False),
+        pa.field("width", pa.int32()),
+        pa.field("height", pa.int32()),
+        pa.field("status", pa.string(), nullable=False),
+        pa.field("error", pa.string()),
+    ] + [pa.field(column_of(t), TYPES[kind_of(t)]) for t in tasks]
+    return pa.schema(fields, metadata={"batchvlm": json.dumps(metadata)})
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def write_shard(out_dir: Path, stem: str, rows: list[dict[str, Any]], sch: pa.Schema, compression: str,
+                stats: dict[str, Any]) -> None:
+    final = out_dir / f"{stem}.parquet"
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    table = pa.Table.from_pylist(rows, schema=sch)
+    pq.write_table(table, tmp, compression=None if compression == "none" else compression)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(out_dir)
+    atomic_write_bytes(out_dir / f"{stem}.stats.json", json.dumps(stats, indent=1).encode())
+
+
+@dataclass
+class ShardOutput:
+    stem: str
+    rows: list[dict[str, Any]]
+    stats: dict[str, Any]
+
+
+class WriterThread:
+    """Writes finished shards in the background so the accelerator never waits on disk."""
+
+    def __init__(self, out_dir: Path, sch: pa.Schema, compression: str):
+        self.out_dir, self.schema, self.compression = out_dir, sch, compression
+        self._queue: queue.Queue[ShardOutput | None] = queue.Queue(maxsize=4)
+        self._error: BaseException | None = None
+        self.written: list[str] = []
+        self._thread = threading.Thread(target=self._run, name="batchvlm-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:
+                continue
+            try:
+                write_shard(self.out_dir, item.stem, item.rows, self.schema, self.compression, item.stats)
+                self.written.append(item.stem)
+            except BaseException as e:  # noqa: BLE001 - surfaced to the main thread by put/close
+                self._error = e
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"writing output failed: {self._error}") from self._error
+
+    def put(self, item: ShardOutput) -> None:
+        self._check()
+        self._queue.put(item)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._check()

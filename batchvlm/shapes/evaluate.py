@@ -1,0 +1,49 @@
+"""Scoring a model (in memory) on fresh shapes scenes drawn from the spec."""
+
+from __future__ import annotations
+
+import io
+import random
+
+from PIL import Image
+
+from ..models.moondream.decoding import MODE_DETECT, MODE_POINT, MODE_TEXT
+from ..models.moondream.generate import SeqSpec, generate
+from ..models.moondream.model import MoondreamModel
+from ..models.moondream.preprocess import Preprocessor
+from .metrics import Scores
+from .vocab import TEMPLATES
+from .world import COLOURS, KINDS, SPEC, draw_scene, encode
+
+
+def eval_queries(scene, rng: random.Random) -> list[str]:
+    """Every kind, plus two colour+kind queries (one present when possible)."""
+    present = [f"{s.colour} {s.kind}" for s in scene.shapes]
+    every = [f"{c} {k}" for c in COLOURS for k in KINDS]
+    return list(KINDS) + [rng.choice(present), rng.choice(every)]
+
+
+def score_model(model: MoondreamModel, tokenizer, pre: Preprocessor, n_images: int, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    scores = Scores()
+    for _ in range(n_images):
+        image, scene = draw_scene(rng, SPEC)
+        data, _ = encode(image, rng)
+        image = Image.open(io.BytesIO(data)).convert("RGB")
+        questions = scene.questions()
+        queries = eval_queries(scene, rng)
+        q, d, p = TEMPLATES["query"], TEMPLATES["detect"], TEMPLATES["point"]
+        specs = [SeqSpec(MODE_TEXT, tuple(TEMPLATES["caption"]["normal"]), 40)]
+        specs += [SeqSpec(MODE_TEXT, tuple(q["prefix"] + tokenizer.encode(x) + q["suffix"] * 2), 8) for x in questions]
+        specs += [SeqSpec(MODE_DETECT, tuple(d["prefix"] + tokenizer.encode(" " + x) + d["suffix"]), 10) for x in queries]
+        specs += [SeqSpec(MODE_POINT, tuple(p["prefix"] + tokenizer.encode(" " + x) + p["suffix"]), 10) for x in queries]
+        outs = generate(model, [pre(image)], specs)[0]
+        scores.add_caption(scene, tokenizer.decode(outs[0].tokens))
+        for x, o in zip(questions, outs[1:]):
+            scores.add_query(scene, x, tokenizer.decode(o.tokens))
+        n = 1 + len(questions)
+        for x, o in zip(queries, outs[n : n + len(queries)]):
+            scores.add_detect(scene, x, o.objects)
+        for x, o in zip(queries, outs[n + len(queries) :]):
+            scores.add_point(scene, x, o.objects)
+    return {k: round(v, 4) for k, v in scores.table().items()}

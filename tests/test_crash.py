@@ -1,0 +1,64 @@
+"""kill -9 at arbitrary moments, then re-run: every sample exactly once, nothing finished redone."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+from helpers import write_job
+
+from batchvlm.shapes.shards import write_shards
+
+
+def _complete(out) -> int:
+    n = 0
+    for stats in out.glob("*.stats.json"):
+        try:
+            n += json.loads(stats.read_text())["complete"]
+        except ValueError:
+            pass
+    return n
+
+
+def test_kill_9_then_rerun(tmp_path):
+    n_shards, per_shard = 16, 6
+    write_shards(tmp_path / "data", n_shards, per_shard, seed=11)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", loader={"workers": 2, "prefetch": 2},
+                    engine={"max_batch_size": 32})
+    out = tmp_path / "out"
+    rng = random.Random(1234)
+    finished: dict[str, int] = {}
+    cmd = [sys.executable, "-m", "batchvlm.cli", "run", str(job)]
+    kills_mid_run = 0
+    for attempt in range(4):
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        # Wait for this run to finish one more shard (or to end), then kill it at a random moment
+        # soon after: inside the next shard's labelling, its Parquet write, or its rename.
+        target = len(finished) + 1
+        deadline = time.time() + 60
+        while time.time() < deadline and p.poll() is None and _complete(out) < target:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.4))
+        kills_mid_run += p.poll() is None
+        os.killpg(p.pid, signal.SIGKILL)  # the run and its loader workers
+        p.wait()
+        for stem, mtime in finished.items():  # what was done stays untouched
+            assert (out / f"{stem}.parquet").stat().st_mtime_ns == mtime
+        for stats in out.glob("*.stats.json"):
+            if json.loads(stats.read_text())["complete"]:
+                stem = stats.name.removesuffix(".stats.json")
+                finished.setdefault(stem, (out / f"{stem}.parquet").stat().st_mtime_ns)
+    assert kills_mid_run >= 2 and 0 < len(finished) < n_shards
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    for stem, mtime in finished.items():
+        assert (out / f"{stem}.parquet").stat().st_mtime_ns == mtime
+    assert not list(out.glob("*.tmp-*"))
+    for s in range(n_shards):
+        keys = pq.read_table(out / f"shapes-{s:06d}.parquet", columns=["key"]).column("key").to_pylist()
+        assert keys == [f"{s:06d}_{i:04d}" for i in range(per_shard)]
+        assert json.loads((out / f"shapes-{s:06d}.stats.json").read_text())["complete"]

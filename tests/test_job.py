@@ -1,0 +1,65 @@
+"""The job file: typed validation with one-line errors naming the field; schemas stay fresh."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from batchvlm.job import JobError, load_job
+
+ROOT = Path(__file__).resolve().parents[1]
+GOOD = {"name": "j", "input": {"shards": "data/x-{0..2}.tar"}, "tasks": [{"caption": {}}], "output": {"dir": "out"}}
+
+
+def _write(tmp_path, data) -> Path:
+    p = tmp_path / "job.yaml"
+    p.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return p
+
+
+def test_relative_paths_resolve_against_the_job_folder(tmp_path):
+    job = load_job(_write(tmp_path, GOOD))
+    assert job.input.shards == [str(tmp_path / "data/x-{0..2}.tar")]
+    assert job.output.dir == str(tmp_path / "out")
+    assert job.model.name == "demo" and job.engine.temperature == 0.0
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"engine": {"max_batch_size": 0}}, "engine.max_batch_size: Input should be greater than or equal to 1"),
+    ({"tasks": [{"caption": {"length": "huge"}}]}, "tasks.0.caption.length: Input should be 'short', 'normal' or 'long'"),
+    ({"tasks": [{"caption": {"lenght": "short"}}]}, "tasks.0.caption.lenght: unknown key"),
+    ({"tasks": [{"describe": {}}]}, "tasks.0: a task is one of caption, query, detect, point"),
+    ({"tasks": [{"detect": {"objects": []}}]}, "tasks.0.detect.objects: List should have at least 1 item"),
+    ({"tasks": [{"caption": {}}, {"caption": {"length": "long"}}]}, "two tasks write column 'caption'"),
+    ({"outptu": {"dir": "x"}}, "outptu: unknown key"),
+    ({"input": {"shards": "a.tar", "folder": "b"}}, "input: give exactly one of shards, folder, parquet"),
+    ({"model": {"dtype": "int8"}}, "model.dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16'"),
+])
+def test_bad_fields_are_named(tmp_path, change, message):
+    with pytest.raises(JobError) as err:
+        load_job(_write(tmp_path, GOOD | change))
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    with pytest.raises(JobError, match=r"line 2 invalid YAML"):
+        load_job(_write(tmp_path, "name: x\ntasks: [caption: {]\n"))
+
+
+def test_cli_rejects_a_bad_job_before_loading_any_model(tmp_path):
+    # The model named here does not exist: had it been loaded first, its error would show.
+    bad = _write(tmp_path, GOOD | {"engine": {"top_p": 3}, "model": {"name": "nobody/nothing"}})
+    r = subprocess.run([sys.executable, "-m", "batchvlm.cli", "run", str(bad)], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"batchvlm: error: {bad}: engine.top_p: Input should be less than or equal to 1"]
+
+
+def test_checked_in_schemas_are_fresh():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gen_schemas import render
+
+    for name, text in render().items():
+        assert (ROOT / "schemas" / name).read_text() == text, f"schemas/{name} is stale: run scripts/gen_schemas.py"

@@ -1,0 +1,185 @@
+"""End to end through the real CLI: shards in, one Parquet per shard out, bad inputs as rows,
+resume, settings changes, --limit, and other sources."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from helpers import encode_image, png_header_only, write_job, write_tar
+from PIL import Image
+
+from batchvlm.output.rows import LabelRow
+
+
+def cli(*args, cwd=None, check=True):
+    r = subprocess.run([sys.executable, "-m", "batchvlm.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+    if check and r.returncode != 0:
+        raise AssertionError(f"exit {r.returncode}\n{r.stderr}")
+    return r
+
+
+def good_png(w=200, h=150, colour=(220, 40, 40)) -> bytes:
+    im = Image.new("RGB", (w, h), (240, 240, 240))
+    im.paste(colour, (40, 40, 100, 100))
+    return encode_image(im, "PNG")
+
+
+def broken_shard(path: Path) -> dict[str, tuple[str, int | None, int | None, str | None]]:
+    """Writes a shard of good and broken images; returns key -> (status, width, height, error fragment)."""
+    jpeg = encode_image(Image.new("RGB", (300, 200), (10, 120, 200)), "JPEG", quality=90)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90: stored 300x200, shown 200x300
+    rotated = encode_image(Image.new("RGB", (300, 200), (200, 120, 10)), "JPEG", exif=exif.tobytes())
+    palette = Image.new("P", (64, 48), 0)
+    palette.putpalette([255, 0, 0] + [0, 255, 0] * 255)
+    pal_bytes = encode_image(palette, "PNG", transparency=0)
+    sixteen = Image.fromarray(np.arange(60 * 80, dtype=np.uint16).reshape(60, 80) * 13)
+    members = [
+        ("a_good.png", good_png()),
+        ("b_truncated.jpg", jpeg[: len(jpeg) // 2]),
+        ("c_empty.jpg", b""),
+        ("d_text.jpg", b"this is not an image at all"),
+        ("e_huge.png", png_header_only(60000, 50000)),
+        ("f_cmyk.jpg", encode_image(Image.new("CMYK", (120, 90), (0, 50, 100, 0)), "JPEG")),
+        ("g_sixteen.png", encode_image(sixteen, "PNG")),
+        ("h_palette.png", pal_bytes),
+        ("i_rotated.jpg", rotated),
+        ("j_noimage.txt", b"caption only"),
+        ("k_good.jpg", jpeg),
+    ]
+    write_tar(path, members)
+    return {
+        "a_good": ("ok", 200, 150, None), "b_truncated": ("error", None, None, "decode"),
+        "c_empty": ("error", None, None, "empty"), "d_text": ("error", None, None, "not an image"),
+        "e_huge": ("error", 60000, 50000, "too large"), "f_cmyk": ("ok", 120, 90, None),
+        "g_sixteen": ("ok", 80, 60, None), "h_palette": ("ok", 64, 48, None), "i_rotated": ("ok", 200, 300, None),
+        "j_noimage": ("error", None, None, "no image in sample"), "k_good": ("ok", 300, 200, None),
+    }
+
+
+def test_broken_images_become_rows(tmp_path):
+    expected = broken_shard(tmp_path / "mixed-000.tar")
+    job = write_job(tmp_path / "job.yaml", "mixed-{000..000}.tar", loader={"workers": 2})
+    r = cli("run", job)
+    assert "1 shard(s) written" in r.stderr and "5 errors" in r.stderr
+    rows = pq.read_table(tmp_path / "out" / "mixed-000.parquet").to_pylist()
+    assert [r["key"] for r in rows] == list(expected)  # one row per sample, in shard order
+    for row in rows:
+        status, w, h, err = expected[row["key"]]
+        assert (row["status"], row["width"], row["height"]) == (status, w, h), row
+        if err:
+            assert err in row["error"] and row["caption"] is None and row["detect"] is None
+        else:
+            assert row["error"] is None and isinstance(row["caption"], str)
+        LabelRow.model_validate(row)
+    stats = json.loads((tmp_path / "out" / "mixed-000.stats.json").read_text())
+    assert stats["complete"] and (stats["rows"], stats["errors"]) == (11, 5)
+
+
+def shapes_shards(tmp_path: Path, n: int, per: int) -> None:
+    from batchvlm.shapes.shards import write_shards
+
+    write_shards(tmp_path / "data", n, per, seed=7)
+
+
+def keys_of(path: Path) -> list[str]:
+    return pq.read_table(path, columns=["key"]).column("key").to_pylist()
+
+
+def test_resume_skips_done_shards_and_labels_new_ones(tmp_path):
+    shapes_shards(tmp_path, 2, 3)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar")
+    cli("run", job)
+    out = tmp_path / "out"
+    first = {p.name: p.stat().st_mtime_ns for p in out.glob("*.parquet")}
+    assert len(first) == 2
+    # A scheduled re-run after a new shard arrived labels only that shard.
+    from batchvlm.shapes.shards import write_shards
+
+    write_shards(tmp_path / "new", 1, 3, seed=99, prefix="shapes-late")
+    (tmp_path / "new" / "shapes-late-000000.tar").rename(tmp_path / "data" / "shapes-late-000000.tar")
+    r = cli("run", job)
+    assert "1 shard(s) written, 2 already done" in r.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.parquet") if p.name in first} == first
+    s = cli("status", job, "--json")
+    report = json.loads(s.stdout)
+    assert (report["done"], report["pending"], report["rows"]) == (3, 0, 9)
+
+
+def test_changed_settings_are_refused_unless_overwrite(tmp_path):
+    shapes_shards(tmp_path, 1, 2)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar")
+    cli("run", job)
+    changed = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", tasks=[{"caption": {"length": "short"}}])
+    r = cli("run", changed, check=False)
+    assert r.returncode == 2 and "other settings" in r.stderr
+    cli("run", changed, "--overwrite")
+    cols = pq.read_table(tmp_path / "out" / "shapes-000000.parquet").column_names
+    assert "detect" not in cols and "caption" in cols
+    cli("run", changed)  # the new settings are now the folder's
+
+
+def test_limit_leaves_partial_shards_for_the_next_run(tmp_path):
+    shapes_shards(tmp_path, 2, 4)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar")
+    r = cli("run", job, "--limit", "5")
+    assert "5 images" in r.stderr
+    report = json.loads(cli("status", job, "--json").stdout)
+    assert report["done"] + report["partial"] == 2 and report["partial"] >= 1
+    cli("run", job)
+    report = json.loads(cli("status", job, "--json").stdout)
+    assert (report["done"], report["rows"]) == (2, 8)
+    for p in (tmp_path / "out").glob("*.parquet"):
+        assert len(keys_of(p)) == len(set(keys_of(p))) == 4
+
+
+def test_folder_and_parquet_sources(tmp_path):
+    (tmp_path / "imgs" / "b").mkdir(parents=True)
+    (tmp_path / "imgs" / "top.png").write_bytes(good_png())
+    (tmp_path / "imgs" / "b" / "x.png").write_bytes(good_png(120, 90))
+    (tmp_path / "imgs" / "b" / "y.jpg").write_bytes(b"broken")
+    job = write_job(tmp_path / "f.yaml", "unused", input={"folder": "imgs", "shards": None}, output={"dir": "out-f"})
+    cli("run", job)
+    assert keys_of(tmp_path / "out-f" / "_root.parquet") == ["top.png"]
+    rows = pq.read_table(tmp_path / "out-f" / "b.parquet").to_pylist()
+    assert [(r["key"], r["status"], r["width"]) for r in rows] == [("x.png", "ok", 120), ("y.jpg", "error", None)]
+
+    pq.write_table(pa.table({"id": ["p1", "p2", "p3"], "image": [good_png(), None, b"junk"]}),
+                   tmp_path / "bytes.parquet")
+    pq.write_table(pa.table({"img": ["imgs/top.png", "imgs/missing.png"]}), tmp_path / "paths.parquet")
+    job = write_job(tmp_path / "p.yaml", "unused", input={"parquet": "bytes.parquet", "shards": None,
+                                                          "key_column": "id"}, output={"dir": "out-p"})
+    cli("run", job)
+    rows = pq.read_table(tmp_path / "out-p" / "bytes.parquet").to_pylist()
+    assert [(r["key"], r["status"]) for r in rows] == [("p1", "ok"), ("p2", "error"), ("p3", "error")]
+    job = write_job(tmp_path / "q.yaml", "unused", input={"parquet": "paths.parquet", "shards": None,
+                                                          "image_column": "img"}, output={"dir": "out-q"})
+    cli("run", job)
+    rows = pq.read_table(tmp_path / "out-q" / "paths.parquet").to_pylist()
+    assert [(r["key"], r["status"], r["width"]) for r in rows] == [("0", "ok", 200), ("1", "error", None)]
+
+
+def test_missing_inputs_and_workers_cover_every_sample_once(tmp_path):
+    job = write_job(tmp_path / "job.yaml", "data/none-{0..3}.tar")
+    r = cli("run", job, check=False)
+    assert r.returncode == 2 and "not found" in r.stderr
+    shapes_shards(tmp_path, 5, 3)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-{000000..000004}.tar", loader={"workers": 3, "prefetch": 2})
+    cli("run", job)
+    for i in range(5):
+        assert keys_of(tmp_path / "out" / f"shapes-{i:06d}.parquet") == [f"{i:06d}_{k:04d}" for k in range(3)]
+
+
+def test_damaged_tar_keeps_what_was_readable(tmp_path):
+    members = [(f"s{i}.png", good_png()) for i in range(4)]
+    path = write_tar(tmp_path / "broken-0.tar", members)
+    member_bytes = 512 + -(-len(members[0][1]) // 512) * 512
+    path.write_bytes(path.read_bytes()[: 2 * member_bytes + 700])  # cut inside the third image
+    job = write_job(tmp_path / "job.yaml", "broken-0.tar")
+    cli("run", job)
+    stats = json.loads((tmp_path / "out" / "broken-0.stats.json").read_text())
+    assert stats["complete"] and stats["damaged"] and 1 <= stats["rows"] < 4
