@@ -28,7 +28,8 @@ from . import __version__
 from .data.loader import Sample, ShardEnd, load
 from .data.sources import ShardRef, list_shards
 from .dist import Rank, my_shards
-from .engine.labeler import Labeler, StaticBatchLabeler, WorkItem
+from .engine.engine import EngineLabeler
+from .engine.labeler import Labeler, WorkItem
 from .job import Job
 from .models import registry
 from .models.moondream.preprocess import PreparedImage
@@ -107,7 +108,7 @@ class StopFlag:
 
 
 def make_labeler(md, job: Job, seqs) -> Labeler:
-    return StaticBatchLabeler(md, seqs, job.engine.max_batch_size, job.engine.seed)
+    return EngineLabeler(md, seqs, job.engine)
 
 
 def row_for(ref: ShardRef, s: Sample, columns: dict[str, Any] | None, error: str | None) -> dict[str, Any]:

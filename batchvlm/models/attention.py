@@ -15,6 +15,13 @@ sequence whose block table holds only the prefix blocks and whose kv_len is P.
 
 Visibility: key j is seen by a query at position p iff j is valid and pos(j) <= limit(p),
 where limit(p) = P - 1 for p < P (the prefix is bidirectional) and p otherwise (causal).
+
+Shared-prefix (cascade) groups: when several sequences of a group decode on the same image,
+reading that image's P prefix keys once per *sequence* multiplies the dominant memory traffic
+by the number of tasks per image. A group with `shared` set attends in two parts: every
+image's queries together against its prefix (read once), each sequence against its own
+tokens, merged exactly by their log-sum-exp. Its block_table / kv_len then cover only the
+sequence's own tokens (logical slot j = position P + j).
 """
 
 from __future__ import annotations
@@ -28,6 +35,12 @@ PAD_POS = 2**30  # position of padding: later than any real token
 
 
 @dataclass
+class SharedPrefix:
+    tables: torch.Tensor  # [I, n_prefix_blocks] long: each image's prefix blocks
+    q_rows: torch.Tensor  # [I, M] long: flat query rows on each image; padding -> row N
+
+
+@dataclass
 class AttentionGroup:
     """Sequences of similar query length, attended together as one padded batch."""
 
@@ -35,6 +48,7 @@ class AttentionGroup:
     q_pos: torch.Tensor  # [B, Tq] long: position of each query; padding -> PAD_POS
     block_table: torch.Tensor  # [B, n_blocks] long: physical blocks; padding -> 0 (null block)
     kv_len: torch.Tensor  # [B] long: logical slots in use (after this step's writes)
+    shared: SharedPrefix | None = None  # queries are all past the prefix; tables hold own tokens
 
 
 @dataclass
@@ -52,6 +66,12 @@ class GroupPlan:
     group: AttentionGroup
     k_slots: torch.Tensor  # [B, Lk]
     mask: torch.Tensor  # [B, 1, Tq, Lk] bool
+    prefix_slots: torch.Tensor | None  # [I, P] for shared groups
+
+
+def _slots(table: torch.Tensor, n: int, bs: int) -> torch.Tensor:
+    j = torch.arange(n, device=table.device)
+    return table[:, j // bs] * bs + j % bs
 
 
 def plan_groups(batch: AttentionBatch) -> list[GroupPlan]:
@@ -61,14 +81,32 @@ def plan_groups(batch: AttentionBatch) -> list[GroupPlan]:
     for g in batch.groups:
         B, nb = g.block_table.shape
         j = torch.arange(nb * bs, device=g.block_table.device)  # logical slot
-        k_slots = g.block_table.repeat_interleave(bs, dim=1) * bs + (j % bs)
-        k_pos = torch.where(j < P, j, P + j - P_pad)
-        valid = ((j < P) | (j >= P_pad)) & (j < g.kv_len[:, None])
+        k_slots = _slots(g.block_table, nb * bs, bs)
+        if g.shared is None:
+            k_pos = torch.where(j < P, j, P + j - P_pad)
+            valid = ((j < P) | (j >= P_pad)) & (j < g.kv_len[:, None])
+        else:
+            k_pos, valid = P + j, j < g.kv_len[:, None]
         k_pos = torch.where(valid, k_pos, PAD_POS - 1)  # [B, Lk]
         limit = torch.where(g.q_pos < P, P - 1, g.q_pos)  # [B, Tq]
         mask = k_pos[:, None, None, :] <= limit[:, None, :, None]
-        plans.append(GroupPlan(g, k_slots, mask))
+        prefix_slots = None if g.shared is None else _slots(g.shared.tables, P, bs)
+        plans.append(GroupPlan(g, k_slots, mask, prefix_slots))
     return plans
+
+
+def _attend_lse(q_BHTD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
+                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention that also returns the log-sum-exp of the scores (float32). -> [B,H,T,D], [B,H,T]"""
+    H = q_BHTD.shape[1]
+    if k_BHLD.shape[1] != H:
+        k_BHLD = k_BHLD.repeat_interleave(H // k_BHLD.shape[1], dim=1)
+        v_BHLD = v_BHLD.repeat_interleave(H // v_BHLD.shape[1], dim=1)
+    scores = (q_BHTD.float() @ k_BHLD.float().transpose(-1, -2)) * q_BHTD.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse[..., None]) @ v_BHLD.float(), lse
 
 
 def attend(
@@ -87,13 +125,32 @@ def attend(
     q_pad = torch.cat([q_NHD, q_NHD.new_zeros(1, H, D)])
     out = q_NHD.new_zeros(N + 1, H, D)
     for plan in plans:
-        q_BHTD = q_pad[plan.group.q_rows].transpose(1, 2)
+        g = plan.group
+        q_BHTD = q_pad[g.q_rows].transpose(1, 2)
         k_BHLD = k_cache[plan.k_slots].transpose(1, 2).to(q_NHD.dtype)
         v_BHLD = v_cache[plan.k_slots].transpose(1, 2).to(q_NHD.dtype)
-        o_BHTD = F.scaled_dot_product_attention(
-            q_BHTD, k_BHLD, v_BHLD, attn_mask=plan.mask, enable_gqa=k_BHLD.shape[1] != H
-        )
-        out[plan.group.q_rows] = o_BHTD.transpose(1, 2)
+        if g.shared is None:
+            o_BHTD = F.scaled_dot_product_attention(
+                q_BHTD, k_BHLD, v_BHLD, attn_mask=plan.mask, enable_gqa=k_BHLD.shape[1] != H
+            )
+            out[g.q_rows] = o_BHTD.transpose(1, 2)
+            continue
+        own, own_lse = _attend_lse(q_BHTD, k_BHLD, v_BHLD, plan.mask)
+        q_IHMD = q_pad[g.shared.q_rows].transpose(1, 2)
+        pre, pre_lse = _attend_lse(q_IHMD, k_cache[plan.prefix_slots].transpose(1, 2),
+                                   v_cache[plan.prefix_slots].transpose(1, 2), None)
+        # Per flat row: merge the two partial softmaxes by their log-sum-exps.
+        parts = []
+        for o, lse, rows in ((own, own_lse, g.q_rows), (pre, pre_lse, g.shared.q_rows)):
+            o_flat = q_NHD.new_zeros(N + 1, H, D, dtype=torch.float32)
+            l_flat = q_NHD.new_full((N + 1, H), float("-inf"), dtype=torch.float32)
+            o_flat[rows] = o.transpose(1, 2)
+            l_flat[rows] = lse.transpose(1, 2)
+            parts.append((o_flat[g.q_rows], l_flat[g.q_rows]))
+        (o1, l1), (o2, l2) = parts
+        m = torch.maximum(l1, l2)
+        w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
+        out[g.q_rows] = ((o1 * w1 + o2 * w2) / (w1 + w2)).to(out.dtype)
     return out[:N]
 
 
@@ -122,6 +179,16 @@ def slots_of(block_table: torch.Tensor, pos: torch.Tensor, block_size: int, pref
     pos [...,] or [..., T]); see the logical layout in the module docstring."""
     P_pad = -(-prefix_len // block_size) * block_size
     j = torch.where(pos < prefix_len, pos, P_pad + pos - prefix_len)
+    if j.dim() == block_table.dim() - 1:
+        block = block_table.gather(-1, (j // block_size)[..., None])[..., 0]
+    else:
+        block = block_table.gather(-1, j // block_size)
+    return block * block_size + j % block_size
+
+
+def own_slots_of(block_table: torch.Tensor, pos: torch.Tensor, block_size: int, prefix_len: int) -> torch.Tensor:
+    """Cache slot of the token at `pos` (>= P) in a table of the sequence's own blocks only."""
+    j = pos - prefix_len
     if j.dim() == block_table.dim() - 1:
         block = block_table.gather(-1, (j // block_size)[..., None])[..., 0]
     else:

@@ -97,21 +97,32 @@ def sample_tokens(logits_BV: torch.Tensor, state: RowState, sampling: bool) -> t
 
 
 def decide(
-    model: MoondreamModel, logits_BV: torch.Tensor, hidden_BC: torch.Tensor, state: RowState, sampling: bool
+    model: MoondreamModel, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
+    heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> Decision:
-    """Apply one step of every row's grammar; updates `state` in place."""
+    """Apply one step of every row's grammar; updates `state` in place.
+
+    `heads` = (token rows, coordinate rows, size rows): the rows whose grammar phase needs that
+    output head (known to the caller); other rows get zeros there, which their phase ignores.
+    None computes every head for every row.
+    """
     tk = model.config.tokenizer
     region = model.region
+    B = hidden_BC.shape[0]
     is_text = state.mode == MODE_TEXT
     phase = state.phase
-
-    masked = logits_BV.clone()
-    masked[:, tk.answer_id] = torch.where(is_text & ~state.after_prompt, float("-inf"), logits_BV[:, tk.answer_id])
-    text_tok = sample_tokens(masked, state, sampling)
-    spatial_tok = logits_BV.argmax(dim=-1)
-    token = torch.where(is_text, text_tok, spatial_tok)
-    coord = region.coord_value(region.coord_logits(hidden_BC).argmax(dim=-1))  # [B]
-    size = region.size_value(region.size_logits(hidden_BC).argmax(dim=-1))  # [B, 2]
+    if heads is None:
+        token = _tokens(model, hidden_BC, state, sampling)
+        coord = region.coord_value(region.coord_logits(hidden_BC).argmax(dim=-1))  # [B]
+        size = region.size_value(region.size_logits(hidden_BC).argmax(dim=-1))  # [B, 2]
+    else:
+        lm, co, sz = heads
+        token = hidden_BC.new_zeros(B, dtype=torch.long)
+        token[lm] = _tokens(model, hidden_BC[lm], state.index(lm), sampling)
+        coord = hidden_BC.new_zeros(B, dtype=torch.float32)
+        coord[co] = region.coord_value(region.coord_logits(hidden_BC[co]).argmax(dim=-1))
+        size = hidden_BC.new_zeros(B, 2, dtype=torch.float32)
+        size[sz] = region.size_value(region.size_logits(hidden_BC[sz]).argmax(dim=-1))
 
     at_token = phase == PHASE_TOKEN
     go_on = at_token & (token != tk.eos_id) & (state.count < state.limit)
@@ -139,6 +150,16 @@ def decide(
     state.count = count
     state.after_prompt = torch.zeros_like(state.after_prompt)
     return Decision(code, token, value, finished, next_kind, token, value)
+
+
+def _tokens(model: MoondreamModel, hidden_BC: torch.Tensor, state: RowState, sampling: bool) -> torch.Tensor:
+    """Text rows: sampled (answer id masked except right after the prompt); spatial rows: greedy."""
+    answer = model.config.tokenizer.answer_id
+    logits = model.text.logits(hidden_BC)
+    is_text = state.mode == MODE_TEXT
+    masked = logits.clone()
+    masked[:, answer] = torch.where(is_text & ~state.after_prompt, float("-inf"), logits[:, answer])
+    return torch.where(is_text, sample_tokens(masked, state, sampling), logits.argmax(dim=-1))
 
 
 @dataclass

@@ -126,7 +126,7 @@ def generate(
 
     # 3. Step all unfinished sequences together.
     while True:
-        d = decide(model, model.text.logits(hidden_BC), hidden_BC, state, sampling)
+        d = decide(model, hidden_BC, state, sampling)
         finished = apply_decision([outputs[b] for b in active], [modes[b] for b in active], d)
         keep = [k for k, f in enumerate(finished) if not f]
         if not keep:

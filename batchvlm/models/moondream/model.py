@@ -24,6 +24,11 @@ class MoondreamModel(nn.Module):
         self.text = TextModel(config.text)
         self.region = RegionModel(config.region)
 
+    def reset_buffers(self) -> None:
+        """Recompute derived float32 tables (after meta construction or a dtype cast)."""
+        self.text.reset_buffers()
+        self.region.reset_buffers()
+
     @property
     def device(self) -> torch.device:
         return self.text.wte.device

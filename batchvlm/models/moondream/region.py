@@ -35,6 +35,10 @@ class RegionModel(nn.Module):
         self.size_features = nn.Parameter(torch.zeros(2, c.size_feat_dim // 2))
         self.size_encoder = nn.Linear(c.size_feat_dim, c.dim)
         self.size_decoder = MLP(c.dim, c.inner_dim, c.size_out_dim)
+        self.register_buffer("size_table", size_table(c.size_out_dim // 2), persistent=False)
+
+    def reset_buffers(self) -> None:
+        self.size_table = size_table(self.size_bins).to(self.coord_features.device)
 
     @property
     def coord_bins(self) -> int:
@@ -60,4 +64,10 @@ class RegionModel(nn.Module):
         return bin_N.float() / self.coord_bins
 
     def size_value(self, bin_N2: torch.Tensor) -> torch.Tensor:
-        return torch.pow(2.0, bin_N2.float() / (self.size_bins - 1) * 10.0 - 10.0)
+        return self.size_table[bin_N2]
+
+
+def size_table(n_bins: int) -> torch.Tensor:
+    """float32 size of every bin, each computed alone as the reference does: a vectorized pow
+    over a batch can round differently in the last bit, and labels must not depend on batch."""
+    return torch.stack([torch.pow(2.0, torch.tensor(float(b)) / (n_bins - 1) * 10.0 - 10.0) for b in range(n_bins)])

@@ -99,7 +99,7 @@ def build_model(config: MoondreamConfig, device: torch.device, dtype: torch.dtyp
     with torch.device("meta"):
         model = MoondreamModel(config)
     model = model.to_empty(device=device).to(dtype)
-    model.text.reset_buffers()
+    model.reset_buffers()
     return model.eval().requires_grad_(False)
 
 

@@ -1,0 +1,53 @@
+"""StepPlan: the only contract between the scheduler (host bookkeeping) and the runner (device).
+
+Host arrays only; the runner turns them into one forward. Emissions come back in the order
+`new_rows` then `decode_rows`. Block tables of sequences list only their own blocks: the image
+prefix is attended once per image (models/attention.py, shared-prefix groups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .sequence import Sequence
+
+NEED_TOKEN, NEED_COORD, NEED_SIZE = 1, 2, 4
+
+
+@dataclass
+class StepPlan:
+    step: int
+    # Image prefixes prefilled in this step: their feature-buffer slots and prefix blocks.
+    prefix_slots: np.ndarray  # [I] int64
+    prefix_tables: np.ndarray  # [I, n_prefix_blocks] int64
+    # Sequences admitted in this step: device-state rows, initial state, prompt and own blocks.
+    new_rows: np.ndarray  # [S] int64
+    new_int: np.ndarray  # [S, 3] int64: mode, limit, seed
+    new_float: np.ndarray  # [S, 2] float32: temperature, top_p
+    prompt_tokens: np.ndarray  # [sum of prompt lengths] int64
+    prompt_lens: np.ndarray  # [S] int64
+    prompt_tables: np.ndarray  # [S, n_own_blocks] int64
+    prompt_image: np.ndarray  # [S] int64: index into prompt_image_tables
+    prompt_image_tables: np.ndarray  # [I_p, n_prefix_blocks] int64: prefixes the prompts attend to
+    # Running sequences decoding one position each; their inputs are already on the device.
+    decode_rows: np.ndarray  # [D] int64
+    decode_pos: np.ndarray  # [D] int64: position being fed
+    decode_tables: np.ndarray  # [D, n_own_blocks] int64
+    decode_image: np.ndarray  # [D] int64: index into decode_image_tables
+    decode_image_tables: np.ndarray  # [I_d, n_prefix_blocks] int64
+    # Which output heads each emitting row needs (NEED_* bits), known from its grammar phase:
+    # the host can predict it because a sequence that leaves the cycle has finished.
+    needs: np.ndarray  # [S + D] int64
+    # Host bookkeeping (the runner ignores it): who each emission belongs to.
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Only these steps may replay a captured CUDA graph (fixed shapes)."""
+        return len(self.new_rows) == 0 and len(self.prefix_slots) == 0
+
+    @property
+    def n_out(self) -> int:
+        return len(self.new_rows) + len(self.decode_rows)

@@ -1,0 +1,109 @@
+"""Scheduler and KV block manager on CPU with synthetic requests: no model, no tensors."""
+
+import random
+from collections import deque
+
+import numpy as np
+import pytest
+
+from batchvlm.engine.kv_cache import BlockManager, OutOfBlocks
+from batchvlm.engine.runner import Emissions
+from batchvlm.engine.scheduler import Scheduler
+from batchvlm.engine.sequence import Image, SeqState, Sequence
+from batchvlm.models.moondream.decoding import EMIT_NONE, MODE_DETECT, MODE_POINT, MODE_TEXT
+from batchvlm.models.moondream.generate import SeqSpec
+
+
+def test_block_refcounts():
+    bm = BlockManager(6, 4)
+    a = bm.allocate(3)
+    assert 0 not in a and bm.free == 2
+    bm.share(a)
+    bm.release(a)
+    assert bm.free == 2
+    bm.release(a)
+    assert bm.free == 5
+    with pytest.raises(OutOfBlocks):
+        bm.allocate(6)
+    with pytest.raises(ValueError):
+        bm.release(a)
+
+
+SPECS = [SeqSpec(MODE_TEXT, (1, 2, 3), 6), SeqSpec(MODE_TEXT, (1, 2, 3, 4, 5, 6, 7), 3),
+         SeqSpec(MODE_DETECT, (1, 9, 3), 4), SeqSpec(MODE_POINT, (1, 10, 3), 2)]
+
+
+def make_images(n: int, rng: random.Random) -> list[Image]:
+    images = []
+    for i in range(n):
+        image = Image(ticket=i, prepared=None, key=str(i))
+        specs = rng.sample(SPECS, rng.randint(1, len(SPECS)))
+        image.seqs = [Sequence(image, j, s, seed=0) for j, s in enumerate(specs)]
+        images.append(image)
+    return images
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_random_finishes_never_leak_or_overcommit(seed, pipelined):
+    rng = random.Random(seed)
+    P, bs = 13, 4
+    n_rows = rng.choice([1, 3, 8])
+    n_blocks = rng.choice([12, 20, 60])
+    blocks = BlockManager(n_blocks, bs)
+    sched = Scheduler(blocks, n_rows, P, n_image_slots=3)
+    images = make_images(12, rng)
+    pending = deque(images)
+    inflight: deque = deque()
+    finished_at: dict[int, int] = {}
+    returned = []
+    step = 0
+    while pending or not sched.idle or inflight:
+        while pending and (slot := sched.take_image_slot()) is not None:
+            sched.add_encoded(pending.popleft(), slot)
+        plan = sched.schedule()
+        if plan is not None:
+            # Capacity: rows and blocks in use never exceed what exists.
+            rows = [s.row for s in sched.running]
+            assert len(rows) == len(set(rows)) <= n_rows
+            assert blocks.used <= n_blocks - 1
+            for s in plan.seqs:  # a sequence runs at most one step past its known finish
+                assert step - finished_at.get(id(s), step) <= 1
+            # The device finishes a sequence at random, and surely when its limit is reached.
+            finished = np.array([rng.random() < 0.25 or s.decode_steps >= s.max_decode_steps for s in plan.seqs])
+            n = len(plan.seqs)
+            em = Emissions(np.full(n, EMIT_NONE), np.zeros(n, dtype=np.int64), finished, np.zeros((n, 2)))
+            inflight.append((plan, em))
+            step += 1
+        if inflight and (not pipelined or len(inflight) == 2 or plan is None):
+            p, em = inflight.popleft()
+            for s, f in zip(p.seqs, em.finished):
+                if f and s.state is SeqState.RUNNING:
+                    finished_at[id(s)] = step
+            for image in sched.commit(p, em):
+                returned.append(image.ticket)
+                # Prefix blocks are held while any of the image's sequences is not retired.
+                live = [s for s in image.seqs if s.state is not SeqState.RETIRED]
+                for b in image.prefix_blocks:
+                    assert blocks.refs(b) == len(live)
+        elif plan is None:
+            assert sched.idle or pending, "stalled"
+    assert sorted(returned) == list(range(12))
+    assert blocks.free == n_blocks - 1 and blocks.used == 0
+    assert sorted(sched.free_rows) == list(range(n_rows))
+    assert all(s.state is SeqState.RETIRED for im in images for s in im.seqs)
+
+
+def test_plan_holds_prefix_once_and_own_blocks_per_sequence():
+    blocks = BlockManager(64, 4)
+    sched = Scheduler(blocks, 8, 13, n_image_slots=2)
+    image = make_images(1, random.Random(3))[0]
+    image.seqs = [Sequence(image, j, s, seed=0) for j, s in enumerate(SPECS)]
+    sched.add_encoded(image, sched.take_image_slot())
+    plan = sched.schedule()
+    assert plan.prefix_tables.shape == (1, 4)  # ceil(13 / 4) prefix blocks, once
+    assert plan.prompt_image.tolist() == [0, 0, 0, 0]
+    assert plan.prompt_tables.shape == (4, 2)  # own blocks in use: ceil(7 / 4)
+    for b in image.prefix_blocks:
+        assert blocks.refs(b) == 4
+    assert plan.needs.tolist() == [1, 1, 3, 3]  # text: token head; spatial: token + x
