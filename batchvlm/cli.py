@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,13 +48,30 @@ def run(
         if dry_run:
             _plan(job, overwrite)
             return
-        from .dist import resolve_rank
-        from .run import run_job
+        from .dist import LOCAL_RANK_ENV, resolve_rank
+        from .launch import EXIT_STOPPED, spawn, worker_envs
+        from .run import StopFlag, run_job
 
-        summary = run_job(job, limit=limit, overwrite=overwrite, rank=resolve_rank())
+        rank = resolve_rank()
+        envs = worker_envs(job, rank)
+        clear = overwrite or job.output.mode == "overwrite"
+        if envs:  # one worker process per GPU of this node; they start after the clearing
+            if clear:
+                manifest.clear_outputs(Path(job.output.dir))
+            raise typer.Exit(spawn(job_file, envs, limit, job.name))
+        if LOCAL_RANK_ENV in os.environ:  # a worker of the above: the launcher cleared already
+            clear = False
+            job = job.model_copy(update={"output": job.output.model_copy(update={"mode": "resume"})})
+        stop = StopFlag()
+        stop.install()
+        summary = run_job(job, limit=limit, overwrite=clear, rank=rank, stop=stop)
     except USER_ERRORS as e:
         fail(str(e))
+    except ValueError as e:  # an inconsistent rank environment
+        fail(str(e))
     typer.echo(summary.line(job.output.dir), err=True)
+    if summary.stopped_by_signal:
+        raise typer.Exit(EXIT_STOPPED)
     if summary.shards_failed:
         raise typer.Exit(1)
 

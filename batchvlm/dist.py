@@ -1,10 +1,25 @@
-"""Who am I in a multi-process run, and which shards are mine."""
+"""Who am I in a multi-process run, and which shards are mine.
+
+Global rank = ((array task * processes per task) + process) * local workers + local worker:
+
+    Slurm array     SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT (webdataset's node splitter
+                    does not read these, so shards are partitioned here)
+    processes       torchrun / accelerate (RANK, WORLD_SIZE, LOCAL_RANK) or Slurm tasks
+                    (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID)
+    local workers   processes `batchvlm run` starts itself, one per GPU (BATCHVLM_LOCAL_*)
+
+Every rank lists the same sorted shards and takes every world-th one from its rank on, so the
+partition is deterministic, disjoint and complete, whichever ranks run when.
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from .data.sources import ShardRef
+
+LOCAL_RANK_ENV, LOCAL_WORLD_ENV = "BATCHVLM_LOCAL_RANK", "BATCHVLM_LOCAL_WORLD"
 
 
 @dataclass(frozen=True)
@@ -13,12 +28,38 @@ class Rank:
     world: int  # number of ranks
     local: int  # index on this node (selects the GPU)
 
+    @property
+    def launched(self) -> bool:
+        """Started by a launcher (torchrun, accelerate, srun with several tasks, or our own
+        spawner): this process is one worker and must not spawn more."""
+        return self.world > 1 or LOCAL_RANK_ENV in os.environ
+
+
+def _int(env: dict[str, str], name: str, default: int) -> int:
+    value = env.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def resolve_rank(env: dict[str, str] | None = None) -> Rank:
+    env = dict(os.environ if env is None else env)
+    array_id = _int(env, "SLURM_ARRAY_TASK_ID", 0)
+    array_n = _int(env, "SLURM_ARRAY_TASK_COUNT", 1)
+    if "SLURM_ARRAY_TASK_MIN" in env and "SLURM_ARRAY_TASK_COUNT" in env:
+        array_id -= _int(env, "SLURM_ARRAY_TASK_MIN", 0)  # arrays may start at any index
+    if "WORLD_SIZE" in env:  # torchrun, accelerate launch
+        proc, procs, local = _int(env, "RANK", 0), _int(env, "WORLD_SIZE", 1), _int(env, "LOCAL_RANK", 0)
+    elif "SLURM_NTASKS" in env:
+        proc, procs, local = _int(env, "SLURM_PROCID", 0), _int(env, "SLURM_NTASKS", 1), _int(env, "SLURM_LOCALID", 0)
+    else:
+        proc, procs, local = 0, 1, 0
+    sub, subs = _int(env, LOCAL_RANK_ENV, 0), _int(env, LOCAL_WORLD_ENV, 1)
+    rank = ((array_id * procs) + proc) * subs + sub
+    world = array_n * procs * subs
+    if not 0 <= rank < world:
+        raise ValueError(f"inconsistent rank environment: rank {rank} of {world}")
+    return Rank(rank, world, local * subs + sub)
+
 
 def my_shards(shards: list[ShardRef], rank: Rank) -> list[ShardRef]:
     """Round-robin over the sorted shard list: deterministic, disjoint, and the union is all."""
     return shards[rank.rank :: rank.world]
-
-
-def resolve_rank() -> Rank:
-    """Single process for now; launchers (torchrun, Slurm) are read by the scale-out layer."""
-    return Rank(0, 1, 0)

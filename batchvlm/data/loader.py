@@ -2,19 +2,25 @@
 
 Worker w of W reads pending shards w, w+W, w+2W, ... in full, so every sample is produced by
 exactly one worker (no duplicates, no gaps) and each shard's samples arrive in shard order,
-followed by one `ShardEnd`. Crops travel as uint8 tensors (shared memory), never floats.
+followed by one `ShardEnd`. With work stealing, every worker walks all shards (from its own
+offset) and reads those it manages to claim instead. Crops travel as uint8 tensors (shared
+memory), never floats. Workers ignore SIGTERM / SIGINT: the main process decides when to stop.
 """
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..job import InputSpec, LoaderSpec
 from ..models.moondream.preprocess import Preprocessor
+from ..output.claims import Claims
+from ..output.manifest import is_done
 from .decode import decode
 from .sources import Encoded, ShardRef, read_shard
 
@@ -52,15 +58,32 @@ def prepare(enc: Encoded, pre: Preprocessor, spec: LoaderSpec, shard: int, index
     return Sample(shard, index, enc.key, d.width, d.height, None, torch.from_numpy(p.crops), p.tiling)
 
 
+@dataclass(frozen=True)
+class Stealing:
+    claims: Claims
+    out_dir: Path
+    offset: int  # where this rank starts walking the shard list
+
+
 class ShardStream(IterableDataset):
-    def __init__(self, shards: list[ShardRef], inp: InputSpec, spec: LoaderSpec, pre: Preprocessor):
-        self.shards, self.inp, self.spec, self.pre = shards, inp, spec, pre
+    def __init__(self, shards: list[ShardRef], inp: InputSpec, spec: LoaderSpec, pre: Preprocessor,
+                 stealing: Stealing | None = None):
+        self.shards, self.inp, self.spec, self.pre, self.stealing = shards, inp, spec, pre, stealing
 
     def __iter__(self) -> Iterator[Sample | ShardEnd]:
         info = get_worker_info()
         wid, n = (info.id, info.num_workers) if info else (0, 1)
-        for i in range(wid, len(self.shards), n):
-            yield from self._shard(i)
+        if self.stealing is None:
+            for i in range(wid, len(self.shards), n):
+                yield from self._shard(i)
+            return
+        st, total = self.stealing, len(self.shards)
+        start = st.offset + wid * max(1, total // n)
+        for k in range(total):
+            i = (start + k) % total
+            stem = self.shards[i].stem
+            if not is_done(st.out_dir, stem) and st.claims.take(stem):
+                yield from self._shard(i)
 
     def _shard(self, i: int) -> Iterator[Sample | ShardEnd]:
         count = 0
@@ -77,10 +100,16 @@ class ShardStream(IterableDataset):
         yield ShardEnd(i, count)
 
 
-def load(shards: list[ShardRef], inp: InputSpec, spec: LoaderSpec, pre: Preprocessor) -> Iterator[Sample | ShardEnd]:
-    stream = ShardStream(shards, inp, spec, pre)
+def _quiet_worker(_: int) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def load(shards: list[ShardRef], inp: InputSpec, spec: LoaderSpec, pre: Preprocessor,
+         stealing: Stealing | None = None) -> Iterator[Sample | ShardEnd]:
+    stream = ShardStream(shards, inp, spec, pre, stealing)
     workers = min(spec.workers, len(shards))
     if workers == 0:
         return iter(stream)
     return iter(DataLoader(stream, batch_size=None, num_workers=workers, prefetch_factor=spec.prefetch,
-                           multiprocessing_context="fork", persistent_workers=False))
+                           multiprocessing_context="fork", persistent_workers=False, worker_init_fn=_quiet_worker))

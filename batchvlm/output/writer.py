@@ -80,8 +80,9 @@ class ShardOutput:
 class WriterThread:
     """Writes finished shards in the background so the accelerator never waits on disk."""
 
-    def __init__(self, out_dir: Path, sch: pa.Schema, compression: str):
+    def __init__(self, out_dir: Path, sch: pa.Schema, compression: str, on_written=None):
         self.out_dir, self.schema, self.compression = out_dir, sch, compression
+        self.on_written = on_written  # called with the stem after its done marker is down
         self._queue: queue.Queue[ShardOutput | None] = queue.Queue(maxsize=4)
         self._error: BaseException | None = None
         self.written: list[str] = []
@@ -95,6 +96,8 @@ class WriterThread:
             try:
                 write_shard(self.out_dir, item.stem, item.rows, self.schema, self.compression, item.stats)
                 self.written.append(item.stem)
+                if self.on_written is not None:
+                    self.on_written(item.stem)
             except BaseException as e:  # noqa: BLE001 - surfaced to the main thread by put/close
                 self._error = e
 

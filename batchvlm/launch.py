@@ -1,0 +1,93 @@
+"""`batchvlm run` on a multi-GPU node: one worker process per GPU, one progress bar.
+
+Workers are plain `batchvlm run` processes with BATCHVLM_LOCAL_RANK / _WORLD set (dist.py) and
+CUDA_VISIBLE_DEVICES narrowed to their GPU. They report progress as JSON lines on stdout;
+their stderr passes through. SIGTERM / SIGUSR1 / SIGINT are forwarded, so a preempted node
+stops every worker cleanly. Under torchrun, accelerate or a multi-task srun the launcher is
+not used: each of those processes is already one worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from .dist import LOCAL_RANK_ENV, LOCAL_WORLD_ENV, Rank
+from .job import Job
+
+PROGRESS_ENV = "BATCHVLM_PROGRESS"
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal; re-run (or requeue) to continue
+
+
+def worker_envs(job: Job, rank: Rank) -> list[dict[str, str]]:
+    """Environments of the local workers to start; empty = run in this process."""
+    if rank.launched:
+        return []
+    import torch
+
+    if torch.cuda.is_available():
+        visible = list(range(torch.cuda.device_count()))
+        gpus = job.runtime.gpus
+        ids = visible if gpus == "all" else visible[:gpus] if isinstance(gpus, int) else list(gpus)
+        physical = os.environ.get("CUDA_VISIBLE_DEVICES")
+        names = physical.split(",") if physical else [str(i) for i in visible]
+        if len(ids) <= 1:
+            return []
+        return [{"CUDA_VISIBLE_DEVICES": names[g], LOCAL_RANK_ENV: str(i), LOCAL_WORLD_ENV: str(len(ids))}
+                for i, g in enumerate(ids)]
+    n = job.runtime.workers_per_node
+    if n <= 1:
+        return []
+    threads = str(max(1, (os.cpu_count() or n) // n))
+    return [{LOCAL_RANK_ENV: str(i), LOCAL_WORLD_ENV: str(n), "OMP_NUM_THREADS": threads} for i in range(n)]
+
+
+def spawn(job_file: Path, envs: list[dict[str, str]], limit: int | None, name: str) -> int:
+    """Run the workers to completion; -> the exit code for the whole node."""
+    from tqdm import tqdm
+
+    args = [sys.executable, "-m", "batchvlm.cli", "run", str(job_file)] + (["--limit", str(limit)] if limit else [])
+    procs = [subprocess.Popen(args, env=os.environ | env | {PROGRESS_ENV: "json"}, stdout=subprocess.PIPE,
+                              text=True, bufsize=1) for env in envs]
+
+    def forward(signum, frame) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    bar = tqdm(unit="img", desc=f"{name} x{len(procs)}", dynamic_ncols=True, file=sys.stderr)
+    errors = 0
+    try:
+        sel = selectors.DefaultSelector()
+        for p in procs:
+            sel.register(p.stdout, selectors.EVENT_READ)
+        open_streams = len(procs)
+        while open_streams:
+            for key, _ in sel.select(timeout=1.0):
+                line = key.fileobj.readline()
+                if not line:
+                    sel.unregister(key.fileobj)
+                    open_streams -= 1
+                    continue
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    sys.stdout.write(line)
+                    continue
+                bar.update(msg.get("images", 0))
+                errors += msg.get("errors", 0)
+                bar.set_postfix(errors=errors, refresh=False)
+        codes = [p.wait() for p in procs]
+    finally:
+        bar.close()
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if any(c not in (0, EXIT_STOPPED) for c in codes):
+        return max(c if c > 0 else 1 for c in codes if c not in (0, EXIT_STOPPED))
+    return EXIT_STOPPED if EXIT_STOPPED in codes else 0

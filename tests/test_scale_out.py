@@ -1,0 +1,132 @@
+"""Scale-out on CPU: Slurm arrays, local worker processes, work stealing, SIGTERM mid-shard."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from helpers import write_job
+
+from batchvlm.dist import Rank, my_shards, resolve_rank
+from batchvlm.shapes.shards import write_shards
+
+ROOT = Path(__file__).resolve().parents[1]
+N_SHARDS, PER_SHARD = 7, 3
+
+
+def test_rank_resolution():
+    assert resolve_rank({}) == Rank(0, 1, 0)
+    assert resolve_rank({"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "3"}) == Rank(2, 3, 0)
+    assert resolve_rank({"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_MIN": "4"}) \
+        == Rank(1, 3, 0)
+    assert resolve_rank({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}) == Rank(3, 8, 3)
+    srun = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}
+    assert resolve_rank(srun) == Rank(5, 8, 1)
+    # array task 1 of 2, spawning 4 local GPU workers itself: worker 2 is global rank 6 of 8
+    env = {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
+           "BATCHVLM_LOCAL_RANK": "2", "BATCHVLM_LOCAL_WORLD": "4"}
+    assert resolve_rank(env) == Rank(6, 8, 2)
+    with pytest.raises(ValueError):
+        resolve_rank({"RANK": "4", "WORLD_SIZE": "2"})
+
+
+def test_partition_is_disjoint_and_complete():
+    shards = [object() for _ in range(10)]
+    parts = [my_shards(shards, Rank(r, 3, 0)) for r in range(3)]
+    assert sorted(id(s) for p in parts for s in p) == sorted(id(s) for s in shards)
+
+
+def cli(job, env=None, check=True, **kw):
+    r = subprocess.run([sys.executable, "-m", "batchvlm.cli", "run", str(job)], capture_output=True, text=True,
+                       env=os.environ | (env or {}), **kw)
+    if check and r.returncode != 0:
+        raise AssertionError(r.stderr)
+    return r
+
+
+def tables(out: Path) -> dict[str, list[dict]]:
+    return {p.stem: pq.read_table(p).to_pylist() for p in sorted(out.glob("*.parquet"))}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scale")
+    write_shards(root / "data", N_SHARDS, PER_SHARD, seed=5)
+    job = write_job(root / "single.yaml", "data/shapes-*.tar", out="out-single")
+    cli(job)
+    return root, tables(root / "out-single")
+
+
+def _same(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for stem in want:
+        strip = lambda rows: [{k: v for k, v in r.items() if k != "source"} for r in rows]  # noqa: E731
+        assert strip(got[stem]) == strip(want[stem]), stem
+
+
+def test_array_tasks_sequential_and_concurrent_equal_single_run(data):
+    root, single = data
+    job = write_job(root / "arr.yaml", "data/shapes-*.tar", out="out-array-seq")
+    for task in range(3):
+        cli(job, {"SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_TASK_COUNT": "3"})
+    _same(tables(root / "out-array-seq"), single)
+
+    job = write_job(root / "arr2.yaml", "data/shapes-*.tar", out="out-array-par")
+    procs = [subprocess.Popen([sys.executable, "-m", "batchvlm.cli", "run", str(job)], stderr=subprocess.PIPE,
+                              env=os.environ | {"SLURM_ARRAY_TASK_ID": str(t), "SLURM_ARRAY_TASK_COUNT": "3"})
+             for t in range(3)]
+    assert [p.wait() for p in procs] == [0, 0, 0]
+    _same(tables(root / "out-array-par"), single)
+
+
+def test_local_workers_equal_single_run(data):
+    root, single = data
+    job = write_job(root / "local.yaml", "data/shapes-*.tar", out="out-local", runtime={"workers_per_node": 2})
+    r = cli(job)
+    assert "x2" in r.stderr  # one aggregated progress bar over both workers
+    _same(tables(root / "out-local"), single)
+
+
+def test_work_stealing_ranks_take_each_shard_once(data):
+    root, single = data
+    job = write_job(root / "steal.yaml", "data/shapes-*.tar", out="out-steal", runtime={"work_stealing": True})
+    procs = [subprocess.Popen([sys.executable, "-m", "batchvlm.cli", "run", str(job)], stderr=subprocess.PIPE,
+                              env=os.environ | {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+             for r in range(2)]
+    assert [p.wait() for p in procs] == [0, 0]
+    _same(tables(root / "out-steal"), single)
+    assert not list((root / "out-steal").glob("*.claim"))
+
+
+def test_sigterm_mid_shard_then_rerun(tmp_path):
+    write_shards(tmp_path / "data", 12, 6, seed=9)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", loader={"workers": 2, "prefetch": 2},
+                    engine={"max_batch_size": 16})
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-m", "batchvlm.cli", "run", str(job)], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(out.glob("*.stats.json"))) < 2:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    stderr = p.communicate(timeout=120)[1]
+    assert p.returncode == 75, stderr  # "stopped: run again", for Slurm requeue
+    assert "stopped by signal" in stderr
+    done_first = {s.name for s in out.glob("*.stats.json")}
+    assert 2 <= len(done_first) < 12
+    for stats in out.glob("*.stats.json"):
+        assert json.loads(stats.read_text())["complete"]
+    assert not list(out.glob("*.tmp-*"))
+    cli(job)
+    for s in range(12):
+        keys = pq.read_table(out / f"shapes-{s:06d}.parquet", columns=["key"]).column("key").to_pylist()
+        assert keys == [f"{s:06d}_{i:04d}" for i in range(6)]
+
+
+def test_sbatch_template_is_valid_bash():
+    for script in (ROOT / "scripts" / "slurm").glob("*.sbatch"):
+        subprocess.run(["bash", "-n", str(script)], check=True)
