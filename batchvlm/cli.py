@@ -117,6 +117,44 @@ def status(job_file: Path = JOB_ARG, as_json: bool = typer.Option(False, "--json
         typer.echo(f"  partial: {name}")
 
 
+@app.command()
+def preview(
+    output_dir: Path = typer.Argument(..., help="A job's output folder."),
+    n: int = typer.Option(200, "--n", min=1, help="Rows to show, in shard order."),
+    out: Path = typer.Option(Path("preview.html"), "-o", "--out", help="The HTML file to write."),
+) -> None:
+    """A self-contained HTML page: thumbnails with boxes and points, answers, errors, filters."""
+    from .output.reader import OutputError
+    from .preview import write
+
+    try:
+        cards = write(output_dir, n, out)
+    except (OutputError, SourceError) as e:
+        fail(str(e))
+    typer.echo(f"{out}: {cards} rows")
+
+
+@app.command("export")
+def export_cmd(
+    fmt: str = typer.Argument(..., metavar="FORMAT", help="coco or yolo."),
+    output_dir: Path = typer.Argument(..., help="A job's output folder."),
+    dest: Path = typer.Argument(..., help="Folder to write the export to."),
+    with_images: bool = typer.Option(False, "--with-images", help="Also write the images (EXIF-oriented)."),
+) -> None:
+    """Detection boxes as COCO or YOLO, plus captions.jsonl with the text answers."""
+    from .export import export
+    from .output.reader import OutputError
+
+    if fmt not in ("coco", "yolo"):
+        fail(f"FORMAT must be coco or yolo, not {fmt!r}")
+    try:
+        counts = export(output_dir, dest, fmt, with_images)
+    except (OutputError, SourceError) as e:
+        fail(str(e))
+    typer.echo(f"{dest}: {counts['images']} images, {counts['annotations']} boxes, "
+               f"{counts['categories']} categories ({fmt})")
+
+
 def main() -> None:
     app(prog_name="batchvlm")
 

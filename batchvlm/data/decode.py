@@ -26,6 +26,7 @@ class Decoded:
     width: int  # after EXIF orientation, at full resolution
     height: int
     error: str | None = None
+    format: str | None = None  # PIL's name of the encoding (JPEG, PNG, ...)
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:
@@ -48,6 +49,7 @@ def decode(data: bytes, max_pixels: int, draft_size: Callable[[int, int], tuple[
         return Decoded(None, 0, 0, "decode: empty file")
     try:
         im = Image.open(io.BytesIO(data))
+        fmt = im.format
         w, h = im.size
         if w * h > max_pixels:
             return Decoded(None, w, h, f"too large: {w}x{h} pixels (limit {max_pixels})")
@@ -61,7 +63,7 @@ def decode(data: bytes, max_pixels: int, draft_size: Callable[[int, int], tuple[
             im.draft("RGB", (need_w, need_h))
         im.load()
         im = ImageOps.exif_transpose(im)
-        return Decoded(_to_rgb(im), w, h)
+        return Decoded(_to_rgb(im), w, h, format=fmt)
     except UnidentifiedImageError:
         return Decoded(None, 0, 0, "decode: not an image")
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
