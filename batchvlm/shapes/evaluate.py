@@ -47,3 +47,40 @@ def score_model(model: MoondreamModel, tokenizer, pre: Preprocessor, n_images: i
         for x, o in zip(queries, outs[n + len(queries) :]):
             scores.add_point(scene, x, o.objects)
     return {k: round(v, 4) for k, v in scores.table().items()}
+
+
+def score_output(out_dir) -> tuple[dict[str, float], int]:
+    """Score a job's output folder against the `<key>.json` ground truth in its input shards.
+    -> (metrics of the task kinds the job ran, number of images)."""
+    from ..output.reader import Output
+    from ..tasks import args_of, column_of, kind_of
+    from .shards import read_truth
+
+    output = Output.open(out_dir)
+    scores = Scores()
+    kinds: set[str] = set()
+    n, truth, truth_of = 0, {}, None
+    for shard, row in output.rows():  # rows come shard by shard
+        if truth_of != shard.stem:
+            truth, truth_of = read_truth(shard.url), shard.stem
+        scene = truth.get(row["key"])
+        if scene is None or row["status"] != "ok":
+            continue
+        n += 1
+        for task in output.job.tasks:
+            kind, value = kind_of(task), row.get(column_of(task))
+            kinds.add(kind)
+            if kind == "caption":
+                scores.add_caption(scene, value)
+            elif kind == "query":
+                scores.add_query(scene, args_of(task).question, value)
+            else:
+                for obj in args_of(task).objects:
+                    mine = [v for v in value if v["label"] == obj]
+                    if kind == "detect":
+                        scores.add_detect(scene, obj, [(b["x_min"], b["y_min"], b["x_max"], b["y_max"]) for b in mine])
+                    else:
+                        scores.add_point(scene, obj, [(p["x"], p["y"]) for p in mine])
+    names = {"caption": "caption_exact", "query": "query_exact", "detect": "detect_f1@0.5", "point": "point_f1"}
+    table = scores.table()
+    return {names[k]: round(table[names[k]], 4) for k in names if k in kinds}, n
