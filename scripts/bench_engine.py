@@ -45,10 +45,10 @@ WORKLOADS = {
 
 
 def load_model(name: str, device: str, fixed_lengths: bool) -> Moondream:
-    if name == "demo":
-        md = Moondream.load("demo", folder=DEMO_DIR, device=device)
-    else:
+    if name == "full-random":
         md = full_random(device)
+    else:
+        md = Moondream.load(name, folder=DEMO_DIR if name == "demo" else Path(name), device=device)
     if fixed_lengths:
         # Benchmark-only: EOS can never win, so every sequence runs to its limit.
         with torch.no_grad():
@@ -136,7 +136,7 @@ def busy_fraction(fn) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="demo", choices=["demo", "full-random"])
+    ap.add_argument("--model", default="demo", help="demo | full-random | a model folder")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--images", type=int, default=48)
     ap.add_argument("--batch", type=int, nargs="+", default=[256])

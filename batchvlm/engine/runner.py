@@ -190,19 +190,19 @@ class Runner:
             at += n
         N = at + D
         q_prompt[q_prompt < 0] = N
-        prompt_by_image = _rows_by_image(plan.prompt_image, q_prompt, len(plan.prompt_image_tables), N)
+        prompt_by_image, prompt_slot = _rows_by_image(plan.prompt_image, q_prompt, len(plan.prompt_image_tables), N)
         decode_flat = np.arange(at, N, dtype=np.int64)[:, None]
-        decode_by_image = _rows_by_image(plan.decode_image, decode_flat, len(plan.decode_image_tables), N)
+        decode_by_image, decode_slot = _rows_by_image(plan.decode_image, decode_flat, len(plan.decode_image_tables), N)
         lm, co, sz = (np.flatnonzero(plan.needs & bit) for bit in (NEED_TOKEN, NEED_COORD, NEED_SIZE))
         ints, floats = slot.upload(
             [plan.prefix_slots, plan.prefix_tables, plan.new_rows, plan.new_int, plan.prompt_tokens,
              plan.prompt_lens, plan.prompt_tables, plan.prompt_image_tables, q_prompt, pos_prompt, prompt_by_image,
-             plan.decode_rows,
-             plan.decode_pos, plan.decode_tables, plan.decode_image_tables, decode_by_image, lm, co, sz],
+             prompt_slot, plan.decode_rows, plan.decode_pos, plan.decode_tables, plan.decode_image_tables,
+             decode_by_image, decode_slot, lm, co, sz],
             [plan.new_float], dev, self.compute)
         (prefix_slots, prefix_tables, new_rows, new_int, prompt_tokens, prompt_lens, prompt_tables,
-         prompt_image_tables, q_prompt_t, pos_prompt_t, prompt_by_image_t, decode_rows, decode_pos, decode_tables, decode_image_tables,
-         decode_by_image_t, lm_t, co_t, sz_t) = ints
+         prompt_image_tables, q_prompt_t, pos_prompt_t, prompt_by_image_t, prompt_slot_t, decode_rows, decode_pos,
+         decode_tables, decode_image_tables, decode_by_image_t, decode_slot_t, lm_t, co_t, sz_t) = ints
         (new_float,) = floats
 
         if S:
@@ -221,18 +221,19 @@ class Runner:
             positions.append(pos_prompt_t[real])
             write_slots.append(own_slots_of(prompt_tables, pos_prompt_t.clamp_max(P + T - 1), bs, P)[real])
             groups.append(AttentionGroup(q_prompt_t, pos_prompt_t, prompt_tables, prompt_lens,
-                                         SharedPrefix(prompt_image_tables, prompt_by_image_t)))
+                                         SharedPrefix(prompt_image_tables, prompt_by_image_t, prompt_slot_t)))
         last = [q_prompt_t.gather(1, (prompt_lens - 1)[:, None])[:, 0]] if S else []
         if D:
             last.append(self._decode_group(decode_rows, decode_pos, decode_tables, decode_image_tables,
-                                           decode_by_image_t, N - D, embeds, positions, write_slots, groups))
+                                           decode_by_image_t, decode_slot_t, N - D, embeds, positions, write_slots,
+                                           groups))
         batch = AttentionBatch(torch.cat(write_slots), groups, bs, P)
         hidden = m.forward_tokens(torch.cat(embeds), torch.cat(positions), batch, self.cache)
         rows = torch.cat([new_rows, decode_rows])
         return self._decide(rows, hidden[torch.cat(last)], (lm_t, co_t, sz_t))
 
-    def _decode_group(self, rows, pos, tables, image_tables, by_image, first_row, embeds, positions, write_slots,
-                      groups) -> torch.Tensor:
+    def _decode_group(self, rows, pos, tables, image_tables, by_image, slot, first_row, embeds, positions,
+                      write_slots, groups) -> torch.Tensor:
         """Append the decode tokens (inputs read from the device buffers). -> their flat rows."""
         D = rows.shape[0]
         embeds.append(self.model.input_embeds(self.next_kind[rows], self.next_token[rows], self.next_value[rows]))
@@ -240,7 +241,7 @@ class Runner:
         write_slots.append(own_slots_of(tables, pos, self.bs, self.P))
         flat = torch.arange(first_row, first_row + D, device=self.device)
         groups.append(AttentionGroup(flat[:, None], pos[:, None], tables, pos - self.P + 1,
-                                     SharedPrefix(image_tables, by_image)))
+                                     SharedPrefix(image_tables, by_image, slot)))
         return flat
 
     def _init_rows(self, rows: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor) -> None:
@@ -268,14 +269,25 @@ class Runner:
         return d
 
 
-def _rows_by_image(image_of_row: np.ndarray, q_rows: np.ndarray, n_images: int, pad: int) -> np.ndarray:
-    """[n_images, M]: the flat query rows (of q_rows [B, T], pads == pad) of each image's sequences."""
-    per_image = [q_rows[image_of_row == i].reshape(-1) for i in range(n_images)]
-    per_image = [r[r != pad] for r in per_image]
-    out = np.full((n_images, max((len(r) for r in per_image), default=0)), pad, dtype=np.int64)
-    for i, r in enumerate(per_image):
-        out[i, : len(r)] = r
-    return out
+def _rows_by_image(image_of_row: np.ndarray, q_rows: np.ndarray, n_images: int, pad: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Group a [B, T] block of query rows (pads == pad) by image.
+    -> ([n_images, M] rows of each image's queries, [B, T] slot of each query in [n_images * M])."""
+    per_image: list[list[int]] = [[] for _ in range(n_images)]
+    where: list[list[tuple[int, int]]] = [[] for _ in range(n_images)]
+    for b, i in enumerate(image_of_row.tolist()):
+        for t, r in enumerate(q_rows[b].tolist()):
+            if r != pad:
+                per_image[i].append(r)
+                where[i].append((b, t))
+    M = max((len(r) for r in per_image), default=0)
+    rows = np.full((n_images, M), pad, dtype=np.int64)
+    slots = np.full(q_rows.shape, n_images * M, dtype=np.int64)
+    for i, (r, w) in enumerate(zip(per_image, where)):
+        rows[i, : len(r)] = r
+        for m, (b, t) in enumerate(w):
+            slots[b, t] = i * M + m
+    return rows, slots
 
 
 def _bucket(n: int) -> int:
@@ -308,12 +320,13 @@ class DecodeGraphs:
                   "pos": torch.full((n_rows,), r.P, dtype=torch.long, device=dev),
                   "tables": torch.zeros(n_rows, self.own, dtype=torch.long, device=dev),
                   "image_tables": torch.zeros(n_images, nbp, dtype=torch.long, device=dev),
-                  "by_image": torch.full((n_images, self.per_image), n_rows, dtype=torch.long, device=dev)}
+                  "by_image": torch.full((n_images, self.per_image), n_rows, dtype=torch.long, device=dev),
+                  "slot": torch.full((n_rows, 1), n_images * self.per_image, dtype=torch.long, device=dev)}
 
         def body() -> Decision:
             embeds, positions, groups, write_slots = [], [], [], []
             flat = r._decode_group(static["rows"], static["pos"], static["tables"], static["image_tables"],
-                                   static["by_image"], 0, embeds, positions, write_slots, groups)
+                                   static["by_image"], static["slot"], 0, embeds, positions, write_slots, groups)
             batch = AttentionBatch(write_slots[0], groups, r.bs, r.P)
             hidden = r.model.forward_tokens(embeds[0], positions[0], batch, r.cache)
             return r._decide(static["rows"], hidden[flat], None)
@@ -348,11 +361,16 @@ class DecodeGraphs:
         image_tables = np.zeros((n_images, static["image_tables"].shape[1]), dtype=np.int64)
         image_tables[:I] = plan.decode_image_tables
         by_image = np.full((n_images, self.per_image), n_rows, dtype=np.int64)
-        grouped = _rows_by_image(plan.decode_image, np.arange(D, dtype=np.int64)[:, None], I, n_rows)
+        grouped, _ = _rows_by_image(plan.decode_image, np.arange(D, dtype=np.int64)[:, None], I, n_rows)
         by_image[:I, : grouped.shape[1]] = grouped
-        (rows_t, pos_t, tables_t, it_t, bi_t), _ = slot.upload([rows, pos, tables, image_tables, by_image], [],
-                                                               r.device, r.compute)
-        for k, v in zip(("rows", "pos", "tables", "image_tables", "by_image"), (rows_t, pos_t, tables_t, it_t, bi_t)):
+        # Slots in the graph's fixed [n_images, per_image] layout.
+        q_slot = np.full((n_rows, 1), n_images * self.per_image, dtype=np.int64)
+        for i in range(I):
+            for m, row in enumerate(grouped[i][grouped[i] != n_rows].tolist()):
+                q_slot[row, 0] = i * self.per_image + m
+        arrays = [rows, pos, tables, image_tables, by_image, q_slot]
+        uploaded, _ = slot.upload(arrays, [], r.device, r.compute)
+        for k, v in zip(("rows", "pos", "tables", "image_tables", "by_image", "slot"), uploaded):
             static[k].copy_(v)
         graph.replay()
         return out

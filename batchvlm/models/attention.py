@@ -38,6 +38,7 @@ PAD_POS = 2**30  # position of padding: later than any real token
 class SharedPrefix:
     tables: torch.Tensor  # [I, n_prefix_blocks] long: each image's prefix blocks
     q_rows: torch.Tensor  # [I, M] long: flat query rows on each image; padding -> row N
+    q_slot: torch.Tensor  # [B, Tq] long: where each group query sits in [I * M]; padding -> I * M
 
 
 @dataclass
@@ -135,19 +136,17 @@ def attend(
             )
             out[g.q_rows] = o_BHTD.transpose(1, 2)
             continue
-        own, own_lse = _attend_lse(q_BHTD, k_BHLD, v_BHLD, plan.mask)
+        own, own_lse = _attend_lse(q_BHTD, k_BHLD, v_BHLD, plan.mask)  # [B, H, Tq, D], [B, H, Tq]
         q_IHMD = q_pad[g.shared.q_rows].transpose(1, 2)
         pre, pre_lse = _attend_lse(q_IHMD, k_cache[plan.prefix_slots].transpose(1, 2),
                                    v_cache[plan.prefix_slots].transpose(1, 2), None)
-        # Per flat row: merge the two partial softmaxes by their log-sum-exps.
-        parts = []
-        for o, lse, rows in ((own, own_lse, g.q_rows), (pre, pre_lse, g.shared.q_rows)):
-            o_flat = q_NHD.new_zeros(N + 1, H, D, dtype=torch.float32)
-            l_flat = q_NHD.new_full((N + 1, H), float("-inf"), dtype=torch.float32)
-            o_flat[rows] = o.transpose(1, 2)
-            l_flat[rows] = lse.transpose(1, 2)
-            parts.append((o_flat[g.q_rows], l_flat[g.q_rows]))
-        (o1, l1), (o2, l2) = parts
+        # Bring the per-image results to the group's [B, Tq] layout (padding reads a zero slot),
+        # then merge the two partial softmaxes by their log-sum-exps.
+        I, _, M, _ = pre.shape
+        pre_flat = torch.cat([pre.transpose(1, 2).reshape(I * M, H, D), pre.new_zeros(1, H, D)])
+        lse_flat = torch.cat([pre_lse.transpose(1, 2).reshape(I * M, H), pre_lse.new_zeros(1, H)])
+        o2, l2 = pre_flat[g.shared.q_slot], lse_flat[g.shared.q_slot]  # [B, Tq, H, D], [B, Tq, H]
+        o1, l1 = own.transpose(1, 2), own_lse.transpose(1, 2)
         m = torch.maximum(l1, l2)
         w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
         out[g.q_rows] = ((o1 * w1 + o2 * w2) / (w1 + w2)).to(out.dtype)
