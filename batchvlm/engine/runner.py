@@ -129,7 +129,8 @@ class Runner:
         host = host.pin_memory()
         with torch.cuda.stream(self.vision_stream):
             feats = self.model.vision(host.to(self.device, non_blocking=True), tilings)
-            self.features[torch.tensor(slots, device=self.device)] = feats.to(self.features.dtype)
+            index = torch.tensor(slots).pin_memory().to(self.device, non_blocking=True)
+            self.features[index] = feats.to(self.features.dtype)
             self.vision_done.record(self.vision_stream)
 
     # ------------------------------------------------------------------ steps
@@ -188,6 +189,10 @@ class Runner:
             q_prompt[s, :n] = np.arange(at, at + n)
             pos_prompt[s, :n] = np.arange(P, P + n)
             at += n
+        # Per prompt token (flat order): its position and its sequence, so no boolean masks
+        # (a device sync on CUDA) are needed to pick the real tokens.
+        flat_pos = np.concatenate([np.arange(P, P + n) for n in plan.prompt_lens]) if S else np.zeros(0, np.int64)
+        flat_seq = np.repeat(np.arange(S), plan.prompt_lens)
         N = at + D
         q_prompt[q_prompt < 0] = N
         prompt_by_image, prompt_slot = _rows_by_image(plan.prompt_image, q_prompt, len(plan.prompt_image_tables), N)
@@ -197,12 +202,13 @@ class Runner:
         ints, floats = slot.upload(
             [plan.prefix_slots, plan.prefix_tables, plan.new_rows, plan.new_int, plan.prompt_tokens,
              plan.prompt_lens, plan.prompt_tables, plan.prompt_image_tables, q_prompt, pos_prompt, prompt_by_image,
-             prompt_slot, plan.decode_rows, plan.decode_pos, plan.decode_tables, plan.decode_image_tables,
-             decode_by_image, decode_slot, lm, co, sz],
+             prompt_slot, flat_pos, flat_seq, plan.decode_rows, plan.decode_pos, plan.decode_tables,
+             plan.decode_image_tables, decode_by_image, decode_slot, lm, co, sz],
             [plan.new_float], dev, self.compute)
         (prefix_slots, prefix_tables, new_rows, new_int, prompt_tokens, prompt_lens, prompt_tables,
-         prompt_image_tables, q_prompt_t, pos_prompt_t, prompt_by_image_t, prompt_slot_t, decode_rows, decode_pos,
-         decode_tables, decode_image_tables, decode_by_image_t, decode_slot_t, lm_t, co_t, sz_t) = ints
+         prompt_image_tables, q_prompt_t, pos_prompt_t, prompt_by_image_t, prompt_slot_t, flat_pos_t, flat_seq_t,
+         decode_rows, decode_pos, decode_tables, decode_image_tables, decode_by_image_t, decode_slot_t, lm_t, co_t,
+         sz_t) = ints
         (new_float,) = floats
 
         if S:
@@ -216,10 +222,9 @@ class Runner:
             groups.append(AttentionGroup(torch.arange(I * P, device=dev).view(I, P), pos_IP, prefix_tables,
                                          torch.full((I,), P, device=dev)))
         if S:
-            real = pos_prompt_t != PAD_POS
             embeds.append(m.text.wte[prompt_tokens])
-            positions.append(pos_prompt_t[real])
-            write_slots.append(own_slots_of(prompt_tables, pos_prompt_t.clamp_max(P + T - 1), bs, P)[real])
+            positions.append(flat_pos_t)
+            write_slots.append(own_slots_of(prompt_tables[flat_seq_t], flat_pos_t, bs, P))
             groups.append(AttentionGroup(q_prompt_t, pos_prompt_t, prompt_tables, prompt_lens,
                                          SharedPrefix(prompt_image_tables, prompt_by_image_t, prompt_slot_t)))
         last = [q_prompt_t.gather(1, (prompt_lens - 1)[:, None])[:, 0]] if S else []
