@@ -143,8 +143,7 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
         manifest.clear_outputs(out_dir)
     else:
         manifest.check_settings(out_dir, job.label_fingerprint())
-    if rank.rank == 0:
-        manifest.sweep_temporaries(out_dir)
+    manifest.sweep_temporaries(out_dir)
     stealing = None
     if job.runtime.work_stealing:
         mine = shards  # every rank may take any shard; claims keep them apart

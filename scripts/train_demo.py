@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-from batchvlm.shapes.train import Trainer, TrainSettings
+from batchvlm.models.moondream.family import Moondream
+from batchvlm.shapes.evaluate import score_model
+from batchvlm.shapes.train import Trainer, TrainSettings, write_card
 
 
 def main() -> None:
@@ -54,7 +56,10 @@ def main() -> None:
     trainer.run(until=args.until, log=log)
     if args.export and trainer.step >= settings.steps:
         trainer.export(args.export)
-        final = trainer.evaluate(200, seed=987_654)
+        md = Moondream.load("demo", folder=args.export, device="cpu")
+        final = score_model(md.model, md.tokenizer, md.preprocessor, 200, seed=987_654)
+        hardware = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {args.device}"
+        write_card(args.export, trainer, final, hardware)
         log(json.dumps({"exported": str(args.export), "final_eval_200": final}))
     return 0
 

@@ -62,3 +62,22 @@ def test_kill_9_then_rerun(tmp_path):
         keys = pq.read_table(out / f"shapes-{s:06d}.parquet", columns=["key"]).column("key").to_pylist()
         assert keys == [f"{s:06d}_{i:04d}" for i in range(per_shard)]
         assert json.loads((out / f"shapes-{s:06d}.stats.json").read_text())["complete"]
+
+
+def test_sweep_spares_other_live_writers(tmp_path):
+    import socket
+
+    from batchvlm.output.manifest import sweep_temporaries
+
+    host = socket.gethostname()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live_here = tmp_path / f"a.parquet.tmp-{host}-{os.getpid()}"
+    dead_here = tmp_path / f"b.parquet.tmp-{host}-{dead.pid}"
+    other_host = tmp_path / "c.parquet.tmp-node17-123"  # maybe writing right now on another node
+    stale = tmp_path / "d.parquet.tmp-node17-456"
+    for p in (live_here, dead_here, other_host, stale):
+        p.write_text("partial")
+    os.utime(stale, (time.time() - 7200,) * 2)
+    assert sorted(sweep_temporaries(tmp_path)) == sorted([dead_here.name, stale.name])
+    assert live_here.exists() and other_host.exists()

@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+from .writer import tmp_path
+
 
 class Claims:
     def __init__(self, out_dir: Path, lease_s: float = 300.0, heartbeat_s: float = 30.0):
@@ -32,7 +34,7 @@ class Claims:
                 return self.take(stem)
             if not stale:
                 return False
-            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+            tmp = tmp_path(path)
             tmp.write_bytes(self.me)
             os.replace(tmp, path)  # take over a dead holder's lease
             return True

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,12 +36,33 @@ def is_done(out_dir: Path, stem: str) -> bool:
     return bool(stats and stats.get("complete")) and (out_dir / f"{stem}.parquet").exists()
 
 
+STALE_TMP_S = 3600  # a temporary file this old belongs to a dead writer, whatever its host
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def sweep_temporaries(out_dir: Path) -> list[str]:
-    """Remove `*.tmp-*` files left by crashed runs (never finished output)."""
-    gone = []
+    """Remove `*.tmp-<host>-<pid>` files of dead writers (never finished output): this host's
+    with a dead pid, or any host's older than STALE_TMP_S. Other ranks' files in progress stay."""
+    host, now, gone = socket.gethostname(), time.time(), []
     for p in out_dir.glob("*.tmp-*"):
-        p.unlink(missing_ok=True)
-        gone.append(p.name)
+        owner = p.name.rsplit(".tmp-", 1)[1]
+        owner_host, _, pid = owner.rpartition("-")
+        try:
+            dead = (owner_host == host and pid.isdigit() and not _alive(int(pid))) or now - p.stat().st_mtime > STALE_TMP_S
+        except FileNotFoundError:
+            continue
+        if dead:
+            p.unlink(missing_ok=True)
+            gone.append(p.name)
     return gone
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,12 @@ def schema(tasks: list[Task], metadata: dict[str, Any]) -> pa.Schema:
     return pa.schema(fields, metadata={"batchvlm": json.dumps(metadata)})
 
 
+def tmp_path(path: Path) -> Path:
+    """Where `path` is written before its rename: named by host and pid, so a sweep can tell a
+    crashed writer's leftovers from another live rank's file in progress."""
+    return path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -48,7 +55,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp = tmp_path(path)
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
@@ -60,7 +67,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 def write_shard(out_dir: Path, stem: str, rows: list[dict[str, Any]], sch: pa.Schema, compression: str,
                 stats: dict[str, Any]) -> None:
     final = out_dir / f"{stem}.parquet"
-    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    tmp = tmp_path(final)
     table = pa.Table.from_pylist(rows, schema=sch)
     pq.write_table(table, tmp, compression=None if compression == "none" else compression)
     with open(tmp, "rb+") as f:

@@ -379,5 +379,34 @@ class Trainer:
         self.tokenizer.save(str(dest / "tokenizer.json"))
 
 
-def settings_dict(s: TrainSettings) -> dict:
-    return asdict(s)
+def write_card(dest: Path, trainer: Trainer, final_eval: dict[str, float], hardware: str) -> None:
+    """TRAINING.md beside the exported model: how it was made and how good it is."""
+    s = trainer.s
+    losses = [h for h in trainer.history if "total" in h][-10:]
+    mean = {k: round(sum(h[k] for h in losses) / len(losses), 4) for k in WEIGHTS} if losses else {}
+    evals = [h for h in trainer.history if "eval" in h]
+    lines = [
+        "# The built-in demo model",
+        "",
+        "A tiny Moondream 2 architecture (config.json) trained from scratch on the synthetic shapes",
+        "world (shared/design/SHAPES.md) by `scripts/train_demo.py`; weights stored as float16.",
+        "",
+        f"- steps: {trainer.step}, batch {s.batch_size} images, {trainer.step * s.batch_size} images seen",
+        f"- seed: {s.seed}; settings: `{json.dumps(asdict(s))}`",
+        f"- hardware: {hardware}",
+        f"- training time: {trainer.elapsed / 3600:.2f} h (wall clock of the training steps, resumed runs summed)",
+        f"- parameters: {sum(p.numel() for p in trainer.model.parameters()):,}",
+        f"- final losses (mean of the last {len(losses) * 50} steps): `{json.dumps(mean)}`",
+        "",
+        "Evaluation during training (48 fresh scenes each):",
+        "",
+        "| step | caption exact | query exact | detect F1@0.5 | point F1 |",
+        "|---|---|---|---|---|",
+    ]
+    for e in evals:
+        v = e["eval"]
+        lines.append(f"| {e['step']} | {v['caption_exact']} | {v['query_exact']} | {v['detect_f1@0.5']} | {v['point_f1']} |")
+    lines += ["", f"Final evaluation of the exported (float16) weights on 200 fresh scenes: `{json.dumps(final_eval)}`",
+              "", "Reproduce: `python scripts/train_demo.py --out runs/demo --steps "
+              f"{s.steps} --export batchvlm/models/demo` (re-run the same command after an interruption).", ""]
+    (dest / "TRAINING.md").write_text("\n".join(lines))
