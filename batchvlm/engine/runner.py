@@ -276,22 +276,19 @@ class Runner:
 
 def _rows_by_image(image_of_row: np.ndarray, q_rows: np.ndarray, n_images: int, pad: int
                    ) -> tuple[np.ndarray, np.ndarray]:
-    """Group a [B, T] block of query rows (pads == pad) by image.
+    """Group a [B, T] block of query rows (pads == pad) by image, keeping their order.
     -> ([n_images, M] rows of each image's queries, [B, T] slot of each query in [n_images * M])."""
-    per_image: list[list[int]] = [[] for _ in range(n_images)]
-    where: list[list[tuple[int, int]]] = [[] for _ in range(n_images)]
-    for b, i in enumerate(image_of_row.tolist()):
-        for t, r in enumerate(q_rows[b].tolist()):
-            if r != pad:
-                per_image[i].append(r)
-                where[i].append((b, t))
-    M = max((len(r) for r in per_image), default=0)
+    valid = q_rows != pad
+    image = np.broadcast_to(image_of_row[:, None], q_rows.shape)[valid]  # row-major order
+    counts = np.bincount(image, minlength=n_images)
+    M = int(counts.max()) if image.size else 0
+    order = np.argsort(image, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size) - (np.cumsum(counts) - counts)[image[order]]
     rows = np.full((n_images, M), pad, dtype=np.int64)
+    rows[image, rank] = q_rows[valid]
     slots = np.full(q_rows.shape, n_images * M, dtype=np.int64)
-    for i, (r, w) in enumerate(zip(per_image, where)):
-        rows[i, : len(r)] = r
-        for m, (b, t) in enumerate(w):
-            slots[b, t] = i * M + m
+    slots[valid] = image * M + rank
     return rows, slots
 
 
@@ -365,14 +362,13 @@ class DecodeGraphs:
         tables[:D, : plan.decode_tables.shape[1]] = plan.decode_tables
         image_tables = np.zeros((n_images, static["image_tables"].shape[1]), dtype=np.int64)
         image_tables[:I] = plan.decode_image_tables
+        grouped, slot_actual = _rows_by_image(plan.decode_image, np.arange(D, dtype=np.int64)[:, None], I, n_rows)
         by_image = np.full((n_images, self.per_image), n_rows, dtype=np.int64)
-        grouped, _ = _rows_by_image(plan.decode_image, np.arange(D, dtype=np.int64)[:, None], I, n_rows)
         by_image[:I, : grouped.shape[1]] = grouped
-        # Slots in the graph's fixed [n_images, per_image] layout.
+        # The same slots, in the graph's fixed [n_images, per_image] layout.
+        M = max(grouped.shape[1], 1)
         q_slot = np.full((n_rows, 1), n_images * self.per_image, dtype=np.int64)
-        for i in range(I):
-            for m, row in enumerate(grouped[i][grouped[i] != n_rows].tolist()):
-                q_slot[row, 0] = i * self.per_image + m
+        q_slot[:D, 0] = slot_actual[:, 0] // M * self.per_image + slot_actual[:, 0] % M
         arrays = [rows, pos, tables, image_tables, by_image, q_slot]
         uploaded, _ = slot.upload(arrays, [], r.device, r.compute)
         for k, v in zip(("rows", "pos", "tables", "image_tables", "by_image", "slot"), uploaded):
