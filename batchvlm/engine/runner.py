@@ -307,11 +307,12 @@ class DecodeGraphs:
     query rows. Every output head is computed for every row here (fixed shapes).
     """
 
-    def __init__(self, runner: Runner, max_own_blocks: int, seqs_per_image: int):
+    def __init__(self, runner: Runner, max_own_blocks: int, seqs_per_image: int, capture: bool = True):
         self.r = runner
         self.own = max_own_blocks
         self.per_image = seqs_per_image
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], Decision]] = {}
+        self.capture = capture  # False: run the same fixed-shape body eagerly (tests it on CPU)
+        self.graphs: dict[tuple[int, int], tuple] = {}  # (graph | None, static inputs, outputs | body)
         self.pool = None
 
     def _capture(self, n_rows: int, n_images: int):
@@ -333,6 +334,9 @@ class DecodeGraphs:
             hidden = r.model.forward_tokens(embeds[0], positions[0], batch, r.cache)
             return r._decide(static["rows"], hidden[flat], None)
 
+        if not self.capture:
+            self.graphs[(n_rows, n_images)] = (None, static, body)
+            return
         # Warm-up and capture run the body for real: on the scratch row and the null block only.
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -373,5 +377,7 @@ class DecodeGraphs:
         uploaded, _ = slot.upload(arrays, [], r.device, r.compute)
         for k, v in zip(("rows", "pos", "tables", "image_tables", "by_image", "slot"), uploaded):
             static[k].copy_(v)
+        if graph is None:
+            return out()  # the uncaptured body
         graph.replay()
         return out
