@@ -99,22 +99,29 @@ def validate(job_file: Path = JOB_ARG) -> None:
 
 
 @app.command()
-def status(job_file: Path = JOB_ARG, as_json: bool = typer.Option(False, "--json", help="Machine-readable.")) -> None:
-    """Progress of JOB_FILE from its output folder: shards done / partial / pending, rows, errors."""
-    job = _load(job_file)
+def status(
+    target: Path = typer.Argument(..., help="The job file, or its output folder."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable."),
+) -> None:
+    """Progress from the output folder: shards done / partial / failed / pending, rows, errors."""
+    from .output.reader import Output, OutputError
     from .status import collect
 
     try:
+        job = Output.open(target).job if target.is_dir() else _load(target)
         report = collect(job)
-    except SourceError as e:
+    except (OutputError, SourceError) as e:
         fail(str(e))
     if as_json:
         typer.echo(json.dumps(report, indent=1))
         return
     typer.echo(f"{job.name}: {report['done']}/{report['shards']} shards done, {report['partial']} partial, "
-               f"{report['pending']} pending; {report['rows']} rows, {report['errors']} errors")
+               f"{report['failed']} failed, {report['pending']} pending; {report['rows']} rows, "
+               f"{report['errors']} errors")
     for name in report["partial_shards"][:10]:
         typer.echo(f"  partial: {name}")
+    for line in report["failed_shards"][:10]:
+        typer.echo(f"  failed: {line}")
 
 
 @app.command()

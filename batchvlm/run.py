@@ -201,8 +201,9 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
                 if isinstance(item, ShardEnd):
                     a = assemblies[item.shard]
                     a.expected, a.damaged, a.failed = item.n_samples, item.damaged, item.failed
-                    if a.failed:
+                    if a.failed:  # recorded (not done) so `status` shows it; the next run retries it
                         summary.shards_failed.append(a.ref.stem)
+                        manifest.record_failure(out_dir, a.ref.stem, a.ref.url, a.failed)
                         a.expected = None
                     elif a.complete:
                         finish(item.shard)

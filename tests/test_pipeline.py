@@ -183,3 +183,20 @@ def test_damaged_tar_keeps_what_was_readable(tmp_path):
     cli("run", job)
     stats = json.loads((tmp_path / "out" / "broken-0.stats.json").read_text())
     assert stats["complete"] and stats["damaged"] and 1 <= stats["rows"] < 4
+
+
+def test_unreadable_shard_is_reported_failed_and_retried(tmp_path):
+    shapes_shards(tmp_path, 1, 2)
+    gone = f"file://{tmp_path}/vanished.tar"  # a URL: listed, then unreadable
+    job = write_job(tmp_path / "job.yaml", "unused", input={"shards": [str(tmp_path / "data/shapes-000000.tar"), gone]})
+    r = cli("run", job, check=False)
+    assert r.returncode == 1 and "1 FAILED (vanished)" in r.stderr
+    report = json.loads(cli("status", tmp_path / "out", "--json").stdout)
+    assert (report["done"], report["failed"]) == (1, 1) and "vanished" in report["failed_shards"][0]
+    from batchvlm.shapes.shards import write_shards
+
+    write_shards(tmp_path / "late", 1, 2, seed=3, prefix="vanished")
+    (tmp_path / "late" / "vanished-000000.tar").rename(tmp_path / "vanished.tar")
+    cli("run", job)
+    report = json.loads(cli("status", job, "--json").stdout)
+    assert (report["done"], report["failed"], report["rows"]) == (2, 0, 4)

@@ -102,6 +102,12 @@ def check_weights(out_dir: Path, sha256: str) -> None:
                              "use --overwrite to start over")
 
 
+def record_failure(out_dir: Path, stem: str, source: str, error: str) -> None:
+    """A shard that could not be read: a stats file that is not a done marker, with the error."""
+    stats = {"shard": stem, "source": source, "complete": False, "failed": error}
+    atomic_write_bytes(out_dir / f"{stem}.stats.json", json.dumps(stats, indent=1).encode())
+
+
 def write_job_record(out_dir: Path, record: dict[str, Any]) -> None:
     os.makedirs(out_dir, exist_ok=True)
     atomic_write_bytes(out_dir / JOB_FILE, json.dumps(record, indent=1, default=str).encode())
