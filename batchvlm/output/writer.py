@@ -68,7 +68,8 @@ def write_shard(out_dir: Path, stem: str, rows: list[dict[str, Any]], sch: pa.Sc
                 stats: dict[str, Any]) -> None:
     final = out_dir / f"{stem}.parquet"
     tmp = tmp_path(final)
-    table = pa.Table.from_pylist(rows, schema=sch)
+    meta = json.loads(sch.metadata[b"batchvlm"]) | {"shard": stem, "finished": stats.get("finished")}
+    table = pa.Table.from_pylist(rows, schema=sch.with_metadata({"batchvlm": json.dumps(meta)}))
     pq.write_table(table, tmp, compression=None if compression == "none" else compression)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
