@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
     ap.add_argument("--eval-every", type=int, default=d.eval_every)
+    ap.add_argument("--balanced-from", type=int, default=d.balanced_from,
+                    help="step from which object queries are balanced (the shipped run: 5500)")
     ap.add_argument("--until", type=int, default=None, help="stop at this step (resume later)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=None)
@@ -40,7 +42,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = TrainSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                             ckpt_every=args.ckpt_every, eval_every=args.eval_every)
+                             ckpt_every=args.ckpt_every, eval_every=args.eval_every, balanced_from=args.balanced_from)
     args.out.mkdir(parents=True, exist_ok=True)
     log_file = open(args.out / "train.log", "a")
 

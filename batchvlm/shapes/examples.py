@@ -91,14 +91,20 @@ def spatial_segment(prompt: list[int], objects: list[tuple[float, ...]], detect:
     return seg
 
 
-def object_queries(scene: Scene, rng: random.Random, n: int) -> list[str]:
-    """A mix of present and absent `<kind>` / `<colour> <kind>` queries."""
-    present = [s.kind for s in scene.shapes] + [f"{s.colour} {s.kind}" for s in scene.shapes]
-    every = list(KINDS) + [f"{c} {k}" for c in COLOURS for k in KINDS]
-    return [rng.choice(present) if rng.random() < 0.7 else rng.choice(every) for _ in range(n)]
+def object_queries(scene: Scene, rng: random.Random, n: int, balanced: bool) -> list[str]:
+    """`<kind>` / `<colour> <kind>` queries. Balanced: half plain kinds (uniform, so absent ones
+    are common, as when a job asks for every kind), half colour + kind (half present).
+    Otherwise mostly present ones (the first stage of the shipped run)."""
+    present_ck = [f"{s.colour} {s.kind}" for s in scene.shapes]
+    every_ck = [f"{c} {k}" for c in COLOURS for k in KINDS]
+    if balanced:
+        return [rng.choice(KINDS) if rng.random() < 0.5 else
+                rng.choice(present_ck) if rng.random() < 0.5 else rng.choice(every_ck) for _ in range(n)]
+    present = [s.kind for s in scene.shapes] + present_ck
+    return [rng.choice(present) if rng.random() < 0.7 else rng.choice(list(KINDS) + every_ck) for _ in range(n)]
 
 
-def segments_for(scene: Scene, rng: random.Random, encode) -> list[Segment]:
+def segments_for(scene: Scene, rng: random.Random, encode, balanced: bool = True) -> list[Segment]:
     """The task segments trained on one image. `encode(text) -> ids`."""
     segs = []
     length = rng.choice(["short", "normal", "long"])
@@ -111,7 +117,7 @@ def segments_for(scene: Scene, rng: random.Random, encode) -> list[Segment]:
         segs.append(text_segment(prompt, encode(scene.answer(question))))
     for kind in ("detect", "point"):
         t = TEMPLATES[kind]
-        for query in object_queries(scene, rng, 2):
+        for query in object_queries(scene, rng, 2, balanced):
             boxes = scene.boxes(query)
             objs = [((b[0] + b[2]) / 2, (b[1] + b[3]) / 2, b[2] - b[0], b[3] - b[1]) for b in boxes]
             segs.append(spatial_segment(t["prefix"] + encode(" " + query) + t["suffix"], objs, kind == "detect"))

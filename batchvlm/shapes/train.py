@@ -61,6 +61,7 @@ class TrainSettings:
     warmup: int = 300
     decay_from: float = 0.85  # fraction of steps after which the LR decays (cosine to 5%)
     curriculum: int = 4000  # steps until scenes of up to 3 shapes are common
+    balanced_from: int = 0  # step from which object queries are balanced (examples.object_queries)
     seed: int = 0
     ckpt_every: int = 500
     eval_every: int = 2500
@@ -156,7 +157,7 @@ def make_batch(step: int, settings: TrainSettings, pre: Preprocessor, encode, pr
             image.save(buf, format="JPEG", quality=rng.randint(80, 95))
             image = Image.open(buf).convert("RGB")
         crops.append(pre(image).crops[0])
-        segs_per_image.append(segments_for(scene, rng, encode))
+        segs_per_image.append(segments_for(scene, rng, encode, balanced=step >= settings.balanced_from))
         targets.append(patch_targets(scene, pre.vision.grid))
     return collate(crops, segs_per_image, targets, prefix_len)
 
@@ -408,5 +409,6 @@ def write_card(dest: Path, trainer: Trainer, final_eval: dict[str, float], hardw
         lines.append(f"| {e['step']} | {v['caption_exact']} | {v['query_exact']} | {v['detect_f1@0.5']} | {v['point_f1']} |")
     lines += ["", f"Final evaluation of the exported (float16) weights on 200 fresh scenes: `{json.dumps(final_eval)}`",
               "", "Reproduce: `python scripts/train_demo.py --out runs/demo --steps "
-              f"{s.steps} --export batchvlm/models/demo` (re-run the same command after an interruption).", ""]
+              f"{s.steps} --balanced-from {s.balanced_from} --export batchvlm/models/demo` "
+              "(re-run the same command after an interruption).", ""]
     (dest / "TRAINING.md").write_text("\n".join(lines))
