@@ -10,9 +10,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-FIXTURES = Path(__file__).resolve().parents[1] / "shared" / "fixtures"
-if not FIXTURES.is_dir():
-    FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+# The shared fixtures live beside the checkout (../shared), inside it (shared/), or where
+# BATCHVLM_SHARED points.
+_ROOT = Path(__file__).resolve().parents[1]
+_CANDIDATES = [Path(os.environ["BATCHVLM_SHARED"]) / "fixtures"] if os.environ.get("BATCHVLM_SHARED") else []
+_CANDIDATES += [_ROOT / "shared" / "fixtures", _ROOT.parent / "shared" / "fixtures"]
+FIXTURES = next((p for p in _CANDIDATES if (p / "moondream-tiny").is_dir()), _CANDIDATES[-1])
+
+
+def pytest_report_header(config):
+    found = (FIXTURES / "moondream-tiny").is_dir()
+    return f"batchvlm fixtures: {FIXTURES if found else 'NOT FOUND (parity tests skip; set BATCHVLM_SHARED)'}"
 
 
 def pytest_collection_modifyitems(config, items):
