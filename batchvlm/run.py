@@ -18,6 +18,7 @@ flight are finished, completed shards are written, and unfinished shards are dro
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from collections import Counter
@@ -40,6 +41,10 @@ from .output import manifest
 from .output.claims import Claims
 from .output.writer import ShardOutput, WriterThread, schema
 from .progress import Progress
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def now() -> str:
@@ -160,7 +165,9 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
     folder, revision = registry.locate(job.model)
     pre = registry.preprocessor(folder, job.model)
     stream = load(pending, job.input, job.loader, pre, stealing)  # workers decode while the model loads
+    t_load = time.time()
     md = registry.load(job.model, folder, revision)
+    t_load = time.time() - t_load
     manifest.check_weights(out_dir, md.info.weights_sha256)
     seqs = md.sequences(job.tasks, job.engine.max_new_tokens, job.engine.max_objects,
                         job.engine.temperature, job.engine.top_p)
@@ -171,7 +178,12 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
                                                    "job_spec": job.model_dump(), "world_size": rank.world})
     writer = WriterThread(out_dir, schema(job.tasks, meta), job.output.compression,
                           on_written=stealing.claims.release if stealing else None)
+    t_engine = time.time()
     labeler = EngineLabeler(md, seqs, job.engine)
+    log(f"batchvlm: rank {rank.rank}/{rank.world}: {len(pending)} shard(s) to label; model {md.info.name} "
+        f"({md.info.dtype}, {md.info.device}) loaded in {t_load:.1f} s; engine ready in {time.time() - t_engine:.1f} s "
+        f"({labeler.engine.stats['kv_blocks']} KV blocks of {job.engine.block_size}, {len(seqs)} sequences per image, "
+        f"{'pipelined' if job.engine.pipelined else 'synchronous'})")
     assemblies = {i: ShardAssembly(ref) for i, ref in enumerate(pending)}
     claimed: set[str] = set()
     beat_stop = threading.Event()
