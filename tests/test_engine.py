@@ -88,3 +88,13 @@ def test_engine_matches_the_upstream_reference(fixtures_dir, tmp_path):
         assert len(det[1]) == len(boxes)
         assert np.allclose(np.array(det[1]).reshape(-1, 4), np.array(boxes).reshape(-1, 4), atol=1e-6)
         assert pt[1] == [(p["x"], p["y"]) for p in e["point"]["points"]]
+
+
+def test_tightest_limits(tiny):
+    """One token, one object: sequences finish at their first decision, never planned again."""
+    md, prepared = tiny
+    seqs = md.sequences(TASKS, max_new_tokens=1, max_objects=1)
+    reference = [[(o.tokens, o.objects) for o in img] for img in generate(md.model, prepared, [s.spec for s in seqs])]
+    assert all(len(o[0]) <= 1 and len(o[1]) <= 1 for img in reference for o in img)
+    for pipelined in (False, True):
+        assert run_engine(md, prepared, seqs, max_batch_size=5, pipelined=pipelined) == reference
