@@ -3,7 +3,9 @@
 import torch
 
 from batchvlm.models.attention import AttentionBatch, AttentionGroup, slots_of
-from batchvlm.shapes.train import Trainer, TrainSettings, dense_forward, make_batch
+from batchvlm.shapes.examples import make_batch
+from batchvlm.shapes.objective import dense_forward
+from batchvlm.shapes.train import Trainer, TrainSettings
 
 
 def test_training_forward_equals_inference_forward(tmp_path):

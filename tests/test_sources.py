@@ -1,6 +1,5 @@
 """Shard listing and image decoding details."""
 
-import io
 
 import numpy as np
 from helpers import encode_image, write_tar

@@ -15,13 +15,23 @@ Coordinates and sizes fed back in are quantized to their bins, as at inference.
 
 from __future__ import annotations
 
+import io
 import math
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from PIL import Image
 
 from ..models.moondream.model import INPUT_COORD, INPUT_SIZE, INPUT_TOKEN
+from ..models.moondream.preprocess import Preprocessor
 from .vocab import ID, TEMPLATES
-from .world import COLOURS, KINDS, Scene, colour_question, COUNT_QUESTION
+from .world import COLOURS, COUNT_QUESTION, KINDS, TRAINING, Scene, colour_question, draw_scene
+
+if TYPE_CHECKING:
+    from .train import TrainSettings
 
 CONTINUE_ID = ID["<|coord|>"]  # what the model emits for "another object follows"
 EOS_ID = 0
@@ -122,3 +132,93 @@ def segments_for(scene: Scene, rng: random.Random, encode, balanced: bool = True
             objs = [((b[0] + b[2]) / 2, (b[1] + b[3]) / 2, b[2] - b[0], b[3] - b[1]) for b in boxes]
             segs.append(spatial_segment(t["prefix"] + encode(" " + query) + t["suffix"], objs, kind == "detect"))
     return segs
+
+
+# ---------------------------------------------------------------- batches
+
+
+def patch_targets(scene: Scene, grid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each patch of the global crop: kind / colour class (0 = background) and geometry."""
+    kind = np.zeros(grid * grid, dtype=np.int64)
+    colour = np.zeros(grid * grid, dtype=np.int64)
+    geom = np.full((grid * grid, 4), np.nan, dtype=np.float32)
+    for s in scene.shapes:
+        x0, y0, x1, y1 = scene.norm_box(s)
+        for r in range(grid):
+            for c in range(grid):
+                px, py = (c + 0.5) / grid, (r + 0.5) / grid
+                if x0 <= px <= x1 and y0 <= py <= y1:
+                    i = r * grid + c
+                    kind[i] = 1 + KINDS.index(s.kind)
+                    colour[i] = 1 + list(COLOURS).index(s.colour)
+                    geom[i] = ((x0 + x1) / 2 * grid - (c + 0.5), (y0 + y1) / 2 * grid - (r + 0.5),
+                               math.log2(x1 - x0), math.log2(y1 - y0))
+    return kind, colour, geom
+
+
+@dataclass
+class Batch:
+    crops: torch.Tensor  # uint8 [B, S, S, 3]
+    kind: torch.Tensor  # [B, T] INPUT_* of segment items
+    token: torch.Tensor  # [B, T]
+    value: torch.Tensor  # [B, T, 2]
+    pos: torch.Tensor  # [B, T] positions (segments restart at P)
+    seg: torch.Tensor  # [B, T] segment id (0 = padding)
+    t_token: torch.Tensor  # [B, T]
+    t_coord: torch.Tensor  # [B, T]
+    t_size: torch.Tensor  # [B, T, 2]
+    p_kind: torch.Tensor  # [B, grid*grid]
+    p_colour: torch.Tensor
+    p_geom: torch.Tensor  # [B, grid*grid, 4]
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def max_shapes_at(step: int, curriculum: int) -> int:
+    f = step / max(1, curriculum)
+    return 1 if f < 0.15 else 2 if f < 0.4 else 3
+
+
+def make_batch(step: int, settings: TrainSettings, pre: Preprocessor, encode, prefix_len: int) -> Batch:
+    rng = random.Random(f"{settings.seed}/{step}")
+    crops, segs_per_image, targets = [], [], []
+    top = max_shapes_at(step, settings.curriculum)
+    for _ in range(settings.batch_size):
+        image, scene = draw_scene(rng, TRAINING, n_shapes=rng.randint(1, top))
+        if rng.random() < 0.5:  # JPEG artefacts, as in real shards
+            buf = io.BytesIO()
+            image.save(buf, format="JPEG", quality=rng.randint(80, 95))
+            image = Image.open(buf).convert("RGB")
+        crops.append(pre(image).crops[0])
+        segs_per_image.append(segments_for(scene, rng, encode, balanced=step >= settings.balanced_from))
+        targets.append(patch_targets(scene, pre.vision.grid))
+    return collate(crops, segs_per_image, targets, prefix_len)
+
+
+def collate(crops, segs_per_image: list[list[Segment]], targets, prefix_len: int) -> Batch:
+    B = len(crops)
+    T = max(sum(len(s) for s in segs) for segs in segs_per_image)
+    kind = torch.zeros(B, T, dtype=torch.long)
+    token = torch.zeros(B, T, dtype=torch.long)
+    value = torch.zeros(B, T, 2)
+    pos = torch.full((B, T), prefix_len, dtype=torch.long)
+    seg_id = torch.zeros(B, T, dtype=torch.long)
+    t_token = torch.full((B, T), -100, dtype=torch.long)
+    t_coord = torch.full((B, T), float("nan"))
+    t_size = torch.full((B, T, 2), float("nan"))
+    for b, segs in enumerate(segs_per_image):
+        at = 0
+        for k, s in enumerate(segs):
+            n = len(s)
+            sl = slice(at, at + n)
+            kind[b, sl], token[b, sl] = torch.tensor(s.kind), torch.tensor(s.token)
+            value[b, sl] = torch.tensor(s.value)
+            pos[b, sl] = torch.arange(prefix_len, prefix_len + n)
+            seg_id[b, sl] = k + 1
+            t_token[b, sl], t_coord[b, sl] = torch.tensor(s.t_token), torch.tensor(s.t_coord)
+            t_size[b, sl] = torch.tensor(s.t_size)
+            at += n
+    p_kind, p_colour, p_geom = (torch.from_numpy(np.stack(x)) for x in zip(*targets))
+    return Batch(torch.from_numpy(np.stack(crops)), kind, token, value, pos, seg_id, t_token, t_coord, t_size,
+                 p_kind, p_colour, p_geom)
