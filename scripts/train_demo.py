@@ -22,6 +22,16 @@ from batchvlm.shapes.evaluate import score_model
 from batchvlm.shapes.train import Trainer, TrainSettings, write_card
 
 
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     d = TrainSettings()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,6 +44,8 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=d.eval_every)
     ap.add_argument("--balanced-from", type=int, default=d.balanced_from,
                     help="step from which object queries are balanced (the shipped run: 5500)")
+    ap.add_argument("--finetune-steps", type=int, default=d.finetune_steps,
+                    help="a second stage after --steps, weighted to colour + kind queries (the shipped run: 4000)")
     ap.add_argument("--until", type=int, default=None, help="stop at this step (resume later)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=None)
@@ -42,7 +54,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = TrainSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                             ckpt_every=args.ckpt_every, eval_every=args.eval_every, balanced_from=args.balanced_from)
+                             ckpt_every=args.ckpt_every, eval_every=args.eval_every, balanced_from=args.balanced_from,
+                             finetune_steps=args.finetune_steps)
     args.out.mkdir(parents=True, exist_ok=True)
     log_file = open(args.out / "train.log", "a")
 
@@ -56,11 +69,11 @@ def main() -> None:
                     "threads": torch.get_num_threads(), "host": platform.processor() or platform.machine(),
                     "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}))
     trainer.run(until=args.until, log=log)
-    if args.export and trainer.step >= settings.steps:
+    if args.export and trainer.step >= settings.total_steps:
         trainer.export(args.export)
         md = Moondream.load("demo", folder=args.export, device="cpu")
         final = score_model(md.model, md.tokenizer, md.preprocessor, 200, seed=987_654)
-        hardware = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {args.device}"
+        hardware = f"{cpu_name()}, {torch.get_num_threads()} threads, device {args.device}"
         write_card(args.export, trainer, final, hardware)
         log(json.dumps({"exported": str(args.export), "final_eval_200": final}))
     return 0

@@ -101,20 +101,26 @@ def spatial_segment(prompt: list[int], objects: list[tuple[float, ...]], detect:
     return seg
 
 
-def object_queries(scene: Scene, rng: random.Random, n: int, balanced: bool) -> list[str]:
-    """`<kind>` / `<colour> <kind>` queries. Balanced: half plain kinds (uniform, so absent ones
-    are common, as when a job asks for every kind), half colour + kind (half present).
-    Otherwise mostly present ones (the first stage of the shipped run)."""
+def object_queries(scene: Scene, rng: random.Random, n: int, mix: str) -> list[str]:
+    """`<kind>` / `<colour> <kind>` queries, drawn by one of three mixes:
+    present   mostly objects in the image (the first stage of the shipped run)
+    balanced  half plain kinds drawn uniformly (absent ones are common, as when a job asks
+              for every kind), half colour + kind (half of those present)
+    colour    a quarter plain kinds, the rest colour + kind, 60% present: binding a colour to
+              the right shape among several (the fine-tuning stage)"""
     present_ck = [f"{s.colour} {s.kind}" for s in scene.shapes]
     every_ck = [f"{c} {k}" for c in COLOURS for k in KINDS]
-    if balanced:
+    if mix == "balanced":
         return [rng.choice(KINDS) if rng.random() < 0.5 else
                 rng.choice(present_ck) if rng.random() < 0.5 else rng.choice(every_ck) for _ in range(n)]
+    if mix == "colour":
+        return [rng.choice(KINDS) if rng.random() < 0.25 else
+                rng.choice(present_ck) if rng.random() < 0.6 else rng.choice(every_ck) for _ in range(n)]
     present = [s.kind for s in scene.shapes] + present_ck
     return [rng.choice(present) if rng.random() < 0.7 else rng.choice(list(KINDS) + every_ck) for _ in range(n)]
 
 
-def segments_for(scene: Scene, rng: random.Random, encode, balanced: bool = True) -> list[Segment]:
+def segments_for(scene: Scene, rng: random.Random, encode, mix: str = "balanced") -> list[Segment]:
     """The task segments trained on one image. `encode(text) -> ids`."""
     segs = []
     length = rng.choice(["short", "normal", "long"])
@@ -127,7 +133,7 @@ def segments_for(scene: Scene, rng: random.Random, encode, balanced: bool = True
         segs.append(text_segment(prompt, encode(scene.answer(question))))
     for kind in ("detect", "point"):
         t = TEMPLATES[kind]
-        for query in object_queries(scene, rng, 2, balanced):
+        for query in object_queries(scene, rng, 2, mix):
             boxes = scene.boxes(query)
             objs = [((b[0] + b[2]) / 2, (b[1] + b[3]) / 2, b[2] - b[0], b[3] - b[1]) for b in boxes]
             segs.append(spatial_segment(t["prefix"] + encode(" " + query) + t["suffix"], objs, kind == "detect"))
@@ -191,7 +197,8 @@ def make_batch(step: int, settings: TrainSettings, pre: Preprocessor, encode, pr
             image.save(buf, format="JPEG", quality=rng.randint(80, 95))
             image = Image.open(buf).convert("RGB")
         crops.append(pre(image).crops[0])
-        segs_per_image.append(segments_for(scene, rng, encode, balanced=step >= settings.balanced_from))
+        mix = "present" if step < settings.balanced_from else "balanced" if step < settings.steps else "colour"
+        segs_per_image.append(segments_for(scene, rng, encode, mix))
         targets.append(patch_targets(scene, pre.vision.grid))
     return collate(crops, segs_per_image, targets, prefix_len)
 

@@ -55,6 +55,12 @@ class TrainSettings:
     decay_from: float = 0.85  # fraction of steps after which the LR decays (cosine to 5%)
     curriculum: int = 4000  # steps until scenes of up to 3 shapes are common
     balanced_from: int = 0  # step from which object queries are balanced (examples.object_queries)
+    finetune_steps: int = 0  # after `steps`: a second stage with the "colour" query mix
+    finetune_lr: float = 3e-4  # its peak learning rate (then cosine to 5%)
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps + self.finetune_steps
     seed: int = 0
     ckpt_every: int = 500
     eval_every: int = 2500
@@ -87,6 +93,12 @@ def init_demo_model(config: MoondreamConfig, seed: int) -> MoondreamModel:
 
 
 def lr_at(step: int, s: TrainSettings) -> float:
+    if step >= s.steps:  # fine-tuning stage: short warm-up, then cosine to 5%
+        k = step - s.steps
+        if k < s.warmup:
+            return s.finetune_lr * (k + 1) / s.warmup
+        f = (k - s.warmup) / max(1, s.finetune_steps - s.warmup)
+        return s.finetune_lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * f)))
     if step < s.warmup:
         return s.lr * (step + 1) / s.warmup
     start = int(s.decay_from * s.steps)
@@ -154,7 +166,7 @@ class Trainer:
         return {k: float(v.detach()) for k, v in parts.items()} | {"total": float(total.detach())}
 
     def run(self, until: int | None = None, log=print) -> None:
-        until = min(until or self.s.steps, self.s.steps)
+        until = min(until or self.s.total_steps, self.s.total_steps)
         t0, window = time.time(), []
         while self.step < until:
             window.append(self.train_step())
@@ -206,7 +218,8 @@ def write_card(dest: Path, trainer: Trainer, final_eval: dict[str, float], hardw
         "A tiny Moondream 2 architecture (config.json) trained from scratch on the synthetic shapes",
         "world (shared/design/SHAPES.md) by `scripts/train_demo.py`; weights stored as float16.",
         "",
-        f"- steps: {trainer.step}, batch {s.batch_size} images, {trainer.step * s.batch_size} images seen",
+        f"- steps: {trainer.step} ({s.steps} + {s.finetune_steps} fine-tuning), batch {s.batch_size} images, "
+        f"{trainer.step * s.batch_size} images seen",
         f"- seed: {s.seed}; settings: `{json.dumps(asdict(s))}`",
         f"- hardware: {hardware}",
         f"- training time: {trainer.elapsed / 3600:.2f} h (wall clock of the training steps, resumed runs summed)",
@@ -223,6 +236,7 @@ def write_card(dest: Path, trainer: Trainer, final_eval: dict[str, float], hardw
         lines.append(f"| {e['step']} | {v['caption_exact']} | {v['query_exact']} | {v['detect_f1@0.5']} | {v['point_f1']} |")
     lines += ["", f"Final evaluation of the exported (float16) weights on 200 fresh scenes: `{json.dumps(final_eval)}`",
               "", "Reproduce: `python scripts/train_demo.py --out runs/demo --steps "
-              f"{s.steps} --balanced-from {s.balanced_from} --export batchvlm/models/demo` "
+              f"{s.steps} --balanced-from {s.balanced_from} --finetune-steps {s.finetune_steps} "
+              "--export batchvlm/models/demo` "
               "(re-run the same command after an interruption).", ""]
     (dest / "TRAINING.md").write_text("\n".join(lines))
