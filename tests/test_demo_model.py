@@ -1,0 +1,53 @@
+"""The shipped demo model labels the shapes world right, through the real pipeline."""
+
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from batchvlm.engine.engine import Engine
+from batchvlm.engine.labeler import WorkItem
+from batchvlm.job import EngineSpec, load_job
+from batchvlm.models.moondream.family import Moondream
+from batchvlm.models.moondream.generate import generate
+from batchvlm.models.registry import DEMO_DIR
+from batchvlm.shapes.evaluate import score_model, score_output
+from batchvlm.shapes.world import SPEC, draw_scene
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_demo_job_meets_the_quality_bar(tmp_path):
+    job = yaml.safe_load((ROOT / "jobs" / "demo.yaml").read_text())
+    shutil.copytree(ROOT / "jobs" / "data", tmp_path / "data")
+    (tmp_path / "demo.yaml").write_text(yaml.safe_dump(job))
+    r = subprocess.run([sys.executable, "-m", "batchvlm.cli", "run", str(tmp_path / "demo.yaml")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    metrics, n = score_output(tmp_path / "out" / "shapes-demo")
+    assert n == 100 and set(metrics) == {"caption_exact", "query_exact", "detect_f1@0.5", "point_f1"}
+    assert min(metrics.values()) >= 0.9, metrics
+
+
+def test_fresh_scenes_meet_the_quality_bar():
+    md = Moondream.load("demo", folder=DEMO_DIR, device="cpu")
+    scores = score_model(md.model, md.tokenizer, md.preprocessor, 60, seed=31337)
+    assert min(scores.values()) >= 0.9, scores
+
+
+def test_demo_labels_identical_across_engine_modes_and_the_simple_generation():
+    job = load_job(ROOT / "jobs" / "demo.yaml")
+    md = Moondream.load("demo", folder=DEMO_DIR, device="cpu")
+    seqs = md.sequences(job.tasks, job.engine.max_new_tokens, job.engine.max_objects)
+    rng = random.Random(77)
+    prepared = [md.preprocessor(draw_scene(rng, SPEC)[0]) for _ in range(40)]
+    reference = [[(o.tokens, o.objects) for o in img] for img in generate(md.model, prepared, [s.spec for s in seqs])]
+    for batch in (1, 7, 64, 256):
+        for pipelined in (False, True):
+            engine = Engine(md, seqs, EngineSpec(max_batch_size=batch, pipelined=pipelined))
+            out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
+                   for im in engine.run(WorkItem(i, p, str(i)) for i, p in enumerate(prepared))}
+            assert [out[i] for i in range(len(prepared))] == reference, (batch, pipelined)
