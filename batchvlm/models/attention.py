@@ -103,11 +103,15 @@ def _attend_lse(q_BHTD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor
     if k_BHLD.shape[1] != H:
         k_BHLD = k_BHLD.repeat_interleave(H // k_BHLD.shape[1], dim=1)
         v_BHLD = v_BHLD.repeat_interleave(H // v_BHLD.shape[1], dim=1)
-    scores = (q_BHTD.float() @ k_BHLD.float().transpose(-1, -2)) * q_BHTD.shape[-1] ** -0.5
+    scores = (q_BHTD.float() * q_BHTD.shape[-1] ** -0.5) @ k_BHLD.float().transpose(-1, -2)
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.exp(scores - lse[..., None]) @ v_BHLD.float(), lse
+        scores.masked_fill_(~mask, float("-inf"))
+    # Every real query sees at least one key, so the row max is finite. In place: the scores
+    # are the largest tensor here.
+    m = scores.amax(dim=-1, keepdim=True)
+    p = scores.sub_(m).exp_()
+    total = p.sum(dim=-1)
+    return (p @ v_BHLD.float()) / total[..., None], m[..., 0] + total.log()
 
 
 def attend(
