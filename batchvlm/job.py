@@ -64,7 +64,9 @@ class EngineSpec(Strict):
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy (reproducible labels).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling for temperature > 0.")
     seed: int = Field(0, description="Sampling seed; each sample draws from (seed, key, task) alone.")
-    pipelined: bool = Field(True, description="false = synchronous steps, for ablation and debugging.")
+    pipelined: bool | Literal["auto"] = Field(
+        "auto", description="auto = pipelined where the device runs asynchronously (CUDA), synchronous on CPU "
+        "(nothing to overlap there); false = synchronous steps, for ablation and debugging.")
     cuda_graphs: bool = Field(True, description="Capture decode steps in CUDA graphs (CUDA only).")
     block_size: int = Field(16, ge=1, description="KV-cache block size in tokens.")
     kv_memory_fraction: float = Field(0.85, gt=0.0, le=0.98,

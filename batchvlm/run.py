@@ -183,7 +183,7 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
     log(f"batchvlm: rank {rank.rank}/{rank.world}: {len(pending)} shard(s) to label; model {md.info.name} "
         f"({md.info.dtype}, {md.info.device}) loaded in {t_load:.1f} s; engine ready in {time.time() - t_engine:.1f} s "
         f"({labeler.engine.stats['kv_blocks']} KV blocks of {job.engine.block_size}, {len(seqs)} sequences per image, "
-        f"{'pipelined' if job.engine.pipelined else 'synchronous'})")
+        f"{'pipelined' if labeler.engine.pipelined else 'synchronous'})")
     assemblies = {i: ShardAssembly(ref) for i, ref in enumerate(pending)}
     claimed: set[str] = set()
     beat_stop = threading.Event()

@@ -98,3 +98,10 @@ def test_tightest_limits(tiny):
     assert all(len(o[0]) <= 1 and len(o[1]) <= 1 for img in reference for o in img)
     for pipelined in (False, True):
         assert run_engine(md, prepared, seqs, max_batch_size=5, pipelined=pipelined) == reference
+
+
+def test_auto_pipelining_follows_the_device(tiny):
+    md, _ = tiny
+    seqs = md.sequences(TASKS, 8, 3)
+    assert not Engine(md, seqs, EngineSpec()).pipelined  # CPU: nothing to overlap
+    assert Engine(md, seqs, EngineSpec(pipelined=True)).pipelined

@@ -50,7 +50,10 @@ class Engine:
                              len(seqs), settings.cuda_graphs, sampling)
         self.scheduler = Scheduler(BlockManager(n_blocks, bs), n_rows, self.P, n_slots)
         self.inflight: deque[InFlight] = deque()
-        self.step = self._step_pipelined if settings.pipelined else self._step_sync
+        # On CPU a launch runs the whole forward before returning: pipelining would only add a
+        # zombie row per finish and a step of admission lag.
+        self.pipelined = model.device.type == "cuda" if settings.pipelined == "auto" else settings.pipelined
+        self.step = self._step_pipelined if self.pipelined else self._step_sync
         self.stats = {"steps": 0, "kv_blocks": n_blocks}
 
     # ------------------------------------------------------------------ sizing
