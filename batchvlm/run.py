@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .data.loader import Sample, ShardEnd, Stealing, load
+from .data.loader import Sample, ShardEnd, Stealing, load, stop_workers
 from .data.sources import ShardRef, list_shards
 from .dist import Rank, my_shards
 from .engine.engine import EngineLabeler
@@ -141,6 +141,7 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
     out_dir = Path(job.output.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = list_shards(job.input)
+    manifest.check_not_input(out_dir, shards)
     if overwrite or job.output.mode == "overwrite":
         if rank.world > 1:
             raise manifest.OutputConflict("--overwrite with several ranks would let one rank delete another's "
@@ -165,90 +166,94 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
     folder, revision = registry.locate(job.model)
     pre = registry.preprocessor(folder, job.model)
     stream = load(pending, job.input, job.loader, pre, stealing)  # workers decode while the model loads
-    t_load = time.time()
-    md = registry.load(job.model, folder, revision)
-    t_load = time.time() - t_load
-    manifest.check_weights(out_dir, md.info.weights_sha256)
-    seqs = md.sequences(job.tasks, job.engine.max_new_tokens, job.engine.max_objects,
-                        job.engine.temperature, job.engine.top_p)
-    meta = {"batchvlm": __version__, "job": job.name, "model": md.info.to_dict(),
-            "tasks": [t.model_dump() for t in job.tasks], "engine": job.engine.model_dump(), "started": now()}
-    if rank.rank == 0 or not (out_dir / manifest.JOB_FILE).exists():
-        manifest.write_job_record(out_dir, meta | {"label_fingerprint": job.label_fingerprint(),
-                                                   "job_spec": job.model_dump(), "world_size": rank.world})
-    writer = WriterThread(out_dir, schema(job.tasks, meta), job.output.compression,
-                          on_written=stealing.claims.release if stealing else None)
-    t_engine = time.time()
-    labeler = EngineLabeler(md, seqs, job.engine)
-    log(f"batchvlm: rank {rank.rank}/{rank.world}: {len(pending)} shard(s) to label; model {md.info.name} "
-        f"({md.info.dtype}, {md.info.device}) loaded in {t_load:.1f} s; engine ready in {time.time() - t_engine:.1f} s "
-        f"({labeler.engine.stats['kv_blocks']} KV blocks of {job.engine.block_size}, {len(seqs)} sequences per image, "
-        f"{'pipelined' if labeler.engine.pipelined else 'synchronous'})")
-    assemblies = {i: ShardAssembly(ref) for i, ref in enumerate(pending)}
-    claimed: set[str] = set()
-    beat_stop = threading.Event()
-    if stealing:
-        stealing.claims.keep_alive(claimed, beat_stop)
-    bar = Progress(job.name, len(pending), enabled=progress)
-    taken = 0
-
-    def finish(i: int) -> None:
-        writer.put(assemblies.pop(i).output(complete=True))
-
-    def add_row(i: int, index: int, row: dict[str, Any]) -> None:
-        a = assemblies[i]
-        a.rows[index] = row
-        summary.images += 1
-        summary.errors += row["status"] == "error"
-        bar.add(row["status"] == "error", len(writer.written))
-        if a.complete:
-            finish(i)
-
-    def images() -> Iterator[WorkItem]:
-        nonlocal taken
-        try:
-            for item in stream:
-                if stealing:
-                    claimed.add(assemblies[item.shard].ref.stem)
-                if isinstance(item, ShardEnd):
-                    a = assemblies[item.shard]
-                    a.expected, a.damaged, a.failed = item.n_samples, item.damaged, item.failed
-                    if a.failed:  # recorded (not done) so `status` shows it; the next run retries it
-                        summary.shards_failed.append(a.ref.stem)
-                        manifest.record_failure(out_dir, a.ref.stem, a.ref.url, a.failed)
-                        a.expected = None
-                    elif a.complete:
-                        finish(item.shard)
-                    continue
-                if (limit is not None and taken >= limit) or stop.event.is_set():
-                    return
-                taken += 1
-                ref = assemblies[item.shard].ref
-                if item.error is not None:
-                    add_row(item.shard, item.index, row_for(ref, item, None, item.error))
-                else:
-                    yield WorkItem((item.shard, item.index, item), PreparedImage(item.crops.numpy(), item.tiling),
-                                   item.key)
-        except Exception:
-            if not stop.event.is_set():  # loader workers dying during a shutdown is expected
-                raise
-
     try:
-        for (i, index, sample), raws in labeler.label(images()):
-            add_row(i, index, row_for(assemblies[i].ref, sample, md.columns(job.tasks, seqs, raws), None))
-        if limit is not None and not stop.event.is_set():
-            # --limit: keep what was labelled, marked incomplete so the next run redoes it whole.
-            for a in assemblies.values():
-                if a.rows and not a.failed:
-                    writer.put(a.output(complete=False))
-    finally:
-        writer.close()
-        bar.close()
-        beat_stop.set()
+        t_load = time.time()
+        md = registry.load(job.model, folder, revision)
+        t_load = time.time() - t_load
+        manifest.check_weights(out_dir, md.info.weights_sha256)
+        seqs = md.sequences(job.tasks, job.engine.max_new_tokens, job.engine.max_objects,
+                            job.engine.temperature, job.engine.top_p)
+        meta = {"batchvlm": __version__, "job": job.name, "model": md.info.to_dict(),
+                "tasks": [t.model_dump() for t in job.tasks], "engine": job.engine.model_dump(), "started": now()}
+        if rank.rank == 0 or not (out_dir / manifest.JOB_FILE).exists():
+            manifest.write_job_record(out_dir, meta | {"label_fingerprint": job.label_fingerprint(),
+                                                       "job_spec": job.model_dump(), "world_size": rank.world})
+        writer = WriterThread(out_dir, schema(job.tasks, meta), job.output.compression,
+                              on_written=stealing.claims.release if stealing else None)
+        t_engine = time.time()
+        labeler = EngineLabeler(md, seqs, job.engine)
+        log(f"batchvlm: rank {rank.rank}/{rank.world}: {len(pending)} shard(s) to label; model {md.info.name} "
+            f"({md.info.dtype}, {md.info.device}) loaded in {t_load:.1f} s; engine ready in {time.time() - t_engine:.1f} s "
+            f"({labeler.engine.stats['kv_blocks']} KV blocks of {job.engine.block_size}, {len(seqs)} sequences per image, "
+            f"{'pipelined' if labeler.engine.pipelined else 'synchronous'})")
+        assemblies = {i: ShardAssembly(ref) for i, ref in enumerate(pending)}
+        claimed: set[str] = set()
+        beat_stop = threading.Event()
         if stealing:
-            for stem in claimed - set(writer.written):
-                stealing.claims.release(stem)
-    summary.shards_written = list(writer.written)
-    summary.stopped_by_signal = stop.event.is_set()
-    summary.seconds = time.time() - t0
-    return summary
+            stealing.claims.keep_alive(claimed, beat_stop)
+        bar = Progress(job.name, len(pending), enabled=progress)
+        taken = 0
+
+        def finish(i: int) -> None:
+            writer.put(assemblies.pop(i).output(complete=True))
+
+        def add_row(i: int, index: int, row: dict[str, Any]) -> None:
+            a = assemblies[i]
+            a.rows[index] = row
+            summary.images += 1
+            summary.errors += row["status"] == "error"
+            bar.add(row["status"] == "error", len(writer.written))
+            if a.complete:
+                finish(i)
+
+        def images() -> Iterator[WorkItem]:
+            nonlocal taken
+            try:
+                for item in stream:
+                    if stealing:
+                        claimed.add(assemblies[item.shard].ref.stem)
+                    if isinstance(item, ShardEnd):
+                        a = assemblies[item.shard]
+                        a.expected, a.damaged, a.failed = item.n_samples, item.damaged, item.failed
+                        if a.failed:  # recorded (not done) so `status` shows it; the next run retries it
+                            log(f"batchvlm: shard {a.ref.stem} failed: {a.failed}")
+                            summary.shards_failed.append(a.ref.stem)
+                            manifest.record_failure(out_dir, a.ref.stem, a.ref.url, a.failed)
+                            a.expected = None
+                        elif a.complete:
+                            finish(item.shard)
+                        continue
+                    if (limit is not None and taken >= limit) or stop.event.is_set():
+                        return
+                    taken += 1
+                    ref = assemblies[item.shard].ref
+                    if item.error is not None:
+                        add_row(item.shard, item.index, row_for(ref, item, None, item.error))
+                    else:
+                        yield WorkItem((item.shard, item.index, item), PreparedImage(item.crops.numpy(), item.tiling),
+                                       item.key)
+            except Exception:
+                if not stop.event.is_set():  # loader workers dying during a shutdown is expected
+                    raise
+
+        try:
+            for (i, index, sample), raws in labeler.label(images()):
+                add_row(i, index, row_for(assemblies[i].ref, sample, md.columns(job.tasks, seqs, raws), None))
+            if limit is not None and not stop.event.is_set():
+                # --limit: keep what was labelled, marked incomplete so the next run redoes it whole.
+                for a in assemblies.values():
+                    if a.rows and not a.failed:
+                        writer.put(a.output(complete=False))
+        finally:
+            writer.close()
+            bar.close()
+            beat_stop.set()
+            if stealing:
+                for stem in claimed - set(writer.written):
+                    stealing.claims.release(stem)
+        summary.shards_written = list(writer.written)
+        summary.stopped_by_signal = stop.event.is_set()
+        summary.seconds = time.time() - t0
+        return summary
+    finally:
+        stop_workers()  # on every way out: they ignore SIGTERM, so exit would wait on them

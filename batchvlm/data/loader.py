@@ -9,6 +9,7 @@ memory), never floats. Workers ignore SIGTERM / SIGINT: the main process decides
 
 from __future__ import annotations
 
+import multiprocessing
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ class ShardEnd:
     shard: int
     n_samples: int
     damaged: str | None = None  # the container broke; the samples before it were delivered
-    failed: str | None = None  # I/O error: the shard must not be marked done
+    failed: str | None = None  # unreadable (I/O error, broken container): must not be marked done
 
 
 def prepare(enc: Encoded, pre: Preprocessor, spec: LoaderSpec, shard: int, index: int) -> Sample:
@@ -94,7 +95,7 @@ class ShardStream(IterableDataset):
                     return
                 yield prepare(enc, self.pre, self.spec, i, count)
                 count += 1
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - whatever breaks a shard fails that shard, never the job
             yield ShardEnd(i, count, failed=f"{type(e).__name__}: {e}")
             return
         yield ShardEnd(i, count)
@@ -103,6 +104,14 @@ class ShardStream(IterableDataset):
 def _quiet_worker(_: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
+
+
+def stop_workers() -> None:
+    """Kill this process's loader workers. They ignore SIGTERM, and the multiprocessing exit
+    hook terminates and then joins them: after an error it would wait forever."""
+    for p in multiprocessing.active_children():
+        p.kill()
+        p.join()
 
 
 def load(shards: list[ShardRef], inp: InputSpec, spec: LoaderSpec, pre: Preprocessor,
