@@ -182,7 +182,7 @@ def test_damaged_tar_keeps_what_was_readable(tmp_path):
     job = write_job(tmp_path / "job.yaml", "broken-0.tar")
     cli("run", job)
     stats = json.loads((tmp_path / "out" / "broken-0.stats.json").read_text())
-    assert stats["complete"] and stats["damaged"] and 1 <= stats["rows"] < 4
+    assert stats["complete"] and stats["damaged"] and stats["rows"] == 2  # the two whole images
 
 
 def test_unreadable_shard_is_reported_failed_and_retried(tmp_path):
@@ -200,3 +200,51 @@ def test_unreadable_shard_is_reported_failed_and_retried(tmp_path):
     cli("run", job)
     report = json.loads(cli("status", job, "--json").stdout)
     assert (report["done"], report["failed"], report["rows"]) == (2, 0, 4)
+
+
+def test_a_shard_that_breaks_the_reader_fails_alone(tmp_path):
+    """Not an I/O error (a corrupt Parquet file): that shard fails, the others are labelled,
+    and the run ends (loader workers ignore SIGTERM; a failure must not hang the exit)."""
+    im = good_png()
+    pq.write_table(pa.table({"image": [im, im]}), tmp_path / "good.parquet")
+    (tmp_path / "bad.parquet").write_bytes(b"not a parquet file")
+    job = write_job(tmp_path / "job.yaml", "unused", input={"parquet": "*.parquet", "shards": None}, output={"dir": "labels"},
+                    loader={"workers": 2})
+    r = subprocess.run([sys.executable, "-m", "batchvlm.cli", "run", str(job)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and "1 FAILED (bad)" in r.stderr and "ArrowInvalid" in r.stderr
+    assert keys_of(tmp_path / "labels" / "good.parquet") == ["0", "1"]
+    # A failure after the workers started (here: loading the model's weights) exits too, with one line.
+    import shutil
+
+    from batchvlm.models.registry import DEMO_DIR
+
+    shutil.copytree(DEMO_DIR, tmp_path / "model", ignore=shutil.ignore_patterns("*.safetensors"))
+    job = write_job(tmp_path / "job.yaml", "unused", input={"parquet": "good.parquet", "shards": None}, output={"dir": "labels2"},
+                    loader={"workers": 2}, model={"name": str(tmp_path / "model")})
+    r = subprocess.run([sys.executable, "-m", "batchvlm.cli", "run", str(job)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("batchvlm: error:")
+
+
+def test_overwrite_spares_foreign_files_and_inputs_are_never_outputs(tmp_path):
+    im = good_png()
+    pq.write_table(pa.table({"image": [im]}), tmp_path / "t.parquet")
+    job = write_job(tmp_path / "job.yaml", "unused", input={"parquet": "t.parquet", "shards": None}, output={"dir": "."})
+    r = cli("run", job, check=False)
+    assert r.returncode == 2 and "output.dir" in r.stderr and "holds the input" in r.stderr
+    assert pq.read_table(tmp_path / "t.parquet").column_names == ["image"]
+    job = write_job(tmp_path / "job.yaml", "unused", input={"parquet": "t.parquet", "shards": None}, output={"dir": "out"})
+    (tmp_path / "out").mkdir()
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "out" / "precious.parquet")
+    cli("run", job)
+    cli("run", job, "--overwrite")
+    assert (tmp_path / "out" / "precious.parquet").exists() and keys_of(tmp_path / "out" / "t.parquet") == ["0"]
+
+
+def test_a_prompt_longer_than_the_context_is_one_line(tmp_path):
+    shapes_shards(tmp_path, 1, 1)
+    job = write_job(tmp_path / "job.yaml", "data/*.tar", tasks=[{"query": {"question": "what is this " * 200}}])
+    r = cli("run", job, check=False)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        "batchvlm: error: tasks.0: a ") and "context" in r.stderr

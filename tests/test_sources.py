@@ -2,6 +2,7 @@
 
 
 import numpy as np
+import pytest
 from helpers import encode_image, write_tar
 from PIL import Image
 
@@ -52,3 +53,68 @@ def test_jpeg_draft_keeps_enough_pixels_and_the_tiling():
     a, b = pre(full.image), pre(drafted.image, drafted.width, drafted.height)
     assert a.tiling == b.tiling and a.crops.shape == b.crops.shape
     assert np.abs(a.crops.astype(int) - b.crops.astype(int)).mean() < 2
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP", "TIFF"])
+@pytest.mark.parametrize("orientation", [1, 3, 6, 8])
+def test_size_is_reported_after_orientation_in_every_format(fmt, orientation):
+    import io
+
+    stored = Image.new("RGB", (80, 40), (200, 30, 30))
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    if fmt == "TIFF":
+        stored.save(buf, fmt, tiffinfo={0x0112: orientation})
+    else:
+        stored.save(buf, fmt, exif=exif.tobytes())
+    d = decode(buf.getvalue(), 10**8)
+    shown = (40, 80) if orientation in (6, 8) else (80, 40)
+    assert d.error is None and (d.width, d.height) == shown == d.image.size
+
+
+def _keys(path, inp=InputSpec(shards="x")):
+    return [e.key if isinstance(e, Encoded) else "DAMAGED" for e in read_shard(ShardRef("s", str(path), "tar"), inp)]
+
+
+def test_every_way_a_tar_breaks_is_reported(tmp_path):
+    import subprocess
+    import tarfile
+
+    members = [(f"k{i}.png", bytes(range(256)) * 3) for i in range(4)]  # 768 B: header + 2 blocks each
+    whole = write_tar(tmp_path / "whole.tar", members).read_bytes()
+    assert _keys(tmp_path / "whole.tar") == ["k0", "k1", "k2", "k3"]
+    cuts = {"at a member boundary": whole[:1536], "inside a header": whole[:1536 + 100],
+            "inside a member's data": whole[:1536 + 700]}
+    for name, data in cuts.items():
+        (tmp_path / "cut.tar").write_bytes(data)
+        assert _keys(tmp_path / "cut.tar") == ["k0", "DAMAGED"], name
+    bad = bytearray(whole)
+    bad[2 * 1536 + 148] ^= 0xFF  # the third header's checksum
+    (tmp_path / "bad.tar").write_bytes(bytes(bad))
+    assert _keys(tmp_path / "bad.tar") == ["k0", "k1", "DAMAGED"]
+    # Archives from other writers end cleanly: GNU tar, gzip-compressed.
+    (tmp_path / "src").mkdir()
+    for name, data in members:
+        (tmp_path / "src" / name).write_bytes(data)
+    subprocess.run(["tar", "-cf", str(tmp_path / "gnu.tar"), "-C", str(tmp_path / "src"), *[n for n, _ in members]],
+                   check=True)
+    assert _keys(tmp_path / "gnu.tar") == ["k0", "k1", "k2", "k3"]
+    with tarfile.open(tmp_path / "z.tar.gz", "w:gz") as tf:
+        tf.add(tmp_path / "src" / "k0.png", "k0.png")
+    assert _keys(tmp_path / "z.tar.gz") == ["k0"]
+
+
+def test_same_key_different_case_keeps_the_first(tmp_path):
+    one, two = encode_image(Image.new("RGB", (8, 8)), "PNG"), encode_image(Image.new("RGB", (9, 9)), "PNG")
+    write_tar(tmp_path / "d.tar", [("a.png", one), ("a.PNG", two), ("b.png", two)])
+    got = list(read_shard(ShardRef("d", str(tmp_path / "d.tar"), "tar"), InputSpec(shards="x")))
+    assert [(e.key, e.data) for e in got] == [("a", one), ("b", two)]
+
+
+def test_a_broken_link_in_a_folder_is_an_error_row(tmp_path):
+    (tmp_path / "a.png").write_bytes(encode_image(Image.new("RGB", (8, 8)), "PNG"))
+    (tmp_path / "b.png").symlink_to(tmp_path / "gone.png")
+    got = list(read_shard(ShardRef("f", str(tmp_path), "folder"), InputSpec(folder=str(tmp_path))))
+    assert [(e.key, e.error is None) for e in got] == [("a.png", True), ("b.png", False)]
+    assert got[1].error.startswith("read:")

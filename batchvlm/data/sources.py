@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob as globlib
 import os
+import re
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -119,23 +120,53 @@ def _pick_image(sample: dict, image_keys: list[str]) -> tuple[bytes | None, str 
     return None, f"no image in sample (has: {', '.join(present) or 'nothing'})"
 
 
-def _read_tar(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | ShardDamaged]:
-    from webdataset.tariterators import group_by_keys, tar_file_iterator
+def _tar_members(f) -> Iterator[tuple[str, str, bytes]]:
+    """(key, lower-case extension, data) of every regular file, in archive order (webdataset's
+    naming: the key is the path up to the first dot of the file name). Raises tarfile.ReadError
+    where the archive breaks, including where stream mode would quietly stop."""
+    from webdataset.tariterators import base_plus_ext
 
+    tar = tarfile.open(fileobj=f, mode="r|*")
+    for info in tar:
+        key, ext = base_plus_ext(info.name)
+        if info.isreg() and key is not None and not re.match(r"__[^/]*__($|/)", info.name):
+            yield key, ext.lower(), tar.extractfile(info).read()
+        tar.members = []  # a stream holds no index: memory stays flat on huge shards
+    # Stream mode ends quietly at a header it cannot read (bad checksum, cut short, missing).
+    # A whole archive ends in zero blocks: the first one ended the loop, at least one follows.
+    zeros = 0
+    while chunk := tar.fileobj.read(1 << 20):
+        if chunk.strip(b"\0"):
+            raise tarfile.ReadError(f"unreadable header at byte {tar.offset}")
+        zeros += len(chunk)
+    if zeros < 512:
+        raise tarfile.ReadError(f"cut short at byte {tar.offset} (no end-of-archive blocks)")
+
+
+def _read_tar(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | ShardDamaged]:
     image_keys = [k.lower() for k in inp.image_keys]
     with fsspec.open(shard.url, "rb") as f:
-        files = ({**item, "__url__": shard.url} for item in tar_file_iterator(f))
+        key, sample = None, {}
         try:
-            for sample in group_by_keys(files):
-                data, error = _pick_image(sample, image_keys)
-                yield Encoded(sample["__key__"], data, error)
+            for k, ext, data in _tar_members(f):
+                if k != key and key is not None:
+                    yield Encoded(key, *_pick_image(sample, image_keys))
+                    sample = {}
+                key = k
+                sample.setdefault(ext, data)  # a.jpg and a.JPG: the first wins
         except (tarfile.TarError, EOFError) as e:
+            if key is not None:  # its members so far were read whole
+                yield Encoded(key, *_pick_image(sample, image_keys))
             yield ShardDamaged(f"damaged tar: {e}")
+            return
+        if key is not None:
+            yield Encoded(key, *_pick_image(sample, image_keys))
 
 
 def _read_folder(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded]:
     root = Path(shard.url)
-    names = sorted(f for f in os.listdir(root) if Path(f).suffix.lower() in FOLDER_EXTS and (root / f).is_file())
+    names = sorted(f for f in os.listdir(root) if Path(f).suffix.lower() in FOLDER_EXTS
+                   and ((root / f).is_file() or (root / f).is_symlink()))  # a broken link: an error row
     for name in names:
         path = root / name
         try:
