@@ -18,7 +18,7 @@ from .output import manifest
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Label image datasets with vision-language models: shards in, Parquet labels out.")
 
-JOB_ARG = typer.Argument(..., exists=False, dir_okay=False, help="The job file (YAML).")
+JOB_ARG = typer.Argument(..., help="The job file (YAML).")
 USER_ERRORS = (JobError, SourceError, ModelLoadError, ConfigError, manifest.OutputConflict)
 
 
@@ -79,6 +79,7 @@ def run(
 def _plan(job: Job, overwrite: bool) -> None:
     out = Path(job.output.dir)
     shards = list_shards(job.input)
+    manifest.check_not_input(out, shards)
     if not overwrite and out.is_dir():
         manifest.check_settings(out, job.label_fingerprint())
     done = [] if overwrite else [s for s in shards if manifest.is_done(out, s.stem)]
@@ -138,6 +139,8 @@ def preview(
         cards = write(output_dir, n, out)
     except (OutputError, SourceError) as e:
         fail(str(e))
+    except OSError as e:
+        fail(f"{e.filename or out}: {e.strerror}")
     typer.echo(f"{out}: {cards} rows")
 
 
@@ -158,6 +161,8 @@ def export_cmd(
         counts = export(output_dir, dest, fmt, with_images)
     except (OutputError, SourceError) as e:
         fail(str(e))
+    except OSError as e:
+        fail(f"{e.filename or dest}: {e.strerror}")
     typer.echo(f"{dest}: {counts['images']} images, {counts['annotations']} boxes, "
                f"{counts['categories']} categories ({fmt})")
 

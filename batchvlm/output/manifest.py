@@ -13,9 +13,13 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..job import is_url
 from .writer import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from ..data.sources import ShardRef
 
 JOB_FILE = "_job.json"
 
@@ -66,11 +70,33 @@ def sweep_temporaries(out_dir: Path) -> list[str]:
     return gone
 
 
+def written_by_us(path: Path) -> bool:
+    """A Parquet file batchvlm wrote: it carries our key-value metadata."""
+    import pyarrow.parquet as pq
+
+    try:
+        return b"batchvlm" in (pq.read_schema(path).metadata or {})
+    except (OSError, ValueError):
+        return False
+
+
 def clear_outputs(out_dir: Path) -> None:
     """--overwrite: remove everything batchvlm wrote here (and nothing else)."""
-    for pattern in ("*.parquet", "*.stats.json", "*.tmp-*", "*.claim", JOB_FILE):
+    for p in out_dir.glob("*.parquet"):
+        if written_by_us(p):
+            p.unlink(missing_ok=True)
+    for pattern in ("*.stats.json", "*.tmp-*", "*.claim", JOB_FILE):
         for p in out_dir.glob(pattern):
             p.unlink(missing_ok=True)
+
+
+def check_not_input(out_dir: Path, shards: list[ShardRef]) -> None:
+    """Refuse an output folder where a shard's output file would replace an input file."""
+    for ref in shards:
+        out = out_dir / f"{ref.stem}.parquet"
+        if not is_url(ref.url) and out.exists() and out.samefile(ref.url):
+            raise OutputConflict(f"output.dir: {out_dir} holds the input {ref.url}; labels would replace it. "
+                                 "Choose another output folder")
 
 
 @dataclass
