@@ -63,6 +63,8 @@ def decode(data: bytes, max_pixels: int, draft_size: Callable[[int, int], tuple[
             im.draft("RGB", (need_w, need_h))
         im.load()
         im = ImageOps.exif_transpose(im)
+        if fmt != "JPEG":  # full resolution here; and TIFF reports an already-oriented size
+            w, h = im.size
         return Decoded(_to_rgb(im), w, h, format=fmt)
     except UnidentifiedImageError:
         return Decoded(None, 0, 0, "decode: not an image")
