@@ -37,7 +37,8 @@ class InputSpec(Strict):
     image_column: str = Field("image", description="Parquet: column with image bytes or a path to the image.")
     key_column: str | None = Field(None, description="Parquet: column with a sample key (default: row number).")
     image_keys: list[str] = Field(["jpg", "jpeg", "png", "webp"],
-                                  description="Webdataset / folder: file extensions that hold the image, by priority.")
+                                  description="Webdataset: file extensions that hold the image, by priority "
+                                              "(a folder reads every common image type).")
 
     @model_validator(mode="after")
     def _one_source(self) -> InputSpec:
@@ -52,7 +53,7 @@ class ModelSpec(Strict):
     revision: str | None = Field(None, description="Hub revision (tag, branch or commit); pin it for reproducible labels.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto = float32 on CPU, bfloat16 on GPU.")
-    device: str = Field("auto", description="auto, cpu, cuda or cuda:N.")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N.")
     max_crops: int | None = Field(None, ge=1, le=64,
                                   description="Local crops per image (default: the model's). Fewer = faster vision.")
 
@@ -89,7 +90,17 @@ class OutputSpec(Strict):
 
 class RuntimeSpec(Strict):
     gpus: Literal["all"] | int | list[int] = Field(
-        "all", description="GPUs of this node to use, one worker process each: all, a count, or ids.")
+        "all", description="GPUs of this node to use, one worker process each: all, a count (>= 1), or "
+        "distinct ids.")
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError("a count of GPUs must be at least 1")
+        if isinstance(v, list) and (not v or min(v) < 0 or len(set(v)) != len(v)):
+            raise ValueError("GPU ids must be distinct numbers >= 0, at least one")
+        return v
     workers_per_node: int = Field(1, ge=1, description="Worker processes on a machine without GPUs.")
     work_stealing: bool = Field(False, description="Claim shards with atomic files in the output folder "
                                                    "(shared filesystems; for uneven shards).")
@@ -125,6 +136,9 @@ class Job(Strict):
             "model": self.model.model_dump(exclude={"device"}),
             "tasks": [t.model_dump() for t in self.tasks],
             "engine": {k: getattr(e, k) for k in ("max_new_tokens", "max_objects", "temperature", "top_p", "seed")},
+            # which image of a sample is read, and the pixels the model sees
+            "image_keys": self.input.image_keys,
+            "loader": {"max_image_pixels": self.loader.max_image_pixels, "jpeg_draft": self.loader.jpeg_draft},
         }
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -191,6 +205,8 @@ def load_job(path: str | Path) -> Job:
         data = yaml.safe_load(path.read_text())
     except OSError as e:
         raise JobError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise JobError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""

@@ -34,10 +34,12 @@ def worker_envs(job: Job, rank: Rank) -> list[dict[str, str]]:
         visible = list(range(torch.cuda.device_count()))
         gpus = job.runtime.gpus
         ids = visible if gpus == "all" else visible[:gpus] if isinstance(gpus, int) else list(gpus)
+        if missing := [g for g in ids if g not in visible]:
+            raise ValueError(f"runtime.gpus: GPU {missing[0]} is not visible ({len(visible)} visible)")
         physical = os.environ.get("CUDA_VISIBLE_DEVICES")
         names = physical.split(",") if physical else [str(i) for i in visible]
-        if len(ids) <= 1:
-            return []
+        if ids == visible[:1]:
+            return []  # one worker on the first GPU: this process
         return [{"CUDA_VISIBLE_DEVICES": names[g], LOCAL_RANK_ENV: str(i), LOCAL_WORLD_ENV: str(len(ids))}
                 for i, g in enumerate(ids)]
     n = job.runtime.workers_per_node
@@ -51,9 +53,13 @@ def spawn(job_file: Path, envs: list[dict[str, str]], limit: int | None, name: s
     """Run the workers to completion; -> the exit code for the whole node."""
     from tqdm import tqdm
 
-    args = [sys.executable, "-m", "batchvlm.cli", "run", str(job_file)] + (["--limit", str(limit)] if limit else [])
-    procs = [subprocess.Popen(args, env=os.environ | env | {PROGRESS_ENV: "json"}, stdout=subprocess.PIPE,
-                              text=True, bufsize=1) for env in envs]
+    args = [sys.executable, "-m", "batchvlm.cli", "run", str(job_file)]
+
+    def share(i: int) -> list[str]:  # --limit N over n workers: N in all (at least one each)
+        return ["--limit", str(max(1, limit // len(envs) + (i < limit % len(envs))))] if limit else []
+
+    procs = [subprocess.Popen(args + share(i), env=os.environ | env | {PROGRESS_ENV: "json"},
+                              stdout=subprocess.PIPE, text=True, bufsize=1) for i, env in enumerate(envs)]
 
     def forward(signum, frame) -> None:
         for p in procs:

@@ -36,6 +36,9 @@ def test_relative_paths_resolve_against_the_job_folder(tmp_path):
     ({"outptu": {"dir": "x"}}, "outptu: unknown key"),
     ({"input": {"shards": "a.tar", "folder": "b"}}, "input: give exactly one of shards, folder, parquet"),
     ({"model": {"dtype": "int8"}}, "model.dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16'"),
+    ({"model": {"device": "tpu"}}, "model.device: String should match pattern"),
+    ({"runtime": {"gpus": 0}}, "runtime.gpus: a count of GPUs must be at least 1"),
+    ({"runtime": {"gpus": [1, 1]}}, "runtime.gpus: GPU ids must be distinct"),
 ])
 def test_bad_fields_are_named(tmp_path, change, message):
     with pytest.raises(JobError) as err:
@@ -63,3 +66,12 @@ def test_checked_in_schemas_are_fresh():
 
     for name, text in render().items():
         assert (ROOT / "schemas" / name).read_text() == text, f"schemas/{name} is stale: run scripts/gen_schemas.py"
+
+
+def test_a_job_file_that_is_not_text_or_not_a_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"name: t\xff\xfe\n")
+    with pytest.raises(JobError, match="not UTF-8 text"):
+        load_job(bad)
+    with pytest.raises(JobError, match="cannot read"):
+        load_job(tmp_path)

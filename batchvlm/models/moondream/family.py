@@ -10,11 +10,13 @@ import torch
 from PIL import Image
 
 from ...tasks import Task, column_of, column_value, sequences_for
+from .config import ConfigError
 from .decoding import RawOutput
 from .generate import SeqSpec, generate
 from .model import MoondreamModel
 from .preprocess import PreparedImage, Preprocessor
-from .weights import build_model, load_tokenizer, load_weights, read_config, resolve_dir, weights_sha256
+from .weights import (ModelLoadError, build_model, load_tokenizer, load_weights, read_config, resolve_dir,
+                      weights_sha256)
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,12 @@ class TokenizerAdapter:
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"model.device: {device!r} but torch {torch.__version__} sees no CUDA device")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ModelLoadError(f"model.device: {device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return dev
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -79,8 +86,10 @@ class Moondream:
         dt = resolve_dtype(dtype, dev)
         config = read_config(folder)
         tokenizer = load_tokenizer(folder)
-        model = build_model(config, dev, dt)
         weights = folder / "model.safetensors"
+        if not weights.is_file():  # before building the model
+            raise ModelLoadError(f"{folder}: no model.safetensors")
+        model = build_model(config, dev, dt)
         load_weights(model, weights)
         info = ModelInfo(name, revision, str(folder), weights_sha256(weights), str(dt).removeprefix("torch."), str(dev))
         return cls(model, tokenizer, info, max_crops)
@@ -89,12 +98,20 @@ class Moondream:
                   temperature: float = 0.0, top_p: float = 1.0) -> list[Sequence]:
         """The sequences every image runs, in task order (the same for all images)."""
         templates = self.config.tokenizer.templates
-        return [
+        seqs = [
             Sequence(t, label, spec)
             for t, task in enumerate(tasks)
             for label, spec in sequences_for(task, templates, self.tokenizer, max_new_tokens, max_objects,
                                              temperature, top_p)
         ]
+        P, n_ctx = self.config.prefix_len, self.config.text.max_context
+        for s in seqs:
+            if P + len(s.spec.prompt) + s.spec.budget > n_ctx:
+                raise ConfigError(
+                    f"tasks.{s.task}: a {len(s.spec.prompt)}-token prompt and up to {s.spec.budget} generated "
+                    f"tokens after the {P}-token image prefix exceed the model's context of {n_ctx}; shorten it "
+                    "or lower engine.max_new_tokens / engine.max_objects")
+        return seqs
 
     def columns(self, tasks: list[Task], seqs: list[Sequence], raws: list[RawOutput]) -> dict[str, Any]:
         """One image's raw sequence outputs -> {column: value}."""
