@@ -118,3 +118,12 @@ def test_a_broken_link_in_a_folder_is_an_error_row(tmp_path):
     got = list(read_shard(ShardRef("f", str(tmp_path), "folder"), InputSpec(folder=str(tmp_path))))
     assert [(e.key, e.error is None) for e in got] == [("a.png", True), ("b.png", False)]
     assert got[1].error.startswith("read:")
+
+
+@pytest.mark.parametrize("mode, key", [("RGB", (0, 0, 0)), ("L", 0), ("P", 0)])
+def test_transparent_pixels_become_white(mode, key):
+    im = Image.new(mode, (4, 4), 0)
+    im.putpixel((0, 0), (255, 0, 0) if mode == "RGB" else 1)
+    d = decode(encode_image(im, "PNG", transparency=key), 10**8)
+    rgb = np.asarray(d.image)
+    assert tuple(rgb[3, 3]) == (255, 255, 255) and tuple(rgb[0, 0]) != (255, 255, 255)

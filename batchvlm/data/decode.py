@@ -34,7 +34,7 @@ def _to_rgb(im: Image.Image) -> Image.Image:
         a = np.asarray(im, dtype=np.float64)
         top = 65535.0 if im.mode.startswith("I;16") else max(1.0, float(a.max()))
         im = Image.fromarray(np.clip(a * (255.0 / top), 0, 255).astype(np.uint8), "L")
-    if im.mode == "P" and "transparency" in im.info:
+    if im.mode in ("P", "L", "RGB") and "transparency" in im.info:  # palette or PNG tRNS colour key
         im = im.convert("RGBA")
     if im.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
         im = im.convert("RGBA")
