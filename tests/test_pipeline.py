@@ -130,6 +130,7 @@ def test_limit_leaves_partial_shards_for_the_next_run(tmp_path):
     assert "5 images" in r.stderr
     report = json.loads(cli("status", job, "--json").stdout)
     assert report["done"] + report["partial"] == 2 and report["partial"] >= 1
+    assert cli("preview", tmp_path / "out", "-o", tmp_path / "look.html").stdout.endswith(": 5 rows\n")
     cli("run", job)
     report = json.loads(cli("status", job, "--json").stdout)
     assert (report["done"], report["rows"]) == (2, 8)

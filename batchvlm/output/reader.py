@@ -48,12 +48,13 @@ class Output:
                 names += [o for o in getattr(t, kind_of(t)).objects if o not in names]
         return names
 
-    def shards(self) -> list[ShardRef]:
-        """Finished shards, in shard order (their Parquet and done marker exist)."""
+    def shards(self, partial: bool = False) -> list[ShardRef]:
+        """Finished shards, in shard order (their Parquet and done marker exist); with `partial`
+        also those a --limit run cut short."""
         done = []
         for p in sorted(self.dir.glob("*.parquet")):
             stats = read_stats(self.dir, p.stem)
-            if stats and stats.get("complete"):
+            if stats and (stats.get("complete") or (partial and "rows" in stats)):
                 done.append(p.stem)
         by_stem = {s.stem: s for s in list_shards(self.job.input)}
         missing = [s for s in done if s not in by_stem]
@@ -61,9 +62,9 @@ class Output:
             raise OutputError(f"{self.dir}: input shard for {missing[0]!r} is gone; cannot read its images")
         return [by_stem[s] for s in done]
 
-    def rows(self, limit: int | None = None) -> Iterator[tuple[ShardRef, dict[str, Any]]]:
+    def rows(self, limit: int | None = None, partial: bool = False) -> Iterator[tuple[ShardRef, dict[str, Any]]]:
         n = 0
-        for shard in self.shards():
+        for shard in self.shards(partial):
             for row in pq.read_table(self.dir / f"{shard.stem}.parquet").to_pylist():
                 if limit is not None and n >= limit:
                     return
