@@ -215,17 +215,30 @@ def test_a_shard_that_breaks_the_reader_fails_alone(tmp_path):
                        timeout=120)
     assert r.returncode == 1 and "1 FAILED (bad)" in r.stderr and "ArrowInvalid" in r.stderr
     assert keys_of(tmp_path / "labels" / "good.parquet") == ["0", "1"]
-    # A failure after the workers started (here: loading the model's weights) exits too, with one line.
+    # A model folder without weights: one line, after the workers started.
     import shutil
 
     from batchvlm.models.registry import DEMO_DIR
 
     shutil.copytree(DEMO_DIR, tmp_path / "model", ignore=shutil.ignore_patterns("*.safetensors"))
-    job = write_job(tmp_path / "job.yaml", "unused", input={"parquet": "good.parquet", "shards": None}, output={"dir": "labels2"},
-                    loader={"workers": 2}, model={"name": str(tmp_path / "model")})
+    for i in range(2):  # enough samples that the workers are still busy (blocked on a full queue)
+        pq.write_table(pa.table({"image": [im] * 64}), tmp_path / f"many-{i}.parquet")
+    job = write_job(tmp_path / "job.yaml", "unused", input={"parquet": "many-*.parquet", "shards": None},
+                    output={"dir": "labels2"}, loader={"workers": 2, "prefetch": 1},
+                    model={"name": str(tmp_path / "model")})
     r = subprocess.run([sys.executable, "-m", "batchvlm.cli", "run", str(job)], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("batchvlm: error:")
+    # An unexpected error (a fault injected into model loading) while the workers are busy: the
+    # traceback keeps the loader alive into interpreter exit, which must not wait on the workers.
+    job = write_job(tmp_path / "job.yaml", "unused", input={"parquet": "many-*.parquet", "shards": None},
+                    output={"dir": "labels3"}, loader={"workers": 2, "prefetch": 1})
+    script = ("import sys\nfrom batchvlm.job import load_job\nfrom batchvlm.models import registry\n"
+              "from batchvlm.run import run_job\n"
+              "def broken(*args): raise RuntimeError('injected fault')\n"
+              "registry.load = broken\nrun_job(load_job(sys.argv[1]), progress=False)\n")
+    r = subprocess.run([sys.executable, "-c", script, str(job)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "RuntimeError: injected fault" in r.stderr
 
 
 def test_overwrite_spares_foreign_files_and_inputs_are_never_outputs(tmp_path):
