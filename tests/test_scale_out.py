@@ -130,3 +130,25 @@ def test_sigterm_mid_shard_then_rerun(tmp_path):
 def test_sbatch_template_is_valid_bash():
     for script in (ROOT / "scripts" / "slurm").glob("*.sbatch"):
         subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def test_only_one_rank_takes_over_a_dead_holders_claim(tmp_path):
+    from batchvlm.output.claims import Claims
+
+    a, b = Claims(tmp_path, lease_s=60), Claims(tmp_path, lease_s=60)
+    assert a.take("s0") and not b.take("s0")  # live lease
+    old = time.time() - 120
+    os.utime(a.path("s0"), (old, old))  # its holder died
+    seen_by_b = a.path("s0").stat().st_mtime_ns  # b saw it stale too, at the same moment
+    assert a.take("s0")
+    assert not b._take_over("s0", seen_by_b)  # b lost the race for this stale generation
+    assert not b.take("s0")  # and the lease is live again
+    # A taker that died between its token and the claim: its token expires with the lease.
+    older = old - 10
+    os.utime(a.path("s0"), (older, older))
+    token = tmp_path / f"s0.claim.takeover-{a.path('s0').stat().st_mtime_ns}"
+    token.touch()
+    os.utime(token, (older, older))
+    assert b.take("s0")
+    a.release("s0")
+    assert not list(tmp_path.iterdir())

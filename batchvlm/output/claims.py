@@ -29,21 +29,41 @@ class Claims:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             try:
-                stale = time.time() - path.stat().st_mtime > self.lease_s
+                mtime_ns = path.stat().st_mtime_ns
             except FileNotFoundError:
                 return self.take(stem)
+            stale = time.time() - mtime_ns / 1e9 > self.lease_s
             if not stale:
                 return False
-            tmp = tmp_path(path)
-            tmp.write_bytes(self.me)
-            os.replace(tmp, path)  # take over a dead holder's lease
-            return True
+            return self._take_over(stem, mtime_ns)
         with os.fdopen(fd, "wb") as f:
             f.write(self.me)
         return True
 
+    def _take_over(self, stem: str, mtime_ns: int) -> bool:
+        """Take a dead holder's lease. Ranks that saw the same stale claim race for a token
+        named by its mtime (O_EXCL): one wins, the others leave it alone. A token older than a
+        lease belongs to a taker that died before replacing the claim."""
+        token = self.out_dir / f"{stem}.claim.takeover-{mtime_ns}"
+        try:
+            os.close(os.open(token, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            try:
+                if time.time() - token.stat().st_mtime <= self.lease_s:
+                    return False
+                token.unlink()
+            except FileNotFoundError:
+                pass
+            return self.take(stem)
+        tmp = tmp_path(self.path(stem))
+        tmp.write_bytes(self.me)
+        os.replace(tmp, self.path(stem))
+        return True
+
     def release(self, stem: str) -> None:
         self.path(stem).unlink(missing_ok=True)
+        for token in self.out_dir.glob(f"{stem}.claim.takeover-*"):
+            token.unlink(missing_ok=True)
 
     def keep_alive(self, stems: set[str], stop: threading.Event) -> threading.Thread:
         """Refresh the leases of `stems` (a live set) until `stop` is set."""

@@ -85,7 +85,7 @@ def clear_outputs(out_dir: Path) -> None:
     for p in out_dir.glob("*.parquet"):
         if written_by_us(p):
             p.unlink(missing_ok=True)
-    for pattern in ("*.stats.json", "*.tmp-*", "*.claim", JOB_FILE):
+    for pattern in ("*.stats.json", "*.tmp-*", "*.claim", "*.claim.takeover-*", JOB_FILE):
         for p in out_dir.glob(pattern):
             p.unlink(missing_ok=True)
 
