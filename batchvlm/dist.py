@@ -27,12 +27,10 @@ class Rank:
     rank: int  # global rank
     world: int  # number of ranks
     local: int  # index on this node (selects the GPU)
-
-    @property
-    def launched(self) -> bool:
-        """Started by a launcher (torchrun, accelerate, srun with several tasks, or our own
-        spawner): this process is one worker and must not spawn more."""
-        return self.world > 1 or LOCAL_RANK_ENV in os.environ
+    # Started by a launcher (torchrun, accelerate, srun with several tasks, or our own spawner):
+    # this process is one worker and must not spawn more. A Slurm array task alone is not: it
+    # starts the workers of its node.
+    launched: bool = False
 
 
 def _int(env: dict[str, str], name: str, default: int) -> int:
@@ -57,7 +55,7 @@ def resolve_rank(env: dict[str, str] | None = None) -> Rank:
     world = array_n * procs * subs
     if not 0 <= rank < world:
         raise ValueError(f"inconsistent rank environment: rank {rank} of {world}")
-    return Rank(rank, world, local * subs + sub)
+    return Rank(rank, world, local * subs + sub, launched=procs > 1 or LOCAL_RANK_ENV in env)
 
 
 def my_shards(shards: list[ShardRef], rank: Rank) -> list[ShardRef]:

@@ -24,13 +24,13 @@ def test_rank_resolution():
     assert resolve_rank({"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "3"}) == Rank(2, 3, 0)
     assert resolve_rank({"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_MIN": "4"}) \
         == Rank(1, 3, 0)
-    assert resolve_rank({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}) == Rank(3, 8, 3)
+    assert resolve_rank({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}) == Rank(3, 8, 3, launched=True)
     srun = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}
-    assert resolve_rank(srun) == Rank(5, 8, 1)
+    assert resolve_rank(srun) == Rank(5, 8, 1, launched=True)
     # array task 1 of 2, spawning 4 local GPU workers itself: worker 2 is global rank 6 of 8
     env = {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
            "BATCHVLM_LOCAL_RANK": "2", "BATCHVLM_LOCAL_WORLD": "4"}
-    assert resolve_rank(env) == Rank(6, 8, 2)
+    assert resolve_rank(env) == Rank(6, 8, 2, launched=True)
     with pytest.raises(ValueError):
         resolve_rank({"RANK": "4", "WORLD_SIZE": "2"})
 
@@ -71,9 +71,12 @@ def _same(got: dict, want: dict) -> None:
 
 def test_array_tasks_sequential_and_concurrent_equal_single_run(data):
     root, single = data
-    job = write_job(root / "arr.yaml", "data/shapes-*.tar", out="out-array-seq")
+    # Each array task starts its node's workers (one per GPU; here per_node CPU workers).
+    job = write_job(root / "arr.yaml", "data/shapes-*.tar", out="out-array-seq", runtime={"workers_per_node": 2})
     for task in range(3):
-        cli(job, {"SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_TASK_COUNT": "3"})
+        r = cli(job, {"SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_TASK_COUNT": "3"})
+        assert "x2" in r.stderr
+    assert json.loads((root / "out-array-seq" / "_job.json").read_text())["world_size"] == 6
     _same(tables(root / "out-array-seq"), single)
 
     job = write_job(root / "arr2.yaml", "data/shapes-*.tar", out="out-array-par")
