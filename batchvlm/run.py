@@ -252,6 +252,13 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
                 for stem in claimed - set(writer.written):
                     stealing.claims.release(stem)
         summary.shards_written = list(writer.written)
+        if stealing and not stop.event.is_set() and limit is None:
+            held = [s.stem for s in pending if s.stem not in writer.written and not manifest.is_done(out_dir, s.stem)
+                    and s.stem not in summary.shards_failed]
+            if held:
+                log(f"batchvlm: {len(held)} shard(s) are still claimed by other ranks ({', '.join(held[:3])}): they "
+                    f"finish them, or, if a rank on another host died, its claims expire after "
+                    f"{stealing.claims.lease_s:.0f} s and a re-run takes them")
         summary.stopped_by_signal = stop.event.is_set()
         summary.seconds = time.time() - t0
         return summary

@@ -155,3 +155,12 @@ def test_only_one_rank_takes_over_a_dead_holders_claim(tmp_path):
     assert b.take("s0")
     a.release("s0")
     assert not list(tmp_path.iterdir())
+    # A holder on this host that was killed: its claim is free at once, lease or not.
+    import socket
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    a.path("s1").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+    assert b.take("s1")
+    a.path("s2").write_text(json.dumps({"host": "node17", "pid": dead.pid}))  # elsewhere: wait for the lease
+    assert not b.take("s2")

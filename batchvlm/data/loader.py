@@ -84,6 +84,9 @@ class ShardStream(IterableDataset):
             i = (start + k) % total
             stem = self.shards[i].stem
             if not is_done(st.out_dir, stem) and st.claims.take(stem):
+                if is_done(st.out_dir, stem):  # finished and released between the check and the take
+                    st.claims.release(stem)
+                    continue
                 yield from self._shard(i)
 
     def _shard(self, i: int) -> Iterator[Sample | ShardEnd]:

@@ -1,7 +1,7 @@
 """Work stealing on a shared filesystem: a rank claims a shard by creating `<stem>.claim`
 atomically (O_EXCL). Claims are leases: their holder refreshes them while it works, and a
-claim not refreshed for `lease_s` (its holder died) may be taken over. A finished shard's
-claim is removed after its done marker is written."""
+claim not refreshed for `lease_s` (its holder died), or held by a dead process on this host,
+may be taken over. A finished shard's claim is removed after its done marker is written."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+from .manifest import pid_alive
 from .writer import tmp_path
 
 
@@ -32,13 +33,21 @@ class Claims:
                 mtime_ns = path.stat().st_mtime_ns
             except FileNotFoundError:
                 return self.take(stem)
-            stale = time.time() - mtime_ns / 1e9 > self.lease_s
-            if not stale:
+            if time.time() - mtime_ns / 1e9 <= self.lease_s and not self._holder_died(path):
                 return False
             return self._take_over(stem, mtime_ns)
         with os.fdopen(fd, "wb") as f:
             f.write(self.me)
         return True
+
+    def _holder_died(self, path: Path) -> bool:
+        """A holder on this host whose process is gone (kill -9): no need to wait for its lease."""
+        try:
+            holder = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            return False
+        return (holder.get("host") == socket.gethostname() and holder.get("pid") != os.getpid()
+                and not pid_alive(int(holder.get("pid", 0))))
 
     def _take_over(self, stem: str, mtime_ns: int) -> bool:
         """Take a dead holder's lease. Ranks that saw the same stale claim race for a token

@@ -43,7 +43,7 @@ def is_done(out_dir: Path, stem: str) -> bool:
 STALE_TMP_S = 3600  # a temporary file this old belongs to a dead writer, whatever its host
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -61,7 +61,7 @@ def sweep_temporaries(out_dir: Path) -> list[str]:
         owner = p.name.rsplit(".tmp-", 1)[1]
         owner_host, _, pid = owner.rpartition("-")
         try:
-            dead = (owner_host == host and pid.isdigit() and not _alive(int(pid))) or now - p.stat().st_mtime > STALE_TMP_S
+            dead = (owner_host == host and pid.isdigit() and not pid_alive(int(pid))) or now - p.stat().st_mtime > STALE_TMP_S
         except FileNotFoundError:
             continue
         if dead:
