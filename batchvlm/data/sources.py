@@ -146,7 +146,7 @@ def _tar_members(f) -> Iterator[tuple[str, str, bytes]]:
 def _read_tar(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | ShardDamaged]:
     image_keys = [k.lower() for k in inp.image_keys]
     with fsspec.open(shard.url, "rb") as f:
-        key, sample = None, {}
+        key, sample, damaged = None, {}, None
         try:
             for k, ext, data in _tar_members(f):
                 if k != key and key is not None:
@@ -155,12 +155,11 @@ def _read_tar(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | ShardDamage
                 key = k
                 sample.setdefault(ext, data)  # a.jpg and a.JPG: the first wins
         except (tarfile.TarError, EOFError) as e:
-            if key is not None:  # its members so far were read whole
-                yield Encoded(key, *_pick_image(sample, image_keys))
-            yield ShardDamaged(f"damaged tar: {e}")
-            return
-        if key is not None:
+            damaged = ShardDamaged(f"damaged tar: {e}")
+        if key is not None:  # the last sample (before a break: its members so far were read whole)
             yield Encoded(key, *_pick_image(sample, image_keys))
+        if damaged:
+            yield damaged
 
 
 def _read_folder(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded]:
