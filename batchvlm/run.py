@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .data.loader import Sample, ShardEnd, Stealing, load, stop_workers
+from .data.loader import Sample, ShardEnd, Stealing, load
 from .data.sources import ShardRef, list_shards
 from .dist import Rank, my_shards
 from .engine.engine import EngineLabeler
@@ -263,4 +263,4 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
         summary.seconds = time.time() - t0
         return summary
     finally:
-        stop_workers()  # on every way out: they ignore SIGTERM, so exit would wait on them
+        stream.close()  # on every way out: the workers ignore SIGTERM, so exit would wait on them

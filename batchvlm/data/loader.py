@@ -109,19 +109,31 @@ def _quiet_worker(_: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def stop_workers() -> None:
-    """Kill this process's loader workers. They ignore SIGTERM, and the multiprocessing exit
-    hook terminates and then joins them: after an error it would wait forever."""
-    for p in multiprocessing.active_children():
-        p.kill()
-        p.join()
+@dataclass
+class Stream:
+    """The loader's samples, and the worker processes that make them."""
+
+    items: Iterator[Sample | ShardEnd]
+    workers: list[multiprocessing.process.BaseProcess]
+
+    def __iter__(self) -> Iterator[Sample | ShardEnd]:
+        return self.items
+
+    def close(self) -> None:
+        """Kill the workers. They ignore SIGTERM, and the multiprocessing exit hook terminates
+        and then joins them: after an error it would wait forever."""
+        for p in self.workers:
+            p.kill()
+            p.join()
 
 
 def load(shards: list[ShardRef], inp: InputSpec, spec: LoaderSpec, pre: Preprocessor,
-         stealing: Stealing | None = None) -> Iterator[Sample | ShardEnd]:
+         stealing: Stealing | None = None) -> Stream:
     stream = ShardStream(shards, inp, spec, pre, stealing)
     workers = min(spec.workers, len(shards))
     if workers == 0:
-        return iter(stream)
-    return iter(DataLoader(stream, batch_size=None, num_workers=workers, prefetch_factor=spec.prefetch,
-                           multiprocessing_context="fork", persistent_workers=False, worker_init_fn=_quiet_worker))
+        return Stream(iter(stream), [])
+    before = set(multiprocessing.active_children())
+    items = iter(DataLoader(stream, batch_size=None, num_workers=workers, prefetch_factor=spec.prefetch,
+                            multiprocessing_context="fork", persistent_workers=False, worker_init_fn=_quiet_worker))
+    return Stream(items, [p for p in multiprocessing.active_children() if p not in before])  # started by iter()
