@@ -11,15 +11,14 @@ import typer
 
 from .data.sources import SourceError, list_shards
 from .job import Job, JobError, load_job
-from .models.moondream.config import ConfigError
-from .models.moondream.weights import ModelLoadError
+from .models.family import FamilyError, ModelLoadError
 from .output import manifest
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Label image datasets with vision-language models: shards in, Parquet labels out.")
 
 JOB_ARG = typer.Argument(..., help="The job file (YAML).")
-USER_ERRORS = (JobError, SourceError, ModelLoadError, ConfigError, manifest.OutputConflict)
+USER_ERRORS = (JobError, SourceError, ModelLoadError, FamilyError, manifest.OutputConflict)
 
 
 def fail(message: str, code: int = 2) -> None:

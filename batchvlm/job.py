@@ -50,6 +50,8 @@ class InputSpec(Strict):
 
 class ModelSpec(Strict):
     name: str = Field("demo", description="'demo' (built in), a Hugging Face repo id, or a local model folder.")
+    family: str = Field("auto", min_length=1,
+                        description="auto (from the model folder's config.json) or the family it must be: moondream.")
     revision: str | None = Field(None, description="Hub revision (tag, branch or commit); pin it for reproducible labels.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto = float32 on CPU, bfloat16 on GPU.")
@@ -133,7 +135,7 @@ class Job(Strict):
         """Hash of every setting that changes labels (not inputs, not speed knobs)."""
         e = self.engine
         relevant = {
-            "model": self.model.model_dump(exclude={"device"}),
+            "model": self.model.model_dump(exclude={"device", "family"}),  # the weights hash pins the family
             "tasks": [t.model_dump() for t in self.tasks],
             "engine": {k: getattr(e, k) for k in ("max_new_tokens", "max_objects", "temperature", "top_p", "seed")},
             # which image of a sample is read, and the pixels the model sees

@@ -36,7 +36,7 @@ from .engine.engine import EngineLabeler
 from .engine.labeler import WorkItem
 from .job import Job
 from .models import registry
-from .models.moondream.preprocess import PreparedImage
+from .models.family import StaticModel
 from .output import manifest
 from .output.claims import Claims
 from .output.writer import ShardOutput, WriterThread, schema
@@ -163,17 +163,16 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
         return summary
 
     job = _device_for(job, rank)
-    folder, revision = registry.locate(job.model)
-    pre = registry.preprocessor(folder, job.model)
-    stream = load(pending, job.input, job.loader, pre, stealing)  # workers decode while the model loads
+    family = registry.open_family(job.model)
+    seqs = family.sequences(job.tasks, job.engine)
+    stream = load(pending, job.input, job.loader, family.preprocessor(), stealing)  # workers decode while the model loads
     try:
         t_load = time.time()
-        md = registry.load(job.model, folder, revision)
+        model = family.load(job.model.dtype, job.model.device)
         t_load = time.time() - t_load
-        manifest.check_weights(out_dir, md.info.weights_sha256)
-        seqs = md.sequences(job.tasks, job.engine.max_new_tokens, job.engine.max_objects,
-                            job.engine.temperature, job.engine.top_p)
-        meta = {"batchvlm": __version__, "job": job.name, "model": md.info.to_dict(),
+        info = model.info
+        manifest.check_weights(out_dir, info.weights_sha256)
+        meta = {"batchvlm": __version__, "job": job.name, "model": info.to_dict(),
                 "tasks": [t.model_dump() for t in job.tasks], "engine": job.engine.model_dump(), "started": now()}
         if rank.rank == 0 or not (out_dir / manifest.JOB_FILE).exists():
             manifest.write_job_record(out_dir, meta | {"label_fingerprint": job.label_fingerprint(),
@@ -181,11 +180,16 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
         writer = WriterThread(out_dir, schema(job.tasks, meta), job.output.compression,
                               on_written=stealing.claims.release if stealing else None)
         t_engine = time.time()
-        labeler = EngineLabeler(md, seqs, job.engine)
-        log(f"batchvlm: rank {rank.rank}/{rank.world}: {len(pending)} shard(s) to label; model {md.info.name} "
-            f"({md.info.dtype}, {md.info.device}) loaded in {t_load:.1f} s; engine ready in {time.time() - t_engine:.1f} s "
-            f"({labeler.engine.stats['kv_blocks']} KV blocks of {job.engine.block_size}, {len(seqs)} sequences per image, "
-            f"{'pipelined' if labeler.engine.pipelined else 'synchronous'})")
+        if isinstance(model, StaticModel):
+            labeler, how = model.labeler(seqs, job.engine), "static batches"
+        else:
+            labeler = EngineLabeler(model, seqs, job.engine, family.max_prefix_len())
+            e = labeler.engine
+            how = (f"{e.stats['kv_blocks']} KV blocks of {job.engine.block_size}, "
+                   f"{'pipelined' if e.pipelined else 'synchronous'}")
+        log(f"batchvlm: rank {rank.rank}/{rank.world}: {len(pending)} shard(s) to label; model {info.name} "
+            f"({info.family}, {info.backend}, {info.dtype}, {info.device}) loaded in {t_load:.1f} s; labeler ready in "
+            f"{time.time() - t_engine:.1f} s ({how}, {len(seqs)} sequences per image)")
         assemblies = {i: ShardAssembly(ref) for i, ref in enumerate(pending)}
         claimed: set[str] = set()
         beat_stop = threading.Event()
@@ -230,15 +234,14 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
                     if item.error is not None:
                         add_row(item.shard, item.index, row_for(ref, item, None, item.error))
                     else:
-                        yield WorkItem((item.shard, item.index, item), PreparedImage(item.crops.numpy(), item.tiling),
-                                       item.key)
+                        yield WorkItem((item.shard, item.index, item), item.prepared, item.key)
             except Exception:
                 if not stop.event.is_set():  # loader workers dying during a shutdown is expected
                     raise
 
         try:
             for (i, index, sample), raws in labeler.label(images()):
-                add_row(i, index, row_for(assemblies[i].ref, sample, md.columns(job.tasks, seqs, raws), None))
+                add_row(i, index, row_for(assemblies[i].ref, sample, family.columns(job.tasks, seqs, raws), None))
             if limit is not None and not stop.event.is_set():
                 # --limit: keep what was labelled, marked incomplete so the next run redoes it whole.
                 for a in assemblies.values():

@@ -1,14 +1,11 @@
-"""Task kinds: what a job asks of every image, the sequences each becomes, and the typed
-values that land in the output columns."""
+"""Task kinds: what a job asks of every image, and the typed values that land in the output
+columns. What a task becomes for a model (prompts, sequences) is the family's business."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
-
-from .models.moondream.decoding import MODE_DETECT, MODE_POINT, MODE_TEXT, RawOutput
-from .models.moondream.generate import SeqSpec
 
 
 class Strict(BaseModel):
@@ -79,46 +76,22 @@ def column_of(task: Task) -> str:
     return args_of(task).name or kind_of(task)
 
 
-class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
-
-
-def sequences_for(
-    task: Task, templates: dict[str, Any], tokenizer: Tokenizer, max_new_tokens: int,
-    max_objects: int, temperature: float, top_p: float,
-) -> list[tuple[str | None, SeqSpec]]:
-    """(object label or None, sequence) for each sequence the task runs on an image."""
-    kind, a = kind_of(task), args_of(task)
-    tpl = templates.get(kind)
-    if tpl is None:
-        raise ValueError(f"the model has no {kind} template")
-    if kind == "caption":
-        return [(None, SeqSpec(MODE_TEXT, tuple(tpl[a.length]), a.max_new_tokens or max_new_tokens, temperature, top_p))]
-    if kind == "query":
-        # The doubled suffix (answer id twice) is what the model was trained on.
-        prompt = tpl["prefix"] + tokenizer.encode(a.question) + tpl["suffix"] + tpl["suffix"]
-        return [(None, SeqSpec(MODE_TEXT, tuple(prompt), a.max_new_tokens or max_new_tokens, temperature, top_p))]
-    mode = MODE_DETECT if kind == "detect" else MODE_POINT
-    return [
-        (obj, SeqSpec(mode, tuple(tpl["prefix"] + tokenizer.encode(" " + obj) + tpl["suffix"]),
-                      a.max_objects or max_objects))
-        for obj in a.objects
-    ]
+def truncated_column(task: Task) -> str:
+    """Per task, a boolean column: the label was cut short by a limit (max_new_tokens or
+    max_objects), so a caption may stop mid-sentence or objects may be missing."""
+    return f"{column_of(task)}_truncated"
 
 
 def _clamp(v: float) -> float:
     return min(1.0, max(0.0, v))
 
 
-def column_value(task: Task, labels: list[str | None], raws: list[RawOutput], tokenizer: Tokenizer) -> Any:
-    """The output cell of one task on one image. Boxes and points are clamped to [0, 1]."""
-    kind = kind_of(task)
-    if kind in ("caption", "query"):
-        return tokenizer.decode(raws[0].tokens).strip()
-    if kind == "point":
-        return [{"label": lab, "x": _clamp(o[0]), "y": _clamp(o[1])} for lab, r in zip(labels, raws) for o in r.objects]
-    return [
-        {"label": lab, "x_min": _clamp(o[0]), "y_min": _clamp(o[1]), "x_max": _clamp(o[2]), "y_max": _clamp(o[3])}
-        for lab, r in zip(labels, raws) for o in r.objects
-    ]
+def point_values(labels: list[str | None], objects: list[list[tuple[float, ...]]]) -> list[dict[str, Any]]:
+    """Points (x, y) found for each object label -> the point column's cell, clamped to [0, 1]."""
+    return [{"label": lab, "x": _clamp(o[0]), "y": _clamp(o[1])} for lab, objs in zip(labels, objects) for o in objs]
+
+
+def box_values(labels: list[str | None], objects: list[list[tuple[float, ...]]]) -> list[dict[str, Any]]:
+    """Boxes (x_min, y_min, x_max, y_max) for each object label -> the detect column's cell."""
+    return [{"label": lab, "x_min": _clamp(o[0]), "y_min": _clamp(o[1]), "x_max": _clamp(o[2]),
+             "y_max": _clamp(o[3])} for lab, objs in zip(labels, objects) for o in objs]

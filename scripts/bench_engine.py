@@ -27,10 +27,10 @@ import torch
 
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.labeler import WorkItem
-from batchvlm.job import EngineSpec
-from batchvlm.models.moondream.family import Moondream
+from batchvlm.job import EngineSpec, ModelSpec
+from batchvlm.models.moondream.family import Moondream, MoondreamEngine
 from batchvlm.models.moondream.generate import generate
-from batchvlm.models.registry import DEMO_DIR
+from batchvlm.models.registry import open_family
 from batchvlm.shapes.world import SPEC, draw_scene
 from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
 
@@ -44,24 +44,37 @@ WORKLOADS = {
 }
 
 
-def load_model(name: str, device: str, fixed_lengths: bool) -> Moondream:
+class Bench:
+    """The host family and the loaded engine model of one Moondream."""
+
+    def __init__(self, family: Moondream, engine: MoondreamEngine):
+        self.family, self.engine, self.model = family, engine, engine.model
+        self.preprocessor = family.preprocessor()
+
+    def sequences(self, tasks, max_new_tokens: int, max_objects: int):
+        return self.family.sequences(tasks, EngineSpec(max_new_tokens=max_new_tokens, max_objects=max_objects))
+
+
+def load_model(name: str, device: str, fixed_lengths: bool) -> Bench:
     if name == "full-random":
         md = full_random(device)
     else:
-        md = Moondream.load(name, folder=DEMO_DIR if name == "demo" else Path(name), device=device)
+        family = open_family(ModelSpec(name=name))
+        md = Bench(family, family.load("auto", device))
     if fixed_lengths:
         # Benchmark-only: EOS can never win, so every sequence runs to its limit.
         with torch.no_grad():
-            md.model.text.lm_head.bias[md.config.tokenizer.eos_id] = -1e4
+            md.model.text.lm_head.bias[md.family.config.tokenizer.eos_id] = -1e4
     return md
 
 
-def full_random(device: str) -> Moondream:
+def full_random(device: str) -> Bench:
     """Full-size Moondream 2 shapes with random weights (no checkpoint needed)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
+    from batchvlm.models.family import ModelInfo
+    from batchvlm.models.hub import resolve_device, resolve_dtype
     from batchvlm.models.moondream.config import MoondreamConfig
-    from batchvlm.models.moondream.family import ModelInfo, resolve_device, resolve_dtype
     from batchvlm.models.moondream.weights import build_model
 
     dev = resolve_device(device)
@@ -77,11 +90,11 @@ def full_random(device: str) -> Moondream:
                 p.copy_(torch.randn(p.shape, generator=g, device=dev, dtype=torch.float32).to(dtype) * 0.02)
     tok = Tokenizer(models.WordLevel({"[unk]": 0} | {w: i + 1 for i, w in enumerate("abcdefghij")}, unk_token="[unk]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    info = ModelInfo("full-random", None, "", "random", str(dtype), str(dev))
-    return Moondream(model, tok, info)
+    info = ModelInfo("full-random", None, "", "random", str(dtype), str(dev), "moondream", "native")
+    return Bench(Moondream(config, tok, Path(), "full-random", None), MoondreamEngine(model, info))
 
 
-def images(n: int, md: Moondream, seed: int) -> list:
+def images(n: int, md: Bench, seed: int) -> list:
     rng = random.Random(seed)
     return [md.preprocessor(draw_scene(rng, SPEC)[0]) for _ in range(n)]
 
@@ -110,7 +123,7 @@ def run_static(md, prepared, specs, batch):
 def run_engine(md, prepared, seqs, batch, pipelined, cuda_graphs):
     spec = EngineSpec(max_batch_size=batch, pipelined=pipelined, cuda_graphs=cuda_graphs,
                       max_images_in_flight=max(8, 2 * batch // len(seqs)))
-    engine = Engine(md, seqs, spec)
+    engine = Engine(md.engine, seqs, spec, md.family.max_prefix_len())
     items = [WorkItem(i, p, str(i)) for i, p in enumerate(prepared)]
     out = {im.ticket: [s.output for s in im.seqs] for im in engine.run(items)}
     return [out[i] for i in range(len(prepared))]

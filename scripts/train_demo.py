@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from batchvlm.models.moondream.family import Moondream
+from batchvlm.job import ModelSpec
+from batchvlm.models.registry import open_family
 from batchvlm.shapes.evaluate import score_model
 from batchvlm.shapes.train import Trainer, TrainSettings, write_card
 
@@ -71,8 +72,9 @@ def main() -> None:
     trainer.run(until=args.until, log=log)
     if args.export and trainer.step >= settings.total_steps:
         trainer.export(args.export)
-        md = Moondream.load("demo", folder=args.export, device="cpu")
-        final = score_model(md.model, md.tokenizer, md.preprocessor, 200, seed=987_654)
+        family = open_family(ModelSpec(name=str(args.export)))
+        final = score_model(family.load("float32", "cpu").model, family.tokenizer, family.preprocessor(), 200,
+                            seed=987_654)
         hardware = f"{cpu_name()}, {torch.get_num_threads()} threads, device {args.device}"
         write_card(args.export, trainer, final, hardware)
         log(json.dumps({"exported": str(args.export), "final_eval_200": final}))

@@ -10,8 +10,39 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from batchvlm.job import EngineSpec
 from batchvlm.models.moondream.config import MoondreamConfig
+from batchvlm.models.moondream.family import Moondream, MoondreamEngine
+from batchvlm.models.moondream.generate import generate
 from batchvlm.models.moondream.model import MoondreamModel
+
+
+class LoadedMoondream:
+    """Host family + loaded engine model, with the shorthands the tests use."""
+
+    def __init__(self, name: str, revision: str | None = None, device: str = "cpu", dtype: str = "auto"):
+        from batchvlm.job import ModelSpec
+        from batchvlm.models.registry import open_family
+
+        self.family: Moondream = open_family(ModelSpec(name=name, revision=revision))
+        self.engine: MoondreamEngine = self.family.load(dtype, device)
+        self.model: MoondreamModel = self.engine.model
+        self.config = self.family.config
+        self.preprocessor = self.family.preprocessor()
+        self.P = self.family.max_prefix_len()
+        self.info = self.engine.info
+
+    def sequences(self, tasks, max_new_tokens: int = 128, max_objects: int = 50, temperature: float = 0.0,
+                  top_p: float = 1.0):
+        return self.family.sequences(tasks, EngineSpec(max_new_tokens=max_new_tokens, max_objects=max_objects,
+                                                       temperature=temperature, top_p=top_p))
+
+    def label(self, images, tasks, max_new_tokens: int = 128, max_objects: int = 50) -> list[dict]:
+        """The simple static-batch generation, as labelled columns."""
+        prepared = [self.preprocessor(im) for im in images]
+        seqs = self.sequences(tasks, max_new_tokens, max_objects)
+        raws = generate(self.model, prepared, [s.spec for s in seqs])
+        return [self.family.columns(tasks, seqs, r) for r in raws]
 
 
 def id_tokenizer(vocab_size: int) -> Tokenizer:

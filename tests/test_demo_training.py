@@ -2,7 +2,7 @@
 
 import torch
 
-from batchvlm.models.attention import AttentionBatch, AttentionGroup, slots_of
+from batchvlm.models.attention import AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
 from batchvlm.shapes.examples import make_batch
 from batchvlm.shapes.objective import dense_forward
 from batchvlm.shapes.train import Trainer, TrainSettings
@@ -20,15 +20,18 @@ def test_training_forward_equals_inference_forward(tmp_path):
         sel = batch.seg[0] == 2
         n = int(sel.sum())
         cache = m.new_kv_cache(1 + nb + 8, bs)
-        table = torch.arange(1, 1 + nb + 8)[None]
-        pos = torch.arange(P)[None]
+        prefix_t, own_t = torch.arange(1, 1 + nb)[None], torch.arange(1 + nb, 1 + nb + 8)[None]
+        j, lens = torch.arange(P), torch.tensor([P])
         prefix = m.prefix_embeds(m.vision(batch.crops[:1], [(1, 1)]))[0]
-        m.forward_tokens(prefix, pos[0], AttentionBatch(slots_of(table, pos, bs, P)[0], [
-            AttentionGroup(torch.arange(P)[None], pos, table[:, :nb], torch.tensor([P]))], bs, P), cache)
-        pos = batch.pos[0][sel][None]
+        m.forward_tokens(prefix, j, AttentionBatch(slot_of(prefix_t[0], j, bs), [
+            PrefixGroup(j[None], prefix_t, lens, causal=False)], bs), cache)
+        pos = batch.pos[0][sel]
+        own = pos - P
         emb = m.input_embeds(batch.kind[0][sel], batch.token[0][sel], batch.value[0][sel])
-        out = m.forward_tokens(emb, pos[0], AttentionBatch(slots_of(table, pos, bs, P)[0], [
-            AttentionGroup(torch.arange(n)[None], pos, table, torch.tensor([nb * bs + n]))], bs, P), cache)
+        q = torch.arange(n)
+        out = m.forward_tokens(emb, pos, AttentionBatch(slot_of(own_t[0], own, bs), [
+            TaskGroup(q[None], own[None], own_t, torch.tensor([n]), SharedPrefix(prefix_t, lens, q[None], q[None]))],
+            bs), cache)
     torch.testing.assert_close(out, hidden[0][sel], atol=1e-4, rtol=1e-4)
 
 

@@ -6,25 +6,24 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import hub_folder, id_tokenizer, random_state
+from helpers import LoadedMoondream, hub_folder, id_tokenizer, random_state
 from PIL import Image
 from test_moondream_loading import TINY
 
 from batchvlm.engine.engine import Engine
-from batchvlm.engine.runner import DecodeGraphs
+from batchvlm.engine.graphs import DecodeGraphs
 from batchvlm.engine.labeler import WorkItem, sequence_seed
 from batchvlm.job import EngineSpec
 from batchvlm.models.moondream.config import MoondreamConfig
-from batchvlm.models.moondream.family import Moondream
 from batchvlm.models.moondream.generate import generate
 from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
 
 
 def run_engine(md, prepared, seqs, fixed_shape_decode=False, **settings):
-    engine = Engine(md, seqs, EngineSpec(**settings))
+    engine = Engine(md.engine, seqs, EngineSpec(**settings), md.P)
     if fixed_shape_decode:  # the CUDA-graph decode body (padding, scratch row, null block), uncaptured
         r = engine.runner
-        r.graphs = DecodeGraphs(r, max(engine.own_blocks), len(seqs), capture=False)
+        r.graphs = DecodeGraphs(r, -(-md.P // r.bs), max(engine.own_blocks), len(seqs), capture=False)
     out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
            for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
     assert engine.scheduler.blocks.used == 0  # every block came back
@@ -35,7 +34,7 @@ def run_engine(md, prepared, seqs, fixed_shape_decode=False, **settings):
 def tiny(tmp_path_factory):
     folder = hub_folder(tmp_path_factory.mktemp("tiny"), TINY, random_state(MoondreamConfig.from_dict(TINY), seed=5),
                         id_tokenizer(64))
-    md = Moondream.load(str(folder), device="cpu")
+    md = LoadedMoondream(str(folder))
     g = torch.Generator().manual_seed(1)
     images = [Image.fromarray(torch.randint(0, 256, (40 + 37 * (i % 5), 60 + 29 * (i % 7), 3), generator=g,
                                             dtype=torch.uint8).numpy()) for i in range(11)]
@@ -77,7 +76,7 @@ def test_engine_matches_the_upstream_reference(fixtures_dir, tmp_path):
     root = fixtures_dir / "moondream-tiny"
     config = json.loads((root / "config.json").read_text())
     folder = hub_folder(tmp_path / "m", config, root / "weights.safetensors", idt(config["text"]["vocab_size"]))
-    md = Moondream.load(str(folder), device="cpu")
+    md = LoadedMoondream(str(folder))
     expected = json.loads((root / "expected.json").read_text())
     prepared = [md.preprocessor(Image.open(root / "images" / e["file"])) for e in expected["images"]]
     seqs = md.sequences(_tasks(expected), max_new_tokens=20, max_objects=5)
@@ -103,5 +102,5 @@ def test_tightest_limits(tiny):
 def test_auto_pipelining_follows_the_device(tiny):
     md, _ = tiny
     seqs = md.sequences(TASKS, 8, 3)
-    assert not Engine(md, seqs, EngineSpec()).pipelined  # CPU: nothing to overlap
-    assert Engine(md, seqs, EngineSpec(pipelined=True)).pipelined
+    assert not Engine(md.engine, seqs, EngineSpec(), md.P).pipelined  # CPU: nothing to overlap
+    assert Engine(md.engine, seqs, EngineSpec(pipelined=True), md.P).pipelined

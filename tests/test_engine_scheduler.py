@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 
 from batchvlm.engine.kv_cache import BlockManager, OutOfBlocks
-from batchvlm.engine.runner import Emissions
+from batchvlm.engine.staging import Emissions
 from batchvlm.engine.scheduler import Scheduler
 from batchvlm.engine.sequence import Image, SeqState, Sequence
-from batchvlm.models.moondream.decoding import EMIT_NONE, MODE_DETECT, MODE_POINT, MODE_TEXT
-from batchvlm.models.moondream.generate import SeqSpec
+from batchvlm.models.decoding import EMIT_NONE, MODE_DETECT, MODE_POINT, MODE_TEXT, SeqSpec
 
 
 def test_block_refcounts():
@@ -33,10 +32,11 @@ SPECS = [SeqSpec(MODE_TEXT, (1, 2, 3), 6), SeqSpec(MODE_TEXT, (1, 2, 3, 4, 5, 6,
          SeqSpec(MODE_DETECT, (1, 9, 3), 4), SeqSpec(MODE_POINT, (1, 10, 3), 2)]
 
 
-def make_images(n: int, rng: random.Random) -> list[Image]:
+def make_images(n: int, rng: random.Random, prefix_len: int | None = None) -> list[Image]:
+    """Images with 1..all of SPECS; prefix lengths vary per image unless given."""
     images = []
     for i in range(n):
-        image = Image(ticket=i, prepared=None, key=str(i))
+        image = Image(ticket=i, prepared=None, key=str(i), prefix_len=prefix_len or rng.randint(3, 24), next_pos=0)
         specs = rng.sample(SPECS, rng.randint(1, len(SPECS)))
         image.seqs = [Sequence(image, j, s, seed=0) for j, s in enumerate(specs)]
         images.append(image)
@@ -47,11 +47,11 @@ def make_images(n: int, rng: random.Random) -> list[Image]:
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_random_finishes_never_leak_or_overcommit(seed, pipelined):
     rng = random.Random(seed)
-    P, bs = 13, 4
+    bs = 4
     n_rows = rng.choice([1, 3, 8])
     n_blocks = rng.choice([12, 20, 60])
     blocks = BlockManager(n_blocks, bs)
-    sched = Scheduler(blocks, n_rows, P, n_image_slots=3)
+    sched = Scheduler(blocks, n_rows, n_image_slots=3)
     images = make_images(12, rng)
     pending = deque(images)
     inflight: deque = deque()
@@ -96,8 +96,8 @@ def test_random_finishes_never_leak_or_overcommit(seed, pipelined):
 
 def test_plan_holds_prefix_once_and_own_blocks_per_sequence():
     blocks = BlockManager(64, 4)
-    sched = Scheduler(blocks, 8, 13, n_image_slots=2)
-    image = make_images(1, random.Random(3))[0]
+    sched = Scheduler(blocks, 8, n_image_slots=2)
+    image = make_images(1, random.Random(3), prefix_len=13)[0]
     image.seqs = [Sequence(image, j, s, seed=0) for j, s in enumerate(SPECS)]
     sched.add_encoded(image, sched.take_image_slot())
     plan = sched.schedule()

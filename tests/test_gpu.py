@@ -5,13 +5,12 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import hub_folder, id_tokenizer, random_state
+from helpers import LoadedMoondream, hub_folder, id_tokenizer, random_state
 from PIL import Image
 from test_engine import TASKS, run_engine
 from test_moondream_loading import TINY
 
 from batchvlm.models.moondream.config import MoondreamConfig
-from batchvlm.models.moondream.family import Moondream
 from batchvlm.models.moondream.generate import generate
 
 pytestmark = pytest.mark.gpu
@@ -21,7 +20,7 @@ pytestmark = pytest.mark.gpu
 def tiny_cuda(tmp_path_factory):
     folder = hub_folder(tmp_path_factory.mktemp("tiny"), TINY, random_state(MoondreamConfig.from_dict(TINY), seed=5),
                         id_tokenizer(64))
-    md = Moondream.load(str(folder), device="cuda", dtype="float32")
+    md = LoadedMoondream(str(folder), device="cuda", dtype="float32")
     g = torch.Generator().manual_seed(2)
     images = [Image.fromarray(torch.randint(0, 256, (50 + 31 * (i % 5), 70 + 23 * (i % 7), 3), generator=g,
                                             dtype=torch.uint8).numpy()) for i in range(24)]
@@ -45,7 +44,7 @@ def test_upstream_parity_on_cuda_float32(fixtures_dir, tmp_path):
     root = fixtures_dir / "moondream-tiny"
     config = json.loads((root / "config.json").read_text())
     folder = hub_folder(tmp_path / "m", config, root / "weights.safetensors", id_tokenizer(config["text"]["vocab_size"]))
-    md = Moondream.load(str(folder), device="cuda", dtype="float32")
+    md = LoadedMoondream(str(folder), device="cuda", dtype="float32")
     expected = json.loads((root / "expected.json").read_text())
     prepared = [md.preprocessor(Image.open(root / "images" / e["file"])) for e in expected["images"]]
     seqs = md.sequences(_tasks(expected), max_new_tokens=20, max_objects=5)
@@ -57,11 +56,10 @@ def test_upstream_parity_on_cuda_float32(fixtures_dir, tmp_path):
 
 
 def test_demo_model_in_bfloat16_still_labels_right():
-    from batchvlm.models.registry import DEMO_DIR
     from batchvlm.shapes.evaluate import score_model
 
-    md = Moondream.load("demo", folder=DEMO_DIR, device="cuda", dtype="bfloat16")
-    scores = score_model(md.model, md.tokenizer, md.preprocessor, 48, seed=4242)
+    md = LoadedMoondream("demo", device="cuda", dtype="bfloat16")
+    scores = score_model(md.model, md.family.tokenizer, md.preprocessor, 48, seed=4242)
     assert min(scores.values()) >= 0.85, scores
 
 
@@ -71,6 +69,6 @@ def test_kv_cache_is_sized_from_free_memory(tiny_cuda):
 
     md, _ = tiny_cuda
     seqs = md.sequences(TASKS, max_new_tokens=9, max_objects=3)
-    small = Engine(md, seqs, EngineSpec(max_batch_size=8, kv_memory_fraction=0.01))
-    large = Engine(md, seqs, EngineSpec(max_batch_size=8, kv_memory_fraction=0.5))
+    small = Engine(md.engine, seqs, EngineSpec(max_batch_size=8, kv_memory_fraction=0.01), md.P)
+    large = Engine(md.engine, seqs, EngineSpec(max_batch_size=8, kv_memory_fraction=0.5), md.P)
     assert small.stats["kv_blocks"] <= large.stats["kv_blocks"]

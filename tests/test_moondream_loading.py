@@ -5,13 +5,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import hub_folder, id_tokenizer, random_state
+from helpers import LoadedMoondream, hub_folder, id_tokenizer, random_state
 from PIL import Image
 
 from batchvlm.models.moondream.config import ConfigError, MoondreamConfig
-from batchvlm.models.moondream.family import Moondream
 from batchvlm.models.moondream.model import MoondreamModel
-from batchvlm.models.moondream.weights import ModelLoadError
+from batchvlm.models.family import ModelLoadError
 from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
 
 TINY = {
@@ -59,17 +58,17 @@ def test_repo_id_and_folder_load_the_same_model(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
-    from_hub = Moondream.load("someone/tiny-moondream", revision="2025-06-21", device="cpu")
-    from_dir = Moondream.load(str(folder), device="cpu")
+    from_hub = LoadedMoondream("someone/tiny-moondream", revision="2025-06-21")
+    from_dir = LoadedMoondream(str(folder))
     assert from_hub.info.revision == commit
     assert from_hub.info.weights_sha256 == from_dir.info.weights_sha256
     for (n, a), (_, b) in zip(from_hub.model.state_dict().items(), from_dir.model.state_dict().items()):
         assert torch.equal(a, b), n
 
     with pytest.raises(ModelLoadError, match="cannot fetch 'someone/other'"):
-        Moondream.load("someone/other", device="cpu")
+        LoadedMoondream("someone/other")
     with pytest.raises(ModelLoadError, match="neither a folder nor"):
-        Moondream.load("./no/such/dir", device="cpu")
+        LoadedMoondream("./no/such/dir")
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -88,13 +87,37 @@ def test_strict_loading_names_the_tensor(tmp_path, damage, message):
         state[name] = torch.zeros(3, 3)
     folder = hub_folder(tmp_path / "m", TINY, state, id_tokenizer(64))
     with pytest.raises(ModelLoadError, match=message) as err:
-        Moondream.load(str(folder), device="cpu")
+        LoadedMoondream(str(folder))
     assert ("rogue" if damage == "extra" else name) in str(err.value)
+
+
+def test_sharded_checkpoint_loads_like_one_file(tmp_path):
+    """model-0000k-of-0000N.safetensors + model.safetensors.index.json, as the hub shards big models."""
+    from safetensors.torch import save_file
+
+    state = random_state(MoondreamConfig.from_dict(TINY), seed=4)
+    single = hub_folder(tmp_path / "single", TINY, state, id_tokenizer(64))
+    sharded = hub_folder(tmp_path / "sharded", TINY, {}, id_tokenizer(64))
+    (sharded / "model.safetensors").unlink()
+    names = sorted(state)
+    parts = [names[: len(names) // 2], names[len(names) // 2 :]]
+    weight_map = {}
+    for k, part in enumerate(parts, 1):
+        file = f"model-{k:05d}-of-{len(parts):05d}.safetensors"
+        save_file({n: state[n] for n in part}, str(sharded / file))
+        weight_map |= {n: file for n in part}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    a, b = LoadedMoondream(str(single)), LoadedMoondream(str(sharded))
+    for (n, x), (_, y) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+        assert torch.equal(x, y), n
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="missing"):
+        LoadedMoondream(str(sharded))
 
 
 def test_one_at_a_time_equals_sixteen_at_once(tmp_path, fixtures_dir):
     folder = hub_folder(tmp_path / "m", TINY, random_state(MoondreamConfig.from_dict(TINY), seed=3), id_tokenizer(64))
-    md = Moondream.load(str(folder), device="cpu")
+    md = LoadedMoondream(str(folder))
     rng = torch.Generator().manual_seed(0)
     images = []
     for i in range(16):

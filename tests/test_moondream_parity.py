@@ -6,12 +6,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import hub_folder, id_tokenizer
+from helpers import LoadedMoondream, hub_folder, id_tokenizer
 from PIL import Image
 from safetensors.torch import load_file
 
-from batchvlm.models.attention import AttentionBatch, AttentionGroup
-from batchvlm.models.moondream.family import Moondream
+from batchvlm.models.attention import AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
 from batchvlm.models.moondream.generate import encode_images
 from batchvlm.models.moondream.image_crops import select_tiling
 from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
@@ -26,7 +25,7 @@ def case(request, fixtures_dir, tmp_path_factory):
     config = json.loads((sub / "config.json").read_text())
     folder = hub_folder(tmp_path_factory.mktemp(request.param), config, root / "weights.safetensors",
                         id_tokenizer(config["text"]["vocab_size"]))
-    md = Moondream.load(str(folder), device="cpu", dtype="float32")
+    md = LoadedMoondream(str(folder))
     expected = json.loads((sub / "expected.json").read_text())
     images = [Image.open(root / "images" / e["file"]) for e in expected["images"]]
     return md, expected, load_file(sub / "expected.safetensors"), images
@@ -58,7 +57,7 @@ def test_image_features(case):
     with torch.inference_mode():
         feats = encode_images(md.model, prepared)
         for i, p in enumerate(prepared):
-            enc = md.model.vision.encode_crops(torch.from_numpy(p.crops))
+            enc = md.model.vision.encode_crops(p.crops)
             torch.testing.assert_close(enc[0], tensors[f"img{i}.vision_global"], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(feats[i], tensors[f"img{i}.image_features"], atol=1e-4, rtol=1e-4)
 
@@ -66,22 +65,18 @@ def test_image_features(case):
 def _prefill(md, image, prompt):
     """Prefix + prompt through the forward primitives, one sequence -> (logits, hidden) at the end."""
     m = md.model
-    P, bs = m.config.prefix_len, 16
-    nb = -(-P // bs)
-    cache = m.new_kv_cache(1 + nb + 1 + len(prompt) // bs + 1, bs)
-    table = torch.arange(1, 1 + nb + 1 + len(prompt) // bs + 1)[None]
-    pos = torch.arange(P)[None]
-    from batchvlm.models.attention import slots_of
-
+    P, bs, T = m.config.prefix_len, 16, len(prompt)
+    nb, nown = -(-P // bs), -(-T // bs)
+    cache = m.new_kv_cache(1 + nb + nown, bs)
+    prefix_t, own_t = torch.arange(1, 1 + nb)[None], torch.arange(1 + nb, 1 + nb + nown)[None]
+    j, lens = torch.arange(P), torch.tensor([P])
     prefix = m.prefix_embeds(encode_images(m, [md.preprocessor(image)]))[0]
-    batch = AttentionBatch(slots_of(table, pos, bs, P)[0], [AttentionGroup(torch.arange(P)[None], pos, table[:, :nb],
-                                                                           torch.tensor([P]))], bs, P)
-    m.forward_tokens(prefix, pos[0], batch, cache)
-    T = len(prompt)
-    pos = torch.arange(P, P + T)[None]
-    batch = AttentionBatch(slots_of(table, pos, bs, P)[0], [AttentionGroup(torch.arange(T)[None], pos, table,
-                                                                           torch.tensor([nb * bs + T]))], bs, P)
-    hidden = m.forward_tokens(m.text.wte[torch.tensor(prompt)], pos[0], batch, cache)[-1:]
+    batch = AttentionBatch(slot_of(prefix_t[0], j, bs), [PrefixGroup(j[None], prefix_t, lens, causal=False)], bs)
+    m.forward_tokens(prefix, j, batch, cache)
+    o = torch.arange(T)
+    shared = SharedPrefix(prefix_t, lens, o[None], o[None])
+    batch = AttentionBatch(slot_of(own_t[0], o, bs), [TaskGroup(o[None], o[None], own_t, torch.tensor([T]), shared)], bs)
+    hidden = m.forward_tokens(m.text.wte[torch.tensor(prompt)], P + o, batch, cache)[-1:]
     return m.text.logits(hidden)[0], hidden[0]
 
 

@@ -15,11 +15,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..job import InputSpec, LoaderSpec
-from ..models.moondream.preprocess import Preprocessor
+from ..models.family import Prepared, Preprocessor
 from ..output.claims import Claims
 from ..output.manifest import is_done
 from .decode import decode
@@ -34,8 +33,7 @@ class Sample:
     width: int
     height: int
     error: str | None
-    crops: torch.Tensor | None  # uint8 [n_crops, S, S, 3]
-    tiling: tuple[int, int] | None
+    prepared: Prepared | None  # the family's preprocessed image (tensors travel in shared memory)
 
 
 @dataclass
@@ -48,15 +46,15 @@ class ShardEnd:
 
 def prepare(enc: Encoded, pre: Preprocessor, spec: LoaderSpec, shard: int, index: int) -> Sample:
     if enc.error is not None:
-        return Sample(shard, index, enc.key, 0, 0, enc.error, None, None)
+        return Sample(shard, index, enc.key, 0, 0, enc.error, None)
     d = decode(enc.data, spec.max_image_pixels, pre.largest_size if spec.jpeg_draft else None)
     if d.error is not None:
-        return Sample(shard, index, enc.key, d.width, d.height, d.error, None, None)
+        return Sample(shard, index, enc.key, d.width, d.height, d.error, None)
     try:
         p = pre(d.image, d.width, d.height)
     except (OSError, ValueError) as e:
-        return Sample(shard, index, enc.key, d.width, d.height, f"preprocess: {e}", None, None)
-    return Sample(shard, index, enc.key, d.width, d.height, None, torch.from_numpy(p.crops), p.tiling)
+        return Sample(shard, index, enc.key, d.width, d.height, f"preprocess: {e}", None)
+    return Sample(shard, index, enc.key, d.width, d.height, None, p)
 
 
 @dataclass(frozen=True)

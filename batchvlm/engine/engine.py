@@ -18,37 +18,36 @@ from typing import Any
 import torch
 
 from ..job import EngineSpec
-from ..models.moondream.decoding import RawOutput
-from ..models.moondream.family import Moondream
-from ..models.moondream.family import Sequence as TaskSequence
-from ..models.moondream.vision import n_crops
+from ..models.attention import AttentionBatch, PrefixGroup
+from ..models.decoding import RawOutput, RowState
+from ..models.family import EngineModel, TaskSequence
 from .kv_cache import BlockManager
 from .labeler import WorkItem, sequence_seed
-from .runner import InFlight, Runner
-from .scheduler import PREFILL_TOKENS_PER_STEP, Scheduler
+from .plan import PREFILL_TOKENS_PER_STEP
+from .runner import Runner
+from .scheduler import Scheduler
 from .sequence import Image, Sequence
+from .staging import InFlight
 
-MAX_VISION_CROPS = 128  # crops per vision batch: bounds the vision stage's activation memory
+MAX_VISION_COST = 128  # vision work (crops, patches / 1024) per batch: bounds its activation memory
 
 
 class Engine:
-    def __init__(self, md: Moondream, seqs: list[TaskSequence], settings: EngineSpec):
-        self.md, self.seqs, self.settings = md, seqs, settings
-        model = md.model
-        self.P = model.config.prefix_len
+    def __init__(self, model: EngineModel, seqs: list[TaskSequence], settings: EngineSpec, max_prefix_len: int):
+        self.model, self.seqs, self.settings = model, seqs, settings
         bs = settings.block_size
         n_rows = settings.max_batch_size
         blocks_for = lambda n: -(-n // bs)  # noqa: E731
-        n_prefix = blocks_for(self.P)
+        n_prefix = blocks_for(max_prefix_len)
         self.own_blocks = [blocks_for(len(s.spec.prompt) + s.spec.budget) for s in seqs]
         self.images_to_fill = math.ceil(n_rows / len(seqs))
         n_slots = max(settings.max_images_in_flight, 1)
         n_blocks = self._kv_blocks(n_rows, n_prefix, max(self.own_blocks), bs)
         cache = model.new_kv_cache(n_blocks, bs)
         sampling = any(s.spec.temperature > 0 for s in seqs)
-        self.runner = Runner(model, cache, n_rows, n_slots, max(self.own_blocks), max(len(s.spec.prompt) for s in seqs),
-                             len(seqs), settings.cuda_graphs, sampling)
-        self.scheduler = Scheduler(BlockManager(n_blocks, bs), n_rows, self.P, n_slots)
+        self.runner = Runner(model, cache, n_rows, n_slots, max_prefix_len, max(self.own_blocks),
+                             max(len(s.spec.prompt) for s in seqs), len(seqs), settings.cuda_graphs, sampling)
+        self.scheduler = Scheduler(BlockManager(n_blocks, bs), n_rows, n_slots)
         self.inflight: deque[InFlight] = deque()
         # On CPU a launch runs the whole forward before returning: pipelining would only add a
         # zombie row per finish and a step of admission lag.
@@ -59,14 +58,13 @@ class Engine:
     # ------------------------------------------------------------------ sizing
 
     def _kv_blocks(self, n_rows: int, n_prefix: int, max_own: int, bs: int) -> int:
-        """Enough blocks to fill every row (with twice the images that needs), and on CUDA no
-        more than free memory allows after a warm-up of the largest step."""
+        """Enough blocks to fill every row (with twice the images that needs, at their largest),
+        and on CUDA no more than free memory allows after a warm-up of the largest step."""
         wanted = 1 + 2 * self.images_to_fill * n_prefix + n_rows * max_own + sum(self.own_blocks)
-        model = self.md.model
+        model = self.model
         if model.device.type != "cuda":
             return wanted
-        t = model.config.text
-        per_block = 2 * t.n_layers * bs * t.n_kv_heads * t.head_dim * model.dtype.itemsize
+        per_block = model.kv_bytes_per_token() * bs
         reserve = self._warmup_peak_bytes()
         free, _ = torch.cuda.mem_get_info(model.device)
         fits = int((free - reserve) * self.settings.kv_memory_fraction) // per_block
@@ -77,29 +75,30 @@ class Engine:
     @torch.inference_mode()
     def _warmup_peak_bytes(self) -> int:
         """Peak activation memory of a maximal vision batch and a maximal mixed forward."""
-        from ..models.attention import AttentionBatch, AttentionGroup
-
-        model, dev = self.md.model, self.md.model.device
-        c = model.config
+        model, dev = self.model, self.model.device
         torch.cuda.synchronize(dev)
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-        s = c.vision.crop_size
-        crops = torch.zeros(MAX_VISION_CROPS, s, s, 3, dtype=torch.uint8, device=dev)
-        model.vision(crops, [(1, 1)] * MAX_VISION_CROPS)
-        n = PREFILL_TOKENS_PER_STEP + self.settings.max_batch_size * 16
-        scratch = model.new_kv_cache(2, self.settings.block_size)
-        pos = torch.full((1, n), self.P, device=dev)
-        batch = AttentionBatch(torch.zeros(n, dtype=torch.long, device=dev),
-                               [AttentionGroup(torch.arange(n, device=dev)[None], pos,
-                                               torch.zeros(1, 1, dtype=torch.long, device=dev),
-                                               torch.ones(1, dtype=torch.long, device=dev))],
-                               self.settings.block_size, self.P)
-        hidden = model.forward_tokens(torch.zeros(n, c.text.dim, dtype=model.dtype, device=dev), pos[0], batch, scratch)
-        model.text.logits(hidden[: self.settings.max_batch_size])
+        feats = model.encode(model.largest_vision_batch())
+        prefix = model.prefix_inputs(feats[:1])
+        n_rows, bs = self.settings.max_batch_size, self.settings.block_size
+        n = PREFILL_TOKENS_PER_STEP + n_rows * 16
+        scratch = model.new_kv_cache(3, bs)
+        embeds = torch.cat([prefix.embeds_NC, prefix.embeds_NC.new_zeros(n, prefix.embeds_NC.shape[1])])
+        positions = torch.cat([prefix.positions, model.own_positions(torch.zeros(n, dtype=torch.long, device=dev))],
+                              dim=-1)
+        N = embeds.shape[0]
+        table = torch.tensor([[1, 2]], device=dev)
+        batch = AttentionBatch(torch.zeros(N, dtype=torch.long, device=dev),
+                               [PrefixGroup(torch.arange(N, device=dev)[None], table,
+                                            torch.tensor([2 * bs], device=dev), causal=False)], bs)
+        hidden = model.forward(embeds, positions, batch, scratch, prefix)
+        zeros = torch.zeros(n_rows, dtype=torch.long, device=dev)
+        state = RowState(zeros, zeros, zeros, zeros + 1, zeros.bool(), zeros.float(), zeros.float() + 1, zeros)
+        model.decide(hidden[:n_rows], state, True, None)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base
-        del scratch, hidden, crops
+        del scratch, hidden, feats, prefix
         torch.cuda.empty_cache()
         return int(peak * 1.2)
 
@@ -127,8 +126,8 @@ class Engine:
         """Encode more images when the admission queue runs short. -> False once input is exhausted."""
         sched = self.scheduler
         batch: list[tuple[Image, int]] = []
-        crops = 0
-        while len(sched.encoded) + len(batch) < self.images_to_fill and crops < MAX_VISION_CROPS:
+        cost = 0
+        while len(sched.encoded) + len(batch) < self.images_to_fill and cost < MAX_VISION_COST:
             slot = sched.take_image_slot()
             if slot is None:
                 break
@@ -137,19 +136,18 @@ class Engine:
                 sched.free_image_slots.append(slot)
                 self._encode(batch)
                 return False
-            image = Image(item.ticket, item.image, item.key)
+            image = Image(item.ticket, item.image, item.key, item.image.prefix_len, item.image.next_pos)
             image.seqs = [Sequence(image, j, s.spec, sequence_seed(self.settings.seed, item.key, j))
                           for j, s in enumerate(self.seqs)]
             batch.append((image, slot))
-            crops += n_crops(item.image.tiling)
+            cost += item.image.cost
         self._encode(batch)
         return True
 
     def _encode(self, batch: list[tuple[Image, int]]) -> None:
         if not batch:
             return
-        self.runner.encode([im.prepared.crops for im, _ in batch], [im.prepared.tiling for im, _ in batch],
-                           [slot for _, slot in batch])
+        self.runner.encode([im.prepared for im, _ in batch], [slot for _, slot in batch])
         for image, slot in batch:
             image.prepared = None  # crops are on the device now
             self.scheduler.add_encoded(image, slot)
@@ -169,8 +167,8 @@ class Engine:
 
 
 class EngineLabeler:
-    def __init__(self, md: Moondream, seqs: list[TaskSequence], settings: EngineSpec):
-        self.engine = Engine(md, seqs, settings)
+    def __init__(self, model: EngineModel, seqs: list[TaskSequence], settings: EngineSpec, max_prefix_len: int):
+        self.engine = Engine(model, seqs, settings, max_prefix_len)
 
     def label(self, items: Iterable[WorkItem]) -> Iterator[tuple[Any, list[RawOutput]]]:
         for image in self.engine.run(items):

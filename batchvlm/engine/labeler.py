@@ -6,13 +6,13 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from ..models.moondream.preprocess import PreparedImage
+from ..models.family import Prepared
 
 
 @dataclass
 class WorkItem:
     ticket: Any  # the caller's handle, returned with the result
-    image: PreparedImage
+    image: Prepared
     key: str  # sample key: with the job seed it seeds sampling, whatever the batch
 
 

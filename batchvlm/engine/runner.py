@@ -3,97 +3,46 @@
 Invariants (the pipelined engine depends on them):
   * One compute stream runs every step in plan order, so a step always sees the KV writes and
     the next-input buffers of the steps before it.
-  * A step's inputs arrive through its slot's pinned staging buffer (one H2D copy per dtype)
-    and its emissions leave through its slot's pinned output buffer (one D2H copy on the copy
-    stream, which waits on that step's own event only). Two slots ping-pong: a slot is reused
-    only after its previous step was collected, so the CPU never overwrites memory a DMA
-    still reads.
+  * Inputs and emissions go through two ping-pong pinned slots (staging.py); the copy stream
+    waits on each step's own event only.
   * Next-step inputs (token id, coordinate or size) stay in row-indexed device buffers written
-    by `decide`; the host never needs a token to launch the next step.
+    by the family's `decide`; the host never needs a token to launch the next step.
+  * Vision batches run on their own stream, each with its own event; a step waits only for
+    the events of the images it prefills.
   * Decode-only steps replay CUDA graphs captured per padded batch size (CUDA only); padding
     rows use a scratch state row and the null KV block.
 On CPU the same code runs with synchronous copies and no graphs.
+
+Flat token layout of one step: [image prefixes (ragged) | prompts (ragged) | decode tokens].
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..models.attention import PAD_POS, AttentionBatch, AttentionGroup, KVCache, SharedPrefix, own_slots_of, slots_of
-from ..models.moondream.decoding import Decision, RowState, decide
-from ..models.moondream.model import MoondreamModel
-from .plan import NEED_COORD, NEED_SIZE, NEED_TOKEN, StepPlan
+from ..models.attention import PAD, AttentionBatch, KVCache, PrefixGroup, SharedPrefix, TaskGroup, slot_of
+from ..models.decoding import Decision, RowState
+from ..models.family import EngineModel, Prepared
+from .graphs import DecodeGraphs
+from .plan import NEED_COORD, NEED_SIZE, NEED_TOKEN, PREFILL_TOKENS_PER_STEP, StepPlan
+from .staging import Emissions, InFlight, Slot, rows_by_image
 
 STATE_INT = ("mode", "phase", "count", "limit", "seed")
 STATE_FLOAT = ("temperature", "top_p")
 
 
-@dataclass
-class Emissions:
-    """One step's output per emitting row, on the host."""
-
-    code: np.ndarray
-    token: np.ndarray
-    finished: np.ndarray
-    value: np.ndarray  # [n, 2]
-
-
-class Slot:
-    """Pinned staging for one in-flight step (inputs up, emissions down)."""
-
-    def __init__(self, device: torch.device, capacity: int):
-        self.pinned = device.type == "cuda"
-        self.ints = torch.empty(capacity, dtype=torch.int64, pin_memory=self.pinned)
-        self.floats = torch.empty(capacity, dtype=torch.float32, pin_memory=self.pinned)
-        self.out_ints: torch.Tensor | None = None
-        self.out_floats: torch.Tensor | None = None
-        self.done: torch.cuda.Event | None = None
-
-    def upload(self, ints: list[np.ndarray], floats: list[np.ndarray], device: torch.device,
-               stream) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Pack arrays into the slot's pinned buffers, copy up once per dtype, return device views."""
-        return self._up(ints, self.ints, device, stream), self._up(floats, self.floats, device, stream)
-
-    @staticmethod
-    def _up(arrays: list[np.ndarray], buf: torch.Tensor, device: torch.device, stream) -> list[torch.Tensor]:
-        sizes = [a.size for a in arrays]
-        total = sum(sizes)
-        if total > buf.numel():
-            raise ValueError(f"staging capacity {buf.numel()} < {total}")
-        if total:
-            np.concatenate([a.reshape(-1) for a in arrays], out=buf.numpy()[:total])
-        if device.type == "cpu":
-            flat = buf[:total].clone()
-        else:
-            with torch.cuda.stream(stream):
-                flat = buf[:total].to(device, non_blocking=True)
-        out, at = [], 0
-        for a in arrays:
-            out.append(flat[at : at + a.size].view(a.shape))
-            at += a.size
-        return out
-
-
-@dataclass
-class InFlight:
-    plan: StepPlan
-    slot: Slot
-
-
 class Runner:
-    def __init__(self, model: MoondreamModel, cache: KVCache, n_rows: int, n_image_slots: int,
+    def __init__(self, model: EngineModel, cache: KVCache, n_rows: int, n_image_slots: int, max_prefix_len: int,
                  max_own_blocks: int, max_prompt: int, seqs_per_image: int, cuda_graphs: bool, sampling: bool):
         self.model = model
         self.cache = cache
-        self.device = model.device
-        self.P = model.config.prefix_len
+        self.device = dev = model.device
         self.bs = cache.block_size
         self.n_rows = n_rows
         self.sampling = sampling
-        dev = self.device
         R = n_rows + 1  # the last row is scratch for padding
         self.state_int = {f: torch.zeros(R, dtype=torch.long, device=dev) for f in STATE_INT}
         self.state_float = {f: torch.zeros(R, dtype=torch.float32, device=dev) for f in STATE_FLOAT}
@@ -101,45 +50,48 @@ class Runner:
         self.next_kind = torch.zeros(R, dtype=torch.long, device=dev)
         self.next_token = torch.zeros(R, dtype=torch.long, device=dev)
         self.next_value = torch.zeros(R, 2, dtype=torch.float32, device=dev)
-        c = model.config
-        self.features = torch.zeros(n_image_slots, c.vision.n_image_tokens, c.vision.proj_out_dim,
-                                    dtype=model.dtype, device=dev)
-        nbp = -(-self.P // self.bs)
-        capacity = 64 + n_rows * (24 + 2 * max_own_blocks + 4 * max_prompt + nbp) + n_image_slots * (2 + nbp)
-        self.slots = [Slot(dev, capacity), Slot(dev, capacity)]
+        # Per image slot: the family's features until the prefill step is collected.
+        self.features: list[Any] = [None] * n_image_slots
+        nbp = -(-max_prefix_len // self.bs)
+        # Staging ints of the largest step: per row, per image slot (its padded prefix row
+        # included) and per prefill token (at most one step's budget, or one whole image).
+        capacity = (64 + n_rows * (28 + 2 * max_own_blocks + 5 * max_prompt + 2 * nbp + seqs_per_image)
+                    + n_image_slots * (3 + nbp + max_prefix_len) + 2 * max(PREFILL_TOKENS_PER_STEP, max_prefix_len))
+        self.slots = [Slot(dev, capacity, n_rows), Slot(dev, capacity, n_rows)]
         self._next_slot = 0
         cuda = dev.type == "cuda"
         self.compute = torch.cuda.current_stream(dev) if cuda else None
         self.copy_stream = torch.cuda.Stream(dev) if cuda else None
         self.vision_stream = torch.cuda.Stream(dev) if cuda else None
-        self.vision_done = torch.cuda.Event() if cuda else None
-        self.graphs = DecodeGraphs(self, max_own_blocks, seqs_per_image) if (cuda and cuda_graphs) else None
+        self.vision_events: list[torch.cuda.Event | None] = [None] * n_image_slots
+        self.graphs = DecodeGraphs(self, nbp, max_own_blocks, seqs_per_image) \
+            if (cuda and cuda_graphs) else None
 
     # ------------------------------------------------------------------ vision stage
 
     @torch.inference_mode()
-    def encode(self, crops: list[np.ndarray], tilings: list[tuple[int, int]], slots: list[int]) -> None:
+    def encode(self, images: list[Prepared], slots: list[int]) -> None:
         """Encode images into feature slots. On CUDA this runs on its own stream, overlapping
-        decode steps; the next step that prefills these images waits for it."""
-        stacked = np.concatenate(crops)
-        host = torch.from_numpy(stacked)
+        decode steps; a step that prefills these images waits for this batch's event."""
         if self.vision_stream is None:
-            self.features[slots] = self.model.vision(host, tilings).to(self.features.dtype)
+            for slot, f in zip(slots, self.model.encode(images)):
+                self.features[slot] = f
             return
-        host = host.pin_memory()
+        event = torch.cuda.Event()
         with torch.cuda.stream(self.vision_stream):
-            feats = self.model.vision(host.to(self.device, non_blocking=True), tilings)
-            index = torch.tensor(slots).pin_memory().to(self.device, non_blocking=True)
-            self.features[index] = feats.to(self.features.dtype)
-            self.vision_done.record(self.vision_stream)
+            feats = self.model.encode(images)
+            event.record(self.vision_stream)
+        for slot, f in zip(slots, feats):
+            self.features[slot], self.vision_events[slot] = f, event
 
     # ------------------------------------------------------------------ steps
 
     def launch(self, plan: StepPlan) -> InFlight:
         slot = self.slots[self._next_slot]
         self._next_slot ^= 1
-        if self.vision_done is not None and len(plan.prefix_slots):
-            self.compute.wait_event(self.vision_done)
+        for s in plan.prefix_slots.tolist():
+            if self.vision_events[s] is not None:
+                self.compute.wait_event(self.vision_events[s])
         with torch.inference_mode():
             if plan.is_decode_only and self.graphs is not None:
                 decision = self.graphs.run(plan, slot)
@@ -152,102 +104,113 @@ class Runner:
         slot = inflight.slot
         if slot.done is not None:
             slot.done.synchronize()
+        for s in inflight.plan.prefix_slots.tolist():  # that step has run: its features are spent
+            self.features[s] = self.vision_events[s] = None
         n = inflight.plan.n_out
-        ints, floats = slot.out_ints.numpy(), slot.out_floats.numpy()
-        return Emissions(ints[0, :n].copy(), ints[1, :n].copy(), ints[2, :n].astype(bool),
-                         floats[:n].copy())
+        ints, floats = (t.numpy() for t in slot.out_views(n))
+        return Emissions(ints[0].copy(), ints[1].copy(), ints[2].astype(bool), floats.copy())
 
     def _download(self, d: Decision, n: int, slot: Slot) -> None:
         packed_i = torch.stack([d.code[:n], d.token[:n], d.finished[:n].long()])
         packed_f = d.value[:n].float()
+        out_i, out_f = slot.out_views(n)
         if self.copy_stream is None:
-            slot.out_ints, slot.out_floats = packed_i, packed_f
+            out_i.copy_(packed_i)
+            out_f.copy_(packed_f)
             return
         event = torch.cuda.Event()
         event.record(self.compute)
-        if slot.out_ints is None or slot.out_ints.shape[1] < n:
-            slot.out_ints = torch.empty(3, self.n_rows, dtype=torch.int64, pin_memory=True)
-            slot.out_floats = torch.empty(self.n_rows, 2, dtype=torch.float32, pin_memory=True)
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(event)  # this step only; never the next step's uploads
-            slot.out_ints[:, :n].copy_(packed_i, non_blocking=True)
-            slot.out_floats[:n].copy_(packed_f, non_blocking=True)
+            out_i.copy_(packed_i, non_blocking=True)
+            out_f.copy_(packed_f, non_blocking=True)
             packed_i.record_stream(self.copy_stream)
             packed_f.record_stream(self.copy_stream)
             slot.done = torch.cuda.Event()
             slot.done.record(self.copy_stream)
 
     def _eager(self, plan: StepPlan, slot: Slot) -> Decision:
-        m, P, bs, dev = self.model, self.P, self.bs, self.device
+        m, bs, dev = self.model, self.bs, self.device
         I, S, D = len(plan.prefix_slots), len(plan.new_rows), len(plan.decode_rows)
+        n_pre = int(plan.prefix_lens.sum())
+        L = int(plan.prefix_lens.max()) if I else 0
         T = int(plan.prompt_lens.max()) if S else 0
-        # Flat token layout: [image prefixes | prompts (ragged) | decode tokens].
-        q_prompt = np.full((S, T), -1, dtype=np.int64)
-        pos_prompt = np.full((S, T), PAD_POS, dtype=np.int64)
-        at = I * P
-        for s, n in enumerate(plan.prompt_lens):
-            q_prompt[s, :n] = np.arange(at, at + n)
-            pos_prompt[s, :n] = np.arange(P, P + n)
-            at += n
-        # Per prompt token (flat order): its position and its sequence, so no boolean masks
-        # (a device sync on CUDA) are needed to pick the real tokens.
-        flat_pos = np.concatenate([np.arange(P, P + n) for n in plan.prompt_lens]) if S else np.zeros(0, np.int64)
+        n_prompt = int(plan.prompt_lens.sum())
+        N = n_pre + n_prompt + D
+        # Prefix tokens: image i's token j sits at flat row pre_start[i] + j.
+        pre_start = np.cumsum(plan.prefix_lens) - plan.prefix_lens
+        pre_img = np.repeat(np.arange(I), plan.prefix_lens)
+        pre_j = np.arange(n_pre) - pre_start[pre_img]
+        q_pre = np.full((I, L), N, dtype=np.int64)
+        q_pre[pre_img, pre_j] = np.arange(n_pre)
+        # Prompt tokens: sequence s's own token j at flat row n_pre + prompt_start[s] + j.
+        prompt_start = np.cumsum(plan.prompt_lens) - plan.prompt_lens
         flat_seq = np.repeat(np.arange(S), plan.prompt_lens)
-        N = at + D
-        q_prompt[q_prompt < 0] = N
-        prompt_by_image, prompt_slot = _rows_by_image(plan.prompt_image, q_prompt, len(plan.prompt_image_tables), N)
-        decode_flat = np.arange(at, N, dtype=np.int64)[:, None]
-        decode_by_image, decode_slot = _rows_by_image(plan.decode_image, decode_flat, len(plan.decode_image_tables), N)
+        flat_own = np.arange(n_prompt) - prompt_start[flat_seq]
+        flat_pos = plan.prompt_pos0[flat_seq] + flat_own
+        q_prompt = np.full((S, T), N, dtype=np.int64)
+        q_prompt[flat_seq, flat_own] = n_pre + np.arange(n_prompt)
+        own_prompt = np.full((S, T), PAD, dtype=np.int64)
+        own_prompt[flat_seq, flat_own] = flat_own
+        prompt_by_image, prompt_slot = rows_by_image(plan.prompt_image, q_prompt, len(plan.prompt_image_tables), N)
+        decode_flat = np.arange(n_pre + n_prompt, N, dtype=np.int64)[:, None]
+        decode_by_image, decode_slot = rows_by_image(plan.decode_image, decode_flat, len(plan.decode_image_tables), N)
+        last = np.concatenate([q_prompt[np.arange(S), plan.prompt_lens - 1], decode_flat[:, 0]])
         lm, co, sz = (np.flatnonzero(plan.needs & bit) for bit in (NEED_TOKEN, NEED_COORD, NEED_SIZE))
         ints, floats = slot.upload(
-            [plan.prefix_slots, plan.prefix_tables, plan.new_rows, plan.new_int, plan.prompt_tokens,
-             plan.prompt_lens, plan.prompt_tables, plan.prompt_image_tables, q_prompt, pos_prompt, prompt_by_image,
-             prompt_slot, flat_pos, flat_seq, plan.decode_rows, plan.decode_pos, plan.decode_tables,
-             plan.decode_image_tables, decode_by_image, decode_slot, lm, co, sz],
+            [plan.prefix_lens, plan.prefix_tables, q_pre, pre_img, pre_j,
+             plan.new_rows, plan.new_int, plan.prompt_tokens, plan.prompt_lens, plan.prompt_tables,
+             plan.prompt_image_tables, plan.prompt_image_lens, q_prompt, own_prompt, prompt_by_image, prompt_slot,
+             flat_seq, flat_own, flat_pos,
+             plan.decode_rows, plan.decode_own, plan.decode_pos, plan.decode_tables, plan.decode_image_tables,
+             plan.decode_image_lens, decode_by_image, decode_slot, last, lm, co, sz],
             [plan.new_float], dev, self.compute)
-        (prefix_slots, prefix_tables, new_rows, new_int, prompt_tokens, prompt_lens, prompt_tables,
-         prompt_image_tables, q_prompt_t, pos_prompt_t, prompt_by_image_t, prompt_slot_t, flat_pos_t, flat_seq_t,
-         decode_rows, decode_pos, decode_tables, decode_image_tables, decode_by_image_t, decode_slot_t, lm_t, co_t,
-         sz_t) = ints
+        (prefix_lens, prefix_tables, q_pre_t, pre_img_t, pre_j_t,
+         new_rows, new_int, prompt_tokens, prompt_lens, prompt_tables,
+         prompt_image_tables, prompt_image_lens, q_prompt_t, own_prompt_t, prompt_by_image_t, prompt_slot_t,
+         flat_seq_t, flat_own_t, flat_pos_t,
+         decode_rows, decode_own, decode_pos, decode_tables, decode_image_tables,
+         decode_image_lens, decode_by_image_t, decode_slot_t, last_t, lm_t, co_t, sz_t) = ints
         (new_float,) = floats
 
         if S:
             self._init_rows(new_rows, new_int, new_float)
-        embeds, positions, groups, write_slots = [], [], [], []
+        embeds, own_pos, groups, write_slots = [], [], [], []
+        prefix = None
         if I:
-            pos_IP = torch.arange(P, device=dev).expand(I, P)
-            embeds.append(m.prefix_embeds(self.features[prefix_slots]).reshape(I * P, -1))
-            positions.append(pos_IP.reshape(-1))
-            write_slots.append(slots_of(prefix_tables, pos_IP, bs, P).reshape(-1))
-            groups.append(AttentionGroup(torch.arange(I * P, device=dev).view(I, P), pos_IP, prefix_tables,
-                                         torch.full((I,), P, device=dev)))
+            prefix = m.prefix_inputs([self.features[s] for s in plan.prefix_slots.tolist()])
+            embeds.append(prefix.embeds_NC)
+            write_slots.append(slot_of(prefix_tables[pre_img_t], pre_j_t, bs))
+            groups.append(PrefixGroup(q_pre_t, prefix_tables, prefix_lens, m.causal_prefix))
         if S:
-            embeds.append(m.text.wte[prompt_tokens])
-            positions.append(flat_pos_t)
-            write_slots.append(own_slots_of(prompt_tables[flat_seq_t], flat_pos_t, bs, P))
-            groups.append(AttentionGroup(q_prompt_t, pos_prompt_t, prompt_tables, prompt_lens,
-                                         SharedPrefix(prompt_image_tables, prompt_by_image_t, prompt_slot_t)))
-        last = [q_prompt_t.gather(1, (prompt_lens - 1)[:, None])[:, 0]] if S else []
+            embeds.append(m.embed_tokens(prompt_tokens))
+            own_pos.append(flat_pos_t)
+            write_slots.append(slot_of(prompt_tables[flat_seq_t], flat_own_t, bs))
+            groups.append(TaskGroup(q_prompt_t, own_prompt_t, prompt_tables, prompt_lens,
+                                    SharedPrefix(prompt_image_tables, prompt_image_lens, prompt_by_image_t,
+                                                 prompt_slot_t)))
         if D:
-            last.append(self._decode_group(decode_rows, decode_pos, decode_tables, decode_image_tables,
-                                           decode_by_image_t, decode_slot_t, N - D, embeds, positions, write_slots,
-                                           groups))
-        batch = AttentionBatch(torch.cat(write_slots), groups, bs, P)
-        hidden = m.forward_tokens(torch.cat(embeds), torch.cat(positions), batch, self.cache)
+            self.decode_group(decode_rows, decode_own, decode_pos, decode_tables, decode_image_tables,
+                              decode_image_lens, decode_by_image_t, decode_slot_t, n_pre + n_prompt,
+                              embeds, own_pos, write_slots, groups)
+        positions = m.own_positions(torch.cat(own_pos)) if own_pos else None
+        if prefix is not None:
+            positions = prefix.positions if positions is None else torch.cat([prefix.positions, positions], dim=-1)
+        batch = AttentionBatch(torch.cat(write_slots), groups, bs)
+        hidden = m.forward(torch.cat(embeds), positions, batch, self.cache, prefix)
         rows = torch.cat([new_rows, decode_rows])
-        return self._decide(rows, hidden[torch.cat(last)], (lm_t, co_t, sz_t))
+        return self.decide(rows, hidden[last_t], (lm_t, co_t, sz_t))
 
-    def _decode_group(self, rows, pos, tables, image_tables, by_image, slot, first_row, embeds, positions,
-                      write_slots, groups) -> torch.Tensor:
-        """Append the decode tokens (inputs read from the device buffers). -> their flat rows."""
+    def decode_group(self, rows, own, pos, tables, image_tables, image_lens, by_image, slot, first_row,
+                     embeds, own_pos, write_slots, groups) -> None:
+        """Append the decode tokens (inputs read from the device buffers) at flat rows first_row..."""
         D = rows.shape[0]
-        embeds.append(self.model.input_embeds(self.next_kind[rows], self.next_token[rows], self.next_value[rows]))
-        positions.append(pos)
-        write_slots.append(own_slots_of(tables, pos, self.bs, self.P))
+        embeds.append(self.model.embed_inputs(self.next_kind[rows], self.next_token[rows], self.next_value[rows]))
+        own_pos.append(pos)
+        write_slots.append(slot_of(tables, own, self.bs))
         flat = torch.arange(first_row, first_row + D, device=self.device)
-        groups.append(AttentionGroup(flat[:, None], pos[:, None], tables, pos - self.P + 1,
-                                     SharedPrefix(image_tables, by_image, slot)))
-        return flat
+        groups.append(TaskGroup(flat[:, None], own[:, None], tables, own + 1,
+                                SharedPrefix(image_tables, image_lens, by_image, slot)))
 
     def _init_rows(self, rows: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor) -> None:
         self.state_int["mode"][rows] = ints[:, 0]
@@ -259,12 +222,12 @@ class Runner:
         self.state_float["temperature"][rows] = floats[:, 0]
         self.state_float["top_p"][rows] = floats[:, 1]
 
-    def _decide(self, rows: torch.Tensor, hidden_BC: torch.Tensor, heads) -> Decision:
+    def decide(self, rows: torch.Tensor, hidden_BC: torch.Tensor, heads) -> Decision:
         st = RowState(mode=self.state_int["mode"][rows], phase=self.state_int["phase"][rows],
                       count=self.state_int["count"][rows], limit=self.state_int["limit"][rows],
                       after_prompt=self.after_prompt[rows], temperature=self.state_float["temperature"][rows],
                       top_p=self.state_float["top_p"][rows], seed=self.state_int["seed"][rows])
-        d = decide(self.model, hidden_BC, st, self.sampling, heads)
+        d = self.model.decide(hidden_BC, st, self.sampling, heads)
         self.state_int["phase"][rows] = st.phase
         self.state_int["count"][rows] = st.count
         self.after_prompt[rows] = st.after_prompt
@@ -272,112 +235,3 @@ class Runner:
         self.next_token[rows] = d.next_token
         self.next_value[rows] = d.next_value
         return d
-
-
-def _rows_by_image(image_of_row: np.ndarray, q_rows: np.ndarray, n_images: int, pad: int
-                   ) -> tuple[np.ndarray, np.ndarray]:
-    """Group a [B, T] block of query rows (pads == pad) by image, keeping their order.
-    -> ([n_images, M] rows of each image's queries, [B, T] slot of each query in [n_images * M])."""
-    valid = q_rows != pad
-    image = np.broadcast_to(image_of_row[:, None], q_rows.shape)[valid]  # row-major order
-    counts = np.bincount(image, minlength=n_images)
-    M = int(counts.max()) if image.size else 0
-    order = np.argsort(image, kind="stable")
-    rank = np.empty_like(order)
-    rank[order] = np.arange(order.size) - (np.cumsum(counts) - counts)[image[order]]
-    rows = np.full((n_images, M), pad, dtype=np.int64)
-    rows[image, rank] = q_rows[valid]
-    slots = np.full(q_rows.shape, n_images * M, dtype=np.int64)
-    slots[valid] = image * M + rank
-    return rows, slots
-
-
-def _bucket(n: int) -> int:
-    b = 1
-    while b < n:
-        b *= 2
-    return b
-
-
-class DecodeGraphs:
-    """CUDA graphs of decode-only steps, keyed by padded (rows, images) counts (powers of two).
-
-    A graph reads rows, positions and block tables from static buffers. Padding rows point at
-    the scratch state row and the null block (they write only there); padding images have no
-    query rows. Every output head is computed for every row here (fixed shapes).
-    """
-
-    def __init__(self, runner: Runner, max_own_blocks: int, seqs_per_image: int, capture: bool = True):
-        self.r = runner
-        self.own = max_own_blocks
-        self.per_image = seqs_per_image
-        self.capture = capture  # False: run the same fixed-shape body eagerly (tests it on CPU)
-        self.graphs: dict[tuple[int, int], tuple] = {}  # (graph | None, static inputs, outputs | body)
-        self.pool = None
-
-    def _capture(self, n_rows: int, n_images: int):
-        r = self.r
-        dev = r.device
-        nbp = -(-r.P // r.bs)
-        static = {"rows": torch.full((n_rows,), r.n_rows, dtype=torch.long, device=dev),
-                  "pos": torch.full((n_rows,), r.P, dtype=torch.long, device=dev),
-                  "tables": torch.zeros(n_rows, self.own, dtype=torch.long, device=dev),
-                  "image_tables": torch.zeros(n_images, nbp, dtype=torch.long, device=dev),
-                  "by_image": torch.full((n_images, self.per_image), n_rows, dtype=torch.long, device=dev),
-                  "slot": torch.full((n_rows, 1), n_images * self.per_image, dtype=torch.long, device=dev)}
-
-        def body() -> Decision:
-            embeds, positions, groups, write_slots = [], [], [], []
-            flat = r._decode_group(static["rows"], static["pos"], static["tables"], static["image_tables"],
-                                   static["by_image"], static["slot"], 0, embeds, positions, write_slots, groups)
-            batch = AttentionBatch(write_slots[0], groups, r.bs, r.P)
-            hidden = r.model.forward_tokens(embeds[0], positions[0], batch, r.cache)
-            return r._decide(static["rows"], hidden[flat], None)
-
-        if not self.capture:
-            self.graphs[(n_rows, n_images)] = (None, static, body)
-            return
-        # Warm-up and capture run the body for real: on the scratch row and the null block only.
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                body()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = body()
-        self.pool = graph.pool()
-        self.graphs[(n_rows, n_images)] = (graph, static, out)
-
-    def run(self, plan: StepPlan, slot: Slot) -> Decision:
-        r = self.r
-        D, I = len(plan.decode_rows), len(plan.decode_image_tables)
-        key = (min(_bucket(D), r.n_rows), min(_bucket(I), r.n_rows))
-        if key not in self.graphs:
-            self._capture(*key)
-        graph, static, out = self.graphs[key]
-        n_rows, n_images = key
-        rows = np.full(n_rows, r.n_rows, dtype=np.int64)
-        rows[:D] = plan.decode_rows
-        pos = np.full(n_rows, r.P, dtype=np.int64)
-        pos[:D] = plan.decode_pos
-        tables = np.zeros((n_rows, self.own), dtype=np.int64)
-        tables[:D, : plan.decode_tables.shape[1]] = plan.decode_tables
-        image_tables = np.zeros((n_images, static["image_tables"].shape[1]), dtype=np.int64)
-        image_tables[:I] = plan.decode_image_tables
-        grouped, slot_actual = _rows_by_image(plan.decode_image, np.arange(D, dtype=np.int64)[:, None], I, n_rows)
-        by_image = np.full((n_images, self.per_image), n_rows, dtype=np.int64)
-        by_image[:I, : grouped.shape[1]] = grouped
-        # The same slots, in the graph's fixed [n_images, per_image] layout.
-        M = max(grouped.shape[1], 1)
-        q_slot = np.full((n_rows, 1), n_images * self.per_image, dtype=np.int64)
-        q_slot[:D, 0] = slot_actual[:, 0] // M * self.per_image + slot_actual[:, 0] % M
-        arrays = [rows, pos, tables, image_tables, by_image, q_slot]
-        uploaded, _ = slot.upload(arrays, [], r.device, r.compute)
-        for k, v in zip(("rows", "pos", "tables", "image_tables", "by_image", "slot"), uploaded):
-            static[k].copy_(v)
-        if graph is None:
-            return out()  # the uncaptured body
-        graph.replay()
-        return out

@@ -3,8 +3,8 @@
 It never touches tensors: it turns host bookkeeping into a StepPlan and a step's Emissions back
 into bookkeeping.
 
-Admission is per image, then per sequence. An image is admitted when its prefix blocks and at
-least one sequence fit; its prefix is prefilled once, in that step. Its sequences start as rows
+Admission is per image, then per sequence. An image is admitted when its prefix blocks (by
+its own prefix length, which may differ from image to image) and at least one sequence fit; its prefix is prefilled once, in that step. Its sequences start as rows
 and blocks allow (waiting sequences of admitted images go before new images, oldest first),
 each reserving its prompt + budget at once, so a running sequence never waits for memory and
 nothing is preempted. Capacity is whatever the block manager has left.
@@ -17,18 +17,18 @@ from collections import deque
 import numpy as np
 
 from .kv_cache import BlockManager
-from .plan import StepPlan
-from .runner import Emissions
+from .plan import PREFILL_TOKENS_PER_STEP, StepPlan
+from .staging import Emissions
 from .sequence import Image, SeqState, Sequence
 
-PREFILL_TOKENS_PER_STEP = 4096  # image-prefix tokens prefilled per step (at least one image)
+
+def _lens(images: list[Image]) -> np.ndarray:
+    return np.array([im.prefix_len for im in images], dtype=np.int64)
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, n_rows: int, prefix_len: int, n_image_slots: int):
+    def __init__(self, blocks: BlockManager, n_rows: int, n_image_slots: int):
         self.blocks = blocks
-        self.P = prefix_len
-        self.n_prefix_blocks = blocks.blocks_for(prefix_len)
         self.free_rows = list(range(n_rows - 1, -1, -1))
         self.free_image_slots = list(range(n_image_slots - 1, -1, -1))
         self.encoded: deque[Image] = deque()  # features ready, prefix not yet admitted
@@ -62,13 +62,13 @@ class Scheduler:
         while self.admitted and self._start_waiting(self.admitted[0], new):
             self.admitted.popleft()
         budget = PREFILL_TOKENS_PER_STEP
-        while (not self.admitted and self.encoded and (not prefilled or budget >= self.P)
-               and self._fits(self.encoded[0].seqs[0], self.n_prefix_blocks)):
+        while (not self.admitted and self.encoded and (not prefilled or budget >= self.encoded[0].prefix_len)
+               and self._fits(self.encoded[0].seqs[0], self.blocks.blocks_for(self.encoded[0].prefix_len))):
             image = self.encoded.popleft()
-            image.prefix_blocks = self.blocks.allocate(self.n_prefix_blocks)
+            image.prefix_blocks = self.blocks.allocate(self.blocks.blocks_for(image.prefix_len))
             image.unfinished = len(image.seqs)
             prefilled.append(image)
-            budget -= self.P
+            budget -= image.prefix_len
             if not self._start_waiting(image, new):
                 self.admitted.append(image)
         if not new and not decoding:
@@ -84,28 +84,33 @@ class Scheduler:
         plan = StepPlan(
             step=self.step,
             prefix_slots=np.array([self.slot_of[id(im)] for im in prefilled], dtype=np.int64),
+            prefix_lens=_lens(prefilled),
             prefix_tables=self._prefix_tables(prefilled),
             new_rows=np.array([s.row for s in new], dtype=np.int64),
             new_int=np.array([[s.spec.mode, s.spec.limit, s.seed] for s in new], dtype=np.int64).reshape(-1, 3),
             new_float=np.array([[s.spec.temperature, s.spec.top_p] for s in new], dtype=np.float32).reshape(-1, 2),
             prompt_tokens=np.array([t for s in new for t in s.spec.prompt], dtype=np.int64),
             prompt_lens=np.array([len(s.spec.prompt) for s in new], dtype=np.int64),
+            prompt_pos0=np.array([s.image.next_pos for s in new], dtype=np.int64),
             prompt_tables=self._own_tables(new, [len(s.spec.prompt) for s in new]),
             prompt_image=np.array([prompt_index[id(s.image)] for s in new], dtype=np.int64),
             prompt_image_tables=self._prefix_tables(list(prompt_images.values())),
+            prompt_image_lens=_lens(list(prompt_images.values())),
             decode_rows=np.array([s.row for s in decoding], dtype=np.int64),
-            decode_pos=np.array([s.next_pos for s in decoding], dtype=np.int64),
-            decode_tables=self._own_tables(decoding, [s.next_pos - self.P + 1 for s in decoding]),
+            decode_own=np.array([s.own_len for s in decoding], dtype=np.int64),
+            decode_pos=np.array([s.image.next_pos + s.own_len for s in decoding], dtype=np.int64),
+            decode_tables=self._own_tables(decoding, [s.own_len + 1 for s in decoding]),
             decode_image=np.array([decode_index[id(s.image)] for s in decoding], dtype=np.int64),
             decode_image_tables=self._prefix_tables(list(decode_images.values())),
+            decode_image_lens=_lens(list(decode_images.values())),
             needs=np.array([s.needs(0) for s in new] + [s.needs(s.decode_steps + 1) for s in decoding],
                            dtype=np.int64),
             seqs=new + decoding,
         )
         for s in new:
-            s.next_pos = self.P + len(s.spec.prompt)
+            s.own_len = len(s.spec.prompt)
         for s in decoding:
-            s.next_pos += 1
+            s.own_len += 1
             s.decode_steps += 1
         for s in plan.seqs:
             s.inflight += 1
@@ -129,8 +134,13 @@ class Scheduler:
         self.blocks.release(image.prefix_blocks)
         return True
 
-    def _prefix_tables(self, images: list[Image]) -> np.ndarray:
-        return np.array([im.prefix_blocks for im in images], dtype=np.int64).reshape(-1, self.n_prefix_blocks)
+    @staticmethod
+    def _prefix_tables(images: list[Image]) -> np.ndarray:
+        """Prefix blocks of each image, padded with the null block to the widest."""
+        table = np.zeros((len(images), max((len(im.prefix_blocks) for im in images), default=0)), dtype=np.int64)
+        for i, im in enumerate(images):
+            table[i, : len(im.prefix_blocks)] = im.prefix_blocks
+        return table
 
     def _own_tables(self, seqs: list[Sequence], used: list[int]) -> np.ndarray:
         """Own blocks holding tokens after this step's writes, padded to the widest row."""

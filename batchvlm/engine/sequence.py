@@ -16,11 +16,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-import torch
-
-from ..models.moondream.decoding import MODE_DETECT, MODE_POINT, RawOutput
-from ..models.moondream.generate import SeqSpec
-from ..models.moondream.preprocess import PreparedImage
+from ..models.decoding import MODE_DETECT, MODE_POINT, RawOutput, SeqSpec
+from ..models.family import Prepared
 
 
 class SeqState(Enum):
@@ -33,9 +30,10 @@ class SeqState(Enum):
 @dataclass(eq=False)
 class Image:
     ticket: Any
-    prepared: PreparedImage
+    prepared: Prepared | None  # dropped once encoded (its pixels are on the device then)
     key: str
-    features: torch.Tensor | None = None  # [grid*grid, C] on the device, until prefilled
+    prefix_len: int  # KV slots of the image prefix
+    next_pos: int  # rotary position of the first own token of every sequence on it
     prefix_blocks: list[int] = field(default_factory=list)
     seqs: list[Sequence] = field(default_factory=list)
     unfinished: int = 0
@@ -50,7 +48,7 @@ class Sequence:
     state: SeqState = SeqState.WAITING
     row: int = -1  # row of the device state while RUNNING / FINISHED
     blocks: list[int] = field(default_factory=list)  # own blocks (after the shared prefix)
-    next_pos: int = 0  # position of the next token to be fed
+    own_len: int = 0  # own tokens (prompt, then generated) planned into the cache so far
     decode_steps: int = 0  # decode steps planned so far
     inflight: int = 0
     output: RawOutput = field(default_factory=RawOutput.empty)

@@ -23,7 +23,10 @@ class Point(BaseModel):
 
 class LabelRow(BaseModel):
     """One row per input sample. Task columns are named by the task's `name` (default: its kind):
-    caption / query -> string; detect -> list of Box; point -> list of Point; null on error rows."""
+    caption / query -> string; detect -> list of Box; point -> list of Point; null on error rows.
+    Each task also has `<name>_truncated` (boolean): its label was cut short by a limit
+    (engine.max_new_tokens / max_objects), so a caption may stop mid-sentence or objects may be
+    missing; null on error rows."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -40,6 +43,6 @@ def json_schema() -> dict:
     schema["$defs"] = schema.get("$defs", {}) | {"Box": Box.model_json_schema(), "Point": Point.model_json_schema()}
     schema["additionalProperties"] = {"anyOf": [
         {"type": "string"}, {"type": "array", "items": {"$ref": "#/$defs/Box"}},
-        {"type": "array", "items": {"$ref": "#/$defs/Point"}}, {"type": "null"}]}
+        {"type": "array", "items": {"$ref": "#/$defs/Point"}}, {"type": "boolean"}, {"type": "null"}]}
     schema["title"] = "batchvlm label row"
     return schema

@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..tasks import Task, column_of, kind_of
+from ..tasks import Task, column_of, kind_of, truncated_column
 
 BOX = pa.struct([("label", pa.string()), ("x_min", pa.float32()), ("y_min", pa.float32()),
                  ("x_max", pa.float32()), ("y_max", pa.float32())])
@@ -36,7 +36,8 @@ def schema(tasks: list[Task], metadata: dict[str, Any]) -> pa.Schema:
         pa.field("height", pa.int32()),
         pa.field("status", pa.string(), nullable=False),
         pa.field("error", pa.string()),
-    ] + [pa.field(column_of(t), TYPES[kind_of(t)]) for t in tasks]
+    ] + [pa.field(column_of(t), TYPES[kind_of(t)]) for t in tasks] + [
+        pa.field(truncated_column(t), pa.bool_()) for t in tasks]
     return pa.schema(fields, metadata={"batchvlm": json.dumps(metadata)})
 
 

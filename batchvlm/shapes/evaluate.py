@@ -7,8 +7,8 @@ import random
 
 from PIL import Image
 
-from ..models.moondream.decoding import MODE_DETECT, MODE_POINT, MODE_TEXT
-from ..models.moondream.generate import SeqSpec, generate
+from ..models.decoding import MODE_DETECT, MODE_POINT, MODE_TEXT, SeqSpec
+from ..models.moondream.generate import generate
 from ..models.moondream.model import MoondreamModel
 from ..models.moondream.preprocess import Preprocessor
 from .metrics import Scores

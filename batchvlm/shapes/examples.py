@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..models.moondream.model import INPUT_COORD, INPUT_SIZE, INPUT_TOKEN
+from ..models.decoding import INPUT_COORD, INPUT_SIZE, INPUT_TOKEN
 from ..models.moondream.preprocess import Preprocessor
 from .vocab import ID, TEMPLATES
 from .world import COLOURS, COUNT_QUESTION, KINDS, TRAINING, Scene, colour_question, draw_scene
@@ -227,5 +227,5 @@ def collate(crops, segs_per_image: list[list[Segment]], targets, prefix_len: int
             t_size[b, sl] = torch.tensor(s.t_size)
             at += n
     p_kind, p_colour, p_geom = (torch.from_numpy(np.stack(x)) for x in zip(*targets))
-    return Batch(torch.from_numpy(np.stack(crops)), kind, token, value, pos, seg_id, t_token, t_coord, t_size,
+    return Batch(torch.stack(crops), kind, token, value, pos, seg_id, t_token, t_coord, t_size,
                  p_kind, p_colour, p_geom)

@@ -1,44 +1,31 @@
-"""Moondream as batchvlm uses it: weights + tokenizer + provenance, task prompts in, labels out."""
+"""Moondream 2 behind the family interface (models/family.py).
+
+Host side (`Moondream`): config + tokenizer, task prompts from the templates in the config,
+labels from raw outputs. Device side (`MoondreamEngine`): what the engine drives. Every image
+prefix is `[BOS][729 image tokens]`, attended bidirectionally; positions equal slot indices.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from PIL import Image
 
-from ...tasks import Task, column_of, column_value, sequences_for
-from .config import ConfigError
-from .decoding import RawOutput
-from .generate import SeqSpec, generate
+from ...tasks import args_of, box_values, column_of, kind_of, point_values, truncated_column
+from ..attention import AttentionBatch, KVCache
+from ..decoding import MODE_DETECT, MODE_POINT, MODE_TEXT, Decision, RawOutput, RowState, SeqSpec
+from ..family import FamilyError, ModelInfo, PrefixInputs, TaskSequence
+from ..hub import load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
+from .config import MoondreamConfig
+from .decoding import decide
 from .model import MoondreamModel
 from .preprocess import PreparedImage, Preprocessor
-from .weights import (ModelLoadError, build_model, load_tokenizer, load_weights, read_config, resolve_dir,
-                      weights_sha256)
+from .weights import TOKENIZER_REPO, build_model, load_weights, read_config
 
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    revision: str | None
-    path: str
-    weights_sha256: str
-    dtype: str
-    device: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class Sequence:
-    """One sequence of a task on every image: task index, object label, what to run."""
-
-    task: int
-    label: str | None
-    spec: SeqSpec
+if TYPE_CHECKING:
+    from ...job import EngineSpec
+    from ...tasks import Task
 
 
 class TokenizerAdapter:
@@ -52,79 +39,124 @@ class TokenizerAdapter:
         return self._tok.decode(ids)
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(f"model.device: {device!r} but torch {torch.__version__} sees no CUDA device")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ModelLoadError(f"model.device: {device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
-    return dev
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-
-
 class Moondream:
-    def __init__(self, model: MoondreamModel, tokenizer, info: ModelInfo, max_crops: int | None = None):
-        self.model = model
+    name = "moondream"
+    backend = "native"
+
+    def __init__(self, config: MoondreamConfig, tokenizer, folder: Path, model_name: str, revision: str | None,
+                 max_crops: int | None = None):
+        self.config = config
         self.tokenizer = TokenizerAdapter(tokenizer)
-        self.info = info
-        self.config = model.config
-        self.preprocessor = Preprocessor(self.config.vision, max_crops or self.config.vision.max_crops)
+        self.folder, self.model_name, self.revision = folder, model_name, revision
+        self.max_crops = max_crops or config.vision.max_crops
 
     @classmethod
-    def load(cls, name: str, revision: str | None = None, dtype: str = "auto", device: str = "auto",
-             max_crops: int | None = None, folder: Path | None = None) -> Moondream:
-        if folder is None:
-            folder, revision = resolve_dir(name, revision)
-        dev = resolve_device(device)
-        dt = resolve_dtype(dtype, dev)
-        config = read_config(folder)
-        tokenizer = load_tokenizer(folder)
-        weights = folder / "model.safetensors"
-        if not weights.is_file():  # before building the model
-            raise ModelLoadError(f"{folder}: no model.safetensors")
-        model = build_model(config, dev, dt)
-        load_weights(model, weights)
-        info = ModelInfo(name, revision, str(folder), weights_sha256(weights), str(dt).removeprefix("torch."), str(dev))
-        return cls(model, tokenizer, info, max_crops)
+    def open(cls, folder: Path, model_name: str, revision: str | None, max_crops: int | None = None) -> Moondream:
+        return cls(read_config(folder), load_tokenizer(folder, TOKENIZER_REPO), folder, model_name, revision, max_crops)
 
-    def sequences(self, tasks: list[Task], max_new_tokens: int, max_objects: int,
-                  temperature: float = 0.0, top_p: float = 1.0) -> list[Sequence]:
-        """The sequences every image runs, in task order (the same for all images)."""
-        templates = self.config.tokenizer.templates
-        seqs = [
-            Sequence(t, label, spec)
-            for t, task in enumerate(tasks)
-            for label, spec in sequences_for(task, templates, self.tokenizer, max_new_tokens, max_objects,
-                                             temperature, top_p)
-        ]
+    def preprocessor(self) -> Preprocessor:
+        return Preprocessor(self.config.vision, self.max_crops)
+
+    def max_prefix_len(self) -> int:
+        return self.config.prefix_len
+
+    def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[TaskSequence]:
+        seqs = [TaskSequence(t, label, spec) for t, task in enumerate(tasks)
+                for label, spec in self._task_sequences(task, engine)]
         P, n_ctx = self.config.prefix_len, self.config.text.max_context
         for s in seqs:
             if P + len(s.spec.prompt) + s.spec.budget > n_ctx:
-                raise ConfigError(
+                raise FamilyError(
                     f"tasks.{s.task}: a {len(s.spec.prompt)}-token prompt and up to {s.spec.budget} generated "
                     f"tokens after the {P}-token image prefix exceed the model's context of {n_ctx}; shorten it "
                     "or lower engine.max_new_tokens / engine.max_objects")
         return seqs
 
-    def columns(self, tasks: list[Task], seqs: list[Sequence], raws: list[RawOutput]) -> dict[str, Any]:
-        """One image's raw sequence outputs -> {column: value}."""
-        out = {}
+    def _task_sequences(self, task: Task, e: EngineSpec) -> list[tuple[str | None, SeqSpec]]:
+        """(object label or None, sequence) for each sequence the task runs on an image."""
+        kind, a = kind_of(task), args_of(task)
+        tpl = self.config.tokenizer.templates.get(kind)
+        if tpl is None:
+            raise FamilyError(f"tasks: the model has no {kind} template")
+        if kind == "caption":
+            return [(None, SeqSpec(MODE_TEXT, tuple(tpl[a.length]), a.max_new_tokens or e.max_new_tokens,
+                                   e.temperature, e.top_p))]
+        if kind == "query":
+            # The doubled suffix (answer id twice) is what the model was trained on.
+            prompt = tpl["prefix"] + self.tokenizer.encode(a.question) + tpl["suffix"] + tpl["suffix"]
+            return [(None, SeqSpec(MODE_TEXT, tuple(prompt), a.max_new_tokens or e.max_new_tokens, e.temperature,
+                                   e.top_p))]
+        mode = MODE_DETECT if kind == "detect" else MODE_POINT
+        return [(obj, SeqSpec(mode, tuple(tpl["prefix"] + self.tokenizer.encode(" " + obj) + tpl["suffix"]),
+                              a.max_objects or e.max_objects))
+                for obj in a.objects]
+
+    def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         for t, task in enumerate(tasks):
-            mine = [(s.label, r) for s, r in zip(seqs, raws) if s.task == t]
-            out[column_of(task)] = column_value(task, [m[0] for m in mine], [m[1] for m in mine], self.tokenizer)
+            mine = [(s, r) for s, r in zip(seqs, raws) if s.task == t]
+            kind = kind_of(task)
+            if kind in ("caption", "query"):
+                out[column_of(task)] = self.tokenizer.decode(mine[0][1].tokens).strip()
+            else:
+                values = point_values if kind == "point" else box_values
+                out[column_of(task)] = values([s.label for s, _ in mine], [r.objects for _, r in mine])
+            out[truncated_column(task)] = any(r.hit_limit(s.spec) for s, r in mine)
         return out
 
-    def label(self, images: list[Image.Image | PreparedImage], tasks: list[Task], max_new_tokens: int = 128,
-              max_objects: int = 50, temperature: float = 0.0, top_p: float = 1.0) -> list[dict[str, Any]]:
-        """Label a list of images with the simple batched generation -> one dict per image."""
-        prepared = [im if isinstance(im, PreparedImage) else self.preprocessor(im) for im in images]
-        seqs = self.sequences(tasks, max_new_tokens, max_objects, temperature, top_p)
-        raws = generate(self.model, prepared, [s.spec for s in seqs])
-        return [self.columns(tasks, seqs, r) for r in raws]
+    def load(self, dtype: str = "auto", device: str = "auto") -> MoondreamEngine:
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        files = weight_files(self.folder)  # before building the model
+        model = build_model(self.config, dev, dt)
+        load_weights(model, files)
+        info = ModelInfo(self.model_name, self.revision, str(self.folder), weights_sha256(files),
+                         str(dt).removeprefix("torch."), str(dev), self.name, self.backend)
+        return MoondreamEngine(model, info)
+
+
+class MoondreamEngine:
+    """The engine's view of a loaded Moondream (models/family.py EngineModel)."""
+
+    causal_prefix = False
+
+    def __init__(self, model: MoondreamModel, info: ModelInfo):
+        self.model, self.info = model, info
+        self.device, self.dtype = model.device, model.dtype
+        self.P = model.config.prefix_len
+
+    def new_kv_cache(self, n_blocks: int, block_size: int) -> KVCache:
+        return self.model.new_kv_cache(n_blocks, block_size)
+
+    def kv_bytes_per_token(self) -> int:
+        t = self.model.config.text
+        return 2 * t.n_layers * t.n_kv_heads * t.head_dim * self.dtype.itemsize
+
+    def encode(self, images: list[PreparedImage]) -> list[torch.Tensor]:
+        crops = torch.cat([im.crops for im in images]).to(self.device, non_blocking=True)
+        return list(self.model.vision(crops, [im.tiling for im in images]).unbind(0))
+
+    def largest_vision_batch(self) -> list[PreparedImage]:
+        s = self.model.config.vision.crop_size
+        return [PreparedImage(torch.zeros(1, s, s, 3, dtype=torch.uint8), (1, 1), self.P)] * 128
+
+    def prefix_inputs(self, features: list[torch.Tensor]) -> PrefixInputs:
+        embeds = self.model.prefix_embeds(torch.stack(features)).reshape(len(features) * self.P, -1)
+        return PrefixInputs(embeds, torch.arange(self.P, device=self.device).repeat(len(features)))
+
+    def own_positions(self, pos_N: torch.Tensor) -> torch.Tensor:
+        return pos_N
+
+    def embed_tokens(self, ids_N: torch.Tensor) -> torch.Tensor:
+        return self.model.text.wte[ids_N]
+
+    def embed_inputs(self, kind_N: torch.Tensor, token_N: torch.Tensor, value_N2: torch.Tensor) -> torch.Tensor:
+        return self.model.input_embeds(kind_N, token_N, value_N2)
+
+    def forward(self, embeds_NC: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, cache: KVCache,
+                prefix: PrefixInputs | None = None) -> torch.Tensor:
+        return self.model.text(embeds_NC, positions, batch, cache)
+
+    def decide(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
+               heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> Decision:
+        return decide(self.model, hidden_BC, state, sampling, heads)

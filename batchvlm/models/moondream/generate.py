@@ -8,38 +8,24 @@ unfinished sequences together until none is left. It is the reference the engine
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from ..attention import AttentionBatch, AttentionGroup, PAD_POS, logical_len, slots_of
-from .decoding import MODE_DETECT, MODE_POINT, MODE_TEXT, RawOutput, RowState, apply_decision, decide
+from ..attention import PAD, AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
+from ..decoding import RawOutput, RowState, SeqSpec, apply_decision
+from .decoding import decide
 from .model import MoondreamModel
 from .preprocess import PreparedImage
 
 
-@dataclass(frozen=True)
-class SeqSpec:
-    """One sequence to run on an image: a caption, a query, or one object of point / detect."""
-
-    mode: int  # MODE_TEXT | MODE_POINT | MODE_DETECT
-    prompt: tuple[int, ...]
-    limit: int  # max_new_tokens (text) or max_objects (spatial)
-    temperature: float = 0.0
-    top_p: float = 1.0
-
-    @property
-    def budget(self) -> int:
-        """Positions the sequence may write after its prompt (an upper bound)."""
-        per_step = {MODE_TEXT: 1, MODE_POINT: 2, MODE_DETECT: 3}[self.mode]
-        return per_step * self.limit
-
-
 def encode_images(model: MoondreamModel, images: list[PreparedImage]) -> torch.Tensor:
     """Vision stage for a batch of images -> [I, grid*grid, C]."""
-    crops = torch.from_numpy(np.concatenate([im.crops for im in images])).to(model.device)
+    crops = torch.cat([im.crops for im in images]).to(model.device)
     return model.vision(crops, [im.tiling for im in images])
+
+
+def _blocks(first: int, n: int) -> list[int]:
+    return list(range(first, first + n))
 
 
 @torch.inference_mode()
@@ -52,79 +38,75 @@ def generate(
 ) -> list[list[RawOutput]]:
     """Run every spec on every image -> outputs[image][spec]. `seeds[image][spec]` seeds sampling."""
     dev = model.device
-    P = model.config.prefix_len
-    bs = block_size
-    n_prefix_blocks = -(-P // bs)
-    P_pad = n_prefix_blocks * bs
+    P, bs = model.config.prefix_len, block_size
+    nbp = -(-P // bs)
     I, S = len(images), len(specs)
-    rows = [(i, s) for i in range(I) for s in range(S)]
+    B = I * S  # row b = (image b // S, spec b % S)
     own_blocks = [-(-(len(sp.prompt) + sp.budget) // bs) for sp in specs]
-    cache = model.new_kv_cache(1 + I * n_prefix_blocks + I * sum(own_blocks), bs)
-
-    def prefix_table(i: int) -> list[int]:
-        return list(range(1 + i * n_prefix_blocks, 1 + (i + 1) * n_prefix_blocks))
-
-    next_block = 1 + I * n_prefix_blocks
-    tables = []
-    for i, s in rows:
-        tables.append(prefix_table(i) + list(range(next_block, next_block + own_blocks[s])))
-        next_block += own_blocks[s]
-    width = max(map(len, tables))
-    tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
+    cache = model.new_kv_cache(1 + I * nbp + I * sum(own_blocks), bs)
+    prefix_t = torch.tensor([_blocks(1 + i * nbp, nbp) for i in range(I)], dtype=torch.long, device=dev)
+    next_block, tables = 1 + I * nbp, []
+    for b in range(B):
+        n = own_blocks[b % S]
+        tables.append(_blocks(next_block, n) + [0] * (max(own_blocks) - n))
+        next_block += n
+    own_t = torch.tensor(tables, dtype=torch.long, device=dev)
+    lens_I = torch.full((I,), P, device=dev)
+    image_of = torch.arange(B, device=dev) // S
 
     # 1. Vision, then every image prefix once: a bidirectional P-token prefill per image.
-    prefix_t = torch.tensor([prefix_table(i) for i in range(I)], dtype=torch.long, device=dev)
-    pos_IP = torch.arange(P, device=dev).expand(I, P)
-    batch = AttentionBatch(
-        write_slots=slots_of(prefix_t, pos_IP, bs, P).reshape(-1),
-        groups=[AttentionGroup(torch.arange(I * P, device=dev).view(I, P), pos_IP, prefix_t,
-                               torch.full((I,), P, device=dev))],
-        block_size=bs, prefix_len=P,
-    )
+    j = torch.arange(P, device=dev)
+    batch = AttentionBatch(slot_of(prefix_t, j.expand(I, P), bs).reshape(-1),
+                           [PrefixGroup(torch.arange(I * P, device=dev).view(I, P), prefix_t, lens_I, causal=False)], bs)
     embeds = model.prefix_embeds(encode_images(model, images)).reshape(I * P, -1)
-    model.forward_tokens(embeds, pos_IP.reshape(-1), batch, cache)
+    model.forward_tokens(embeds, j.repeat(I), batch, cache)
+
+    def shared(q_rows_BT: torch.Tensor, n_rows: int) -> SharedPrefix:
+        """Each image's queries: rows b of image i are i*S .. i*S+S-1, in order."""
+        Tq = q_rows_BT.shape[1]
+        by_image = q_rows_BT.reshape(I, S * Tq)
+        q_slot = torch.arange(B * Tq, device=dev).view(B, Tq)
+        q_slot = torch.where(q_rows_BT == n_rows, I * S * Tq, q_slot)
+        return SharedPrefix(prefix_t, lens_I, by_image, q_slot)
 
     # 2. Every prompt against its image's prefix, padded to the longest prompt.
-    B = len(rows)
-    lens = [len(specs[s].prompt) for _, s in rows]
+    lens = [len(specs[b % S].prompt) for b in range(B)]
     T = max(lens)
-    tok_BT = torch.zeros(B, T, dtype=torch.long)
-    pos_BT = torch.full((B, T), PAD_POS, dtype=torch.long)
-    for b, (_, s) in enumerate(rows):
-        tok_BT[b, : lens[b]] = torch.tensor(specs[s].prompt)
-        pos_BT[b, : lens[b]] = torch.arange(P, P + lens[b])
-    real = pos_BT != PAD_POS
-    tok_N, pos_N = tok_BT[real].to(dev), pos_BT[real].to(dev)
-    q_rows = torch.full((B, T), int(real.sum()), dtype=torch.long)
-    q_rows[real] = torch.arange(int(real.sum()))
-    kv_len = torch.tensor([logical_len(P + n, bs, P) for n in lens], device=dev)
-    batch = AttentionBatch(
-        write_slots=slots_of(tables_t, pos_BT.to(dev).clamp_max(P + T), bs, P)[real.to(dev)],
-        groups=[AttentionGroup(q_rows.to(dev), pos_BT.to(dev), tables_t, kv_len)],
-        block_size=bs, prefix_len=P,
-    )
-    hidden = model.forward_tokens(model.text.wte[tok_N], pos_N, batch, cache)
-    last = q_rows[torch.arange(B), torch.tensor(lens) - 1].to(dev)
-    hidden_BC = hidden[last]
+    own_BT = np.full((B, T), PAD, dtype=np.int64)
+    for b, n in enumerate(lens):
+        own_BT[b, :n] = np.arange(n)
+    real = own_BT != PAD
+    n_tok = int(real.sum())
+    q_rows = np.full((B, T), n_tok, dtype=np.int64)
+    q_rows[real] = np.arange(n_tok)
+    tok = np.concatenate([specs[b % S].prompt for b in range(B)])
+    own_pos = torch.from_numpy(own_BT[real]).to(dev)
+    q_rows_t = torch.from_numpy(q_rows).to(dev)
+    owner = torch.from_numpy(np.repeat(np.arange(B), lens)).to(dev)
+    batch = AttentionBatch(slot_of(own_t[owner], own_pos, bs),
+                           [TaskGroup(q_rows_t, torch.from_numpy(own_BT).to(dev), own_t, torch.tensor(lens, device=dev),
+                                      shared(q_rows_t, n_tok))], bs)
+    hidden = model.forward_tokens(model.text.wte[torch.from_numpy(tok).to(dev)], P + own_pos, batch, cache)
+    hidden_BC = hidden[q_rows_t[torch.arange(B, device=dev), torch.tensor(lens, device=dev) - 1]]
 
     seeds = seeds or [[0] * S for _ in range(I)]
-    modes = [specs[s].mode for _, s in rows]
+    modes = [specs[b % S].mode for b in range(B)]
     state = RowState(
         mode=torch.tensor(modes, device=dev),
         phase=torch.zeros(B, dtype=torch.long, device=dev),
         count=torch.zeros(B, dtype=torch.long, device=dev),
-        limit=torch.tensor([specs[s].limit for _, s in rows], device=dev),
+        limit=torch.tensor([specs[b % S].limit for b in range(B)], device=dev),
         after_prompt=torch.ones(B, dtype=torch.bool, device=dev),
-        temperature=torch.tensor([specs[s].temperature for _, s in rows], device=dev),
-        top_p=torch.tensor([specs[s].top_p for _, s in rows], device=dev),
-        seed=torch.tensor([seeds[i][s] for i, s in rows], device=dev),
+        temperature=torch.tensor([specs[b % S].temperature for b in range(B)], device=dev),
+        top_p=torch.tensor([specs[b % S].top_p for b in range(B)], device=dev),
+        seed=torch.tensor([seeds[b // S][b % S] for b in range(B)], device=dev),
     )
     sampling = any(sp.temperature > 0 for sp in specs)
-    outputs = [RawOutput.empty() for _ in rows]
+    outputs = [RawOutput.empty() for _ in range(B)]
     active = list(range(B))
-    next_pos = torch.tensor([P + n for n in lens], device=dev)
+    next_own = torch.tensor(lens, device=dev)
 
-    # 3. Step all unfinished sequences together.
+    # 3. Step all unfinished sequences together (one token each, grouped by image).
     while True:
         d = decide(model, hidden_BC, state, sampling)
         finished = apply_decision([outputs[b] for b in active], [modes[b] for b in active], d)
@@ -134,18 +116,21 @@ def generate(
         keep_t = torch.tensor(keep, device=dev)
         active = [active[k] for k in keep]
         state = state.index(keep_t)
-        act_t = torch.tensor(active, device=dev)
-        pos = next_pos[act_t]
-        table = tables_t[act_t]
+        act = torch.tensor(active, device=dev)
         n = len(active)
-        batch = AttentionBatch(
-            write_slots=slots_of(table, pos, bs, P),
-            groups=[AttentionGroup(torch.arange(n, device=dev)[:, None], pos[:, None], table,
-                                   P_pad + pos - P + 1)],
-            block_size=bs, prefix_len=P,
-        )
+        o = next_own[act]
+        img = image_of[act]
+        counts = torch.bincount(img, minlength=I)
+        M = int(counts.max())
+        rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[img]  # active is sorted by image
+        by_image = torch.full((I, M), n, dtype=torch.long, device=dev)
+        by_image[img, rank] = torch.arange(n, device=dev)
+        prefix = SharedPrefix(prefix_t, lens_I, by_image, (img * M + rank)[:, None])
+        batch = AttentionBatch(slot_of(own_t[act], o, bs),
+                               [TaskGroup(torch.arange(n, device=dev)[:, None], o[:, None], own_t[act], o + 1, prefix)],
+                               bs)
         embeds = model.input_embeds(d.next_kind[keep_t], d.next_token[keep_t], d.next_value[keep_t])
-        hidden_BC = model.forward_tokens(embeds, pos, batch, cache)
-        next_pos[act_t] += 1
+        hidden_BC = model.forward_tokens(embeds, P + o, batch, cache)
+        next_own[act] += 1
 
     return [[outputs[i * S + s] for s in range(S)] for i in range(I)]

@@ -7,13 +7,11 @@ import torch
 import torch.nn as nn
 
 from ..attention import AttentionBatch, KVCache
+from ..decoding import INPUT_COORD, INPUT_SIZE
 from .config import MoondreamConfig
 from .region import RegionModel
 from .text import TextModel
 from .vision import VisionModel
-
-# Kinds of a step's input at a position: a token id, a coordinate value or a (w, h) size.
-INPUT_TOKEN, INPUT_COORD, INPUT_SIZE = 0, 1, 2
 
 
 class MoondreamModel(nn.Module):

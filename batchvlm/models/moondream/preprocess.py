@@ -4,17 +4,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
+import torch
 from PIL import Image
 
 from .config import VisionConfig
 from .image_crops import overlap_crops, resized_size, tiling_for
+from .vision import n_crops
 
 
 @dataclass
 class PreparedImage:
-    crops: np.ndarray  # uint8 [n_crops, S, S, 3]; crop 0 global, then local crops row-major
+    crops: torch.Tensor  # uint8 [n_crops, S, S, 3]; crop 0 global, then local crops row-major
     tiling: tuple[int, int]
+    prefix_len: int  # BOS + image tokens: the same for every image
+
+    @property
+    def next_pos(self) -> int:
+        return self.prefix_len
+
+    @property
+    def cost(self) -> int:
+        return n_crops(self.tiling)
 
 
 @dataclass(frozen=True)
@@ -34,4 +44,4 @@ class Preprocessor:
         """`width`/`height`: the image's full size when `image` was decoded at reduced size."""
         tiling = tiling_for(width or image.width, height or image.height, self.vision, self.max_crops)
         crops, tiling = overlap_crops(image, self.vision, self.max_crops, tiling)
-        return PreparedImage(crops, tiling)
+        return PreparedImage(torch.from_numpy(crops), tiling, 1 + self.vision.n_image_tokens)

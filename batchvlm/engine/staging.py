@@ -1,0 +1,92 @@
+"""Host <-> device staging of one step: pinned slots, emissions, and query grouping by image.
+
+A step's inputs arrive through its slot's pinned staging buffer (one H2D copy per dtype) and
+its emissions leave through its slot's pinned output buffer (one D2H copy on the copy stream).
+Two slots ping-pong: a slot is reused only after its previous step was collected, so the host
+never overwrites memory a DMA still reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .plan import StepPlan
+
+
+@dataclass
+class Emissions:
+    """One step's output per emitting row, on the host."""
+
+    code: np.ndarray
+    token: np.ndarray
+    finished: np.ndarray
+    value: np.ndarray  # [n, 2]
+
+
+class Slot:
+    """Pinned staging for one in-flight step (inputs up, emissions down)."""
+
+    def __init__(self, device: torch.device, capacity: int, n_rows: int):
+        self.pinned = device.type == "cuda"
+        self.ints = torch.empty(capacity, dtype=torch.int64, pin_memory=self.pinned)
+        self.floats = torch.empty(capacity, dtype=torch.float32, pin_memory=self.pinned)
+        # Emissions: flat buffers, so the first n rows' views are contiguous (a strided
+        # device-to-host copy would stage through pageable memory and block the host).
+        self.out_ints = torch.empty(3 * n_rows, dtype=torch.int64, pin_memory=self.pinned)
+        self.out_floats = torch.empty(2 * n_rows, dtype=torch.float32, pin_memory=self.pinned)
+        self.done: torch.cuda.Event | None = None
+
+    def out_views(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous [3, n] int and [n, 2] float views of the emission buffers."""
+        return self.out_ints[: 3 * n].view(3, n), self.out_floats[: 2 * n].view(n, 2)
+
+    def upload(self, ints: list[np.ndarray], floats: list[np.ndarray], device: torch.device,
+               stream) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Pack arrays into the slot's pinned buffers, copy up once per dtype, return device views."""
+        return self._up(ints, self.ints, device, stream), self._up(floats, self.floats, device, stream)
+
+    @staticmethod
+    def _up(arrays: list[np.ndarray], buf: torch.Tensor, device: torch.device, stream) -> list[torch.Tensor]:
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        if total > buf.numel():
+            raise ValueError(f"staging capacity {buf.numel()} < {total}")
+        if total:
+            np.concatenate([a.reshape(-1) for a in arrays], out=buf.numpy()[:total])
+        if device.type == "cpu":
+            flat = buf[:total].clone()
+        else:
+            with torch.cuda.stream(stream):
+                flat = buf[:total].to(device, non_blocking=True)
+        out, at = [], 0
+        for a in arrays:
+            out.append(flat[at : at + a.size].view(a.shape))
+            at += a.size
+        return out
+
+
+@dataclass
+class InFlight:
+    plan: StepPlan
+    slot: Slot
+
+
+def rows_by_image(image_of_row: np.ndarray, q_rows: np.ndarray, n_images: int, pad: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Group a [B, T] block of query rows (pads == pad) by image, keeping their order.
+    -> ([n_images, M] rows of each image's queries, [B, T] slot of each query in [n_images * M])."""
+    valid = q_rows != pad
+    image = np.broadcast_to(image_of_row[:, None], q_rows.shape)[valid]  # row-major order
+    counts = np.bincount(image, minlength=n_images)
+    M = int(counts.max()) if image.size else 0
+    order = np.argsort(image, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size) - (np.cumsum(counts) - counts)[image[order]]
+    rows = np.full((n_images, M), pad, dtype=np.int64)
+    rows[image, rank] = q_rows[valid]
+    slots = np.full(q_rows.shape, n_images * M, dtype=np.int64)
+    slots[valid] = image * M + rank
+    return rows, slots
