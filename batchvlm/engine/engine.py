@@ -11,8 +11,9 @@ changes *when* the host looks at results, never what they are.
 from __future__ import annotations
 
 import math
+import sys
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -23,17 +24,24 @@ from ..models.decoding import RawOutput, RowState
 from ..models.family import EngineModel, TaskSequence
 from .kv_cache import BlockManager
 from .labeler import WorkItem, sequence_seed
-from .plan import PREFILL_TOKENS_PER_STEP
+from .memory import available_bytes
+from .plan import PREFILL_TOKENS_PER_STEP, StepPlan
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import Image, Sequence
 from .staging import InFlight
 
+
+def print_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 MAX_VISION_COST = 128  # vision work (crops, patches / 1024) per batch: bounds its activation memory
 
 
 class Engine:
-    def __init__(self, model: EngineModel, seqs: list[TaskSequence], settings: EngineSpec, max_prefix_len: int):
+    def __init__(self, model: EngineModel, seqs: list[TaskSequence], settings: EngineSpec, max_prefix_len: int,
+                 log: Callable[[str], None] = print_stderr):
         self.model, self.seqs, self.settings = model, seqs, settings
         bs = settings.block_size
         n_rows = settings.max_batch_size
@@ -43,33 +51,44 @@ class Engine:
         self.images_to_fill = math.ceil(n_rows / len(seqs))
         n_slots = max(settings.max_images_in_flight, 1)
         n_blocks = self._kv_blocks(n_rows, n_prefix, max(self.own_blocks), bs)
+        # Rows beyond what the blocks can hold at once would never run: their staging is waste.
+        n_rows = max(1, min(n_rows, (n_blocks - 1 - n_prefix) // min(self.own_blocks)))
+        self.images_to_fill = math.ceil(n_rows / len(seqs))
         cache = model.new_kv_cache(n_blocks, bs)
         sampling = any(s.spec.temperature > 0 for s in seqs)
         self.runner = Runner(model, cache, n_rows, n_slots, max_prefix_len, max(self.own_blocks),
                              max(len(s.spec.prompt) for s in seqs), len(seqs), settings.cuda_graphs, sampling)
-        self.scheduler = Scheduler(BlockManager(n_blocks, bs), n_rows, n_slots)
+        graphs = self.runner.graphs
+        # With graphs, admit once an eighth of the rows is free: steps that admit run eagerly.
+        self.scheduler = Scheduler(BlockManager(n_blocks, bs), n_rows, n_slots,
+                                   admit_rows=max(1, n_rows // 8) if graphs is not None else 1)
+        self.log = log
         self.inflight: deque[InFlight] = deque()
         # On CPU a launch runs the whole forward before returning: pipelining would only add a
         # zombie row per finish and a step of admission lag.
         self.pipelined = model.device.type == "cuda" if settings.pipelined == "auto" else settings.pipelined
         self.step = self._step_pipelined if self.pipelined else self._step_sync
-        self.stats = {"steps": 0, "kv_blocks": n_blocks}
+        self.stats = {"steps": 0, "graph_steps": 0, "kv_blocks": n_blocks, "rows": n_rows,
+                      "graph_capture_s": round(graphs.capture_s, 2) if graphs is not None else 0.0}
 
     # ------------------------------------------------------------------ sizing
 
     def _kv_blocks(self, n_rows: int, n_prefix: int, max_own: int, bs: int) -> int:
         """Enough blocks to fill every row (with twice the images that needs, at their largest),
-        and on CUDA no more than free memory allows after a warm-up of the largest step."""
+        and no more than free memory allows: accelerator memory after a warm-up of the largest
+        step on CUDA, available host memory on CPU."""
         wanted = 1 + 2 * self.images_to_fill * n_prefix + n_rows * max_own + sum(self.own_blocks)
         model = self.model
-        if model.device.type != "cuda":
-            return wanted
         per_block = model.kv_bytes_per_token() * bs
-        reserve = self._warmup_peak_bytes()
-        free, _ = torch.cuda.mem_get_info(model.device)
-        fits = int((free - reserve) * self.settings.kv_memory_fraction) // per_block
-        if fits < 1 + n_prefix + max_own:
-            raise RuntimeError("not enough accelerator memory for one image's KV cache")
+        reserve = self._warmup_peak_bytes() if model.device.type == "cuda" else 0
+        room = int((available_bytes(model.device) - reserve) * self.settings.kv_memory_fraction)
+        fits = room // per_block
+        one_image = 1 + n_prefix + max_own
+        if fits < one_image:
+            raise RuntimeError(
+                f"not enough {model.device.type} memory for one image's KV cache: it needs "
+                f"{one_image * per_block / 2**20:.0f} MiB, {max(room, 0) / 2**20:.0f} MiB is free for it "
+                f"(engine.kv_memory_fraction={self.settings.kv_memory_fraction})")
         return max(2, min(wanted, fits))
 
     @torch.inference_mode()
@@ -109,18 +128,36 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return None
-        self.stats["steps"] += 1
-        return self.scheduler.commit(plan, self.runner.collect(self.runner.launch(plan)))
+        return self.scheduler.commit(plan, self.runner.collect(self._launch(plan)))
 
     def _step_pipelined(self) -> list[Image] | None:
         plan = self.scheduler.schedule()
         if plan is not None:
-            self.stats["steps"] += 1
-            self.inflight.append(self.runner.launch(plan))
+            self.inflight.append(self._launch(plan))
         if self.inflight and (len(self.inflight) == 2 or plan is None):
             oldest = self.inflight.popleft()
             return self.scheduler.commit(oldest.plan, self.runner.collect(oldest))
         return None if plan is None else []
+
+    def _launch(self, plan: StepPlan) -> InFlight:
+        inflight = self.runner.launch(plan)
+        r, stats = self.runner, self.stats
+        stats["steps"] += 1
+        stats["graph_steps"] = r.graph_steps
+        if r.oom_rows:  # the step still ran whole, in parts; later steps get half its rows
+            rows = r.oom_rows[0]
+            r.oom_rows.clear()
+            self.scheduler.row_cap = max(1, min(self.scheduler.row_cap, rows // 2))
+            stats["oom_halvings"] = stats.get("oom_halvings", 0) + 1
+            self.log(f"batchvlm: out of accelerator memory in a step of {rows} sequences; it ran in parts, "
+                     f"and steps now hold at most {self.scheduler.row_cap} sequences")
+        return inflight
+
+    def summary(self) -> str:
+        s = self.stats
+        share = s["graph_steps"] / s["steps"] if s["steps"] else 0.0
+        return (f"{s['steps']} steps, {share:.0%} replayed a CUDA graph ({s['graph_capture_s']:.1f} s to capture), "
+                f"{s['rows']} rows, {s['kv_blocks']} KV blocks")
 
     def _feed(self, items: Iterator[WorkItem]) -> bool:
         """Encode more images when the admission queue runs short. -> False once input is exhausted."""
@@ -167,8 +204,9 @@ class Engine:
 
 
 class EngineLabeler:
-    def __init__(self, model: EngineModel, seqs: list[TaskSequence], settings: EngineSpec, max_prefix_len: int):
-        self.engine = Engine(model, seqs, settings, max_prefix_len)
+    def __init__(self, model: EngineModel, seqs: list[TaskSequence], settings: EngineSpec, max_prefix_len: int,
+                 log: Callable[[str], None] = print_stderr):
+        self.engine = Engine(model, seqs, settings, max_prefix_len, log)
 
     def label(self, items: Iterable[WorkItem]) -> Iterator[tuple[Any, list[RawOutput]]]:
         for image in self.engine.run(items):
