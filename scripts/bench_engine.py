@@ -198,7 +198,9 @@ def main() -> int:
     ap.add_argument("--skip-one-at-a-time", action="store_true")
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--profile", action="store_true", help="GPU busy fraction of the pipelined engine (CUDA)")
-    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here (after every row)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="start no new (workload, batch) row after this many seconds; print what is done")
     args = ap.parse_args()
 
     md = load_model(args.model, args.device, args.fixed_lengths)
@@ -212,64 +214,67 @@ def main() -> int:
           f"images={args.images} max_new_tokens={args.max_new_tokens} max_objects={args.max_objects} "
           f"fixed_lengths={args.fixed_lengths} repeat={args.repeat} (best of; set-up untimed)")
     results = []
-    for name, (tasks, size) in zip(args.workloads, workloads):
+    started = time.perf_counter()
+    rows = [(name, tasks, size, batch) for name, (tasks, size) in zip(args.workloads, workloads) for batch in args.batch]
+    for name, tasks, size, batch in rows:
+        if args.deadline_s is not None and time.perf_counter() - started > args.deadline_s:
+            print(f"# deadline: {args.deadline_s:.0f} s passed, rows from {name} / {batch} on not run", flush=True)
+            break
         prepared = image_sets[size]
         seqs = md.sequences(WORKLOADS[tasks], args.max_new_tokens, args.max_objects)
         specs = [s.spec for s in seqs]
-        for batch in args.batch:
-            row = {"workload": name, "batch": batch, "sequences_per_image": len(specs),
-                   "crops_per_image": round(sum(p.cost for p in prepared) / len(prepared), 1)}
-            # label -> a set-up (untimed) that returns the timed run. An engine is built just before
-            # its runs and dropped after: two engines alive at once would split the KV memory.
-            setups = {}
-            if not args.skip_one_at_a_time:
-                setups["one-at-a-time"] = lambda: lambda: run_one_at_a_time(md, prepared, specs)
-            setups["static batch"] = lambda: lambda: run_static(md, prepared, specs, batch)
-            for label, pipelined in (("engine sync", False), ("engine pipelined", True)):
-                setups[label] = lambda p=pipelined: engine_runner(md, prepared, seqs, batch, p,
-                                                                  not args.no_cuda_graphs)
-            reference = None
-            for label, setup in setups.items():
+        row = {"workload": name, "batch": batch, "sequences_per_image": len(specs),
+               "crops_per_image": round(sum(p.cost for p in prepared) / len(prepared), 1)}
+        # label -> a set-up (untimed) that returns (engine or None, the timed run). An engine is built
+        # just before its runs and dropped after: two engines alive at once would split the KV memory.
+        setups = {}
+        if not args.skip_one_at_a_time:
+            setups["one-at-a-time"] = lambda: (None, lambda: run_one_at_a_time(md, prepared, specs))
+        setups["static batch"] = lambda: (None, lambda: run_static(md, prepared, specs, batch))
+        for label, pipelined in (("engine sync", False), ("engine pipelined", True)):
+            setups[label] = lambda p=pipelined: engine_runner(md, prepared, seqs, batch, p,
+                                                              not args.no_cuda_graphs)
+        reference = None
+        for label, setup in setups.items():
+            sync(dev)
+            t0 = time.perf_counter()
+            engine, fn = setup()
+            if engine is not None:
+                row[f"{label} setup_s"] = round(time.perf_counter() - t0, 2)
+                row[f"{label} stats"] = engine.stats
+            if dev.type == "cuda":
+                fn()  # warm-up: allocator and kernel caches (graphs were captured at set-up)
+            times = []
+            for _ in range(args.repeat):  # the best of several: shared machines are noisy
                 sync(dev)
                 t0 = time.perf_counter()
-                fn = setup()
-                if isinstance(fn, tuple):
-                    engine, fn = fn
-                    row[f"{label} setup_s"] = round(time.perf_counter() - t0, 2)
-                    row[f"{label} stats"] = engine.stats
-                if dev.type == "cuda":
-                    fn()  # warm-up: allocator and kernel caches (graphs were captured at set-up)
-                times = []
-                for _ in range(args.repeat):  # the best of several: shared machines are noisy
-                    sync(dev)
-                    t0 = time.perf_counter()
-                    out = fn()
-                    sync(dev)
-                    times.append(time.perf_counter() - t0)
-                dt = min(times)
-                labels = [[(o.tokens, o.objects) for o in img] for img in out]
-                if reference is None:
-                    reference = labels
-                elif exact and labels != reference:
-                    print(f"!! {label} labels differ from the first runner's (float32)", file=sys.stderr)
-                    return 1
-                row[label] = {"seconds": round(dt, 3), "images_per_s": round(len(prepared) / dt, 2),
-                              "tokens_per_s": round(emitted([o for img in out for o in img]) / dt, 1)}
-                if not exact:
-                    row[label]["identical_share"] = round(identical_share(labels, reference), 4)
-                if args.profile and dev.type == "cuda" and label.startswith("engine"):
-                    row[f"{label} gpu_busy"] = round(busy_fraction(fn), 3)
-                fn = out = engine = None  # the engine and its KV cache go before the next is built
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
-            results.append(row)
-            print(json.dumps(row), flush=True)
+                out = fn()
+                sync(dev)
+                times.append(time.perf_counter() - t0)
+            dt = min(times)
+            labels = [[(o.tokens, o.objects) for o in img] for img in out]
+            if reference is None:
+                reference = labels
+            elif exact and labels != reference:
+                print(f"!! {label} labels differ from the first runner's (float32)", file=sys.stderr)
+                return 1
+            row[label] = {"seconds": round(dt, 3), "images_per_s": round(len(prepared) / dt, 2),
+                          "tokens_per_s": round(emitted([o for img in out for o in img]) / dt, 1)}
+            if not exact:
+                row[label]["identical_share"] = round(identical_share(labels, reference), 4)
+            if args.profile and dev.type == "cuda" and label.startswith("engine"):
+                row[f"{label} gpu_busy"] = round(busy_fraction(fn), 3)
+            fn = out = engine = None  # the engine and its KV cache go before the next is built
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps({"hardware": hw, "args": vars(args) | {"json": str(args.json)},
+                                             "results": results}, indent=1))
     print()
     print(table(results, dev))
     print("\n".join(notes(results)))
-    if args.json:
-        args.json.write_text(json.dumps({"hardware": hw, "args": vars(args) | {"json": str(args.json)},
-                                         "results": results}, indent=1))
     return 0
 
 
