@@ -166,3 +166,11 @@ def test_out_of_memory_steps_run_in_halves_and_lose_no_row(tiny, pipelined):
     assert failed and engine.stats["oom_halvings"] >= 1
     assert engine.scheduler.row_cap < 32
     assert any("out of accelerator memory" in m for m in logged)
+
+
+def test_vision_upload_on_cpu_is_one_concatenation():
+    from batchvlm.models.pinned import PinnedUpload
+
+    parts = [torch.arange(12, dtype=torch.uint8).view(2, 2, 3), torch.zeros(1, 2, 3, dtype=torch.uint8)]
+    out = PinnedUpload(torch.device("cpu"))(parts)
+    assert torch.equal(out, torch.cat(parts)) and out.shape == (3, 2, 3)

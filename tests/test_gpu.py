@@ -135,3 +135,17 @@ def test_engine_agrees_with_itself_in_bfloat16(tmp_path):
                 assert len(tokens) <= 9 and len(objects) <= 3
     pairs = [(a, b) for other in runs[1:] for x, y in zip(runs[0], other) for a, b in zip(x, y)]
     assert sum(a == b for a, b in pairs) / len(pairs) >= 0.8
+
+
+def test_vision_inputs_go_up_through_reused_pinned_buffers():
+    from batchvlm.models.pinned import PinnedUpload
+
+    up = PinnedUpload(torch.device("cuda"))
+    g = torch.Generator().manual_seed(0)
+    batches = [[torch.randint(0, 256, (n, 8, 8, 3), generator=g, dtype=torch.uint8) for n in sizes]
+               for sizes in ([1, 13], [2], [13, 13, 1], [1], [5, 2])]
+    outs = [up(parts) for parts in batches]  # later batches reuse (and overwrite) the buffers
+    torch.cuda.synchronize()
+    for parts, out in zip(batches, outs):
+        assert out.is_cuda and torch.equal(out.cpu(), torch.cat(parts))
+    assert all(b.is_pinned() for b in up._bufs)
