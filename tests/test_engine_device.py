@@ -174,3 +174,19 @@ def test_vision_upload_on_cpu_is_one_concatenation():
     parts = [torch.arange(12, dtype=torch.uint8).view(2, 2, 3), torch.zeros(1, 2, 3, dtype=torch.uint8)]
     out = PinnedUpload(torch.device("cpu"))(parts)
     assert torch.equal(out, torch.cat(parts)) and out.shape == (3, 2, 3)
+
+
+@pytest.mark.parametrize("batch,prefill", [(3, 4096), (40, 4096), (40, 30)])
+def test_the_warm_up_runs_the_largest_mixed_step(tiny, batch, prefill):
+    """The KV sizing warm-up (CUDA) runs this step: prefixes, prompts attending their shared
+    prefix, and decode rows at their longest, every head. Here it must simply run and emit."""
+    from batchvlm.engine.warmup import largest_step
+
+    md, _, seqs, _ = tiny
+    engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=batch), md.P)
+    plan = largest_step(batch, len(seqs), md.P, max(len(s.spec.prompt) for s in seqs),
+                        max(len(s.spec.prompt) + s.spec.budget for s in seqs), 16, prefill)
+    assert plan.n_out == batch and len(plan.prefix_slots) >= 1
+    assert len(plan.decode_rows) == (batch - len(seqs) if prefill < 2 * md.P else 0)
+    d = engine._run_largest_step(prefill)
+    assert d.code.shape == (batch,) and d.value.shape == (batch, 2)

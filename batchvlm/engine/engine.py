@@ -19,8 +19,7 @@ from typing import Any
 import torch
 
 from ..job import EngineSpec
-from ..models.attention import AttentionBatch, PrefixGroup
-from ..models.decoding import RawOutput, RowState
+from ..models.decoding import Decision, RawOutput
 from ..models.family import EngineModel, TaskSequence
 from .kv_cache import BlockManager
 from .labeler import WorkItem, sequence_seed
@@ -30,6 +29,7 @@ from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import Image, Sequence
 from .staging import InFlight
+from .warmup import largest_step
 
 
 def print_stderr(message: str) -> None:
@@ -42,7 +42,8 @@ MAX_VISION_COST = 128  # vision work (crops, patches / 1024) per batch: bounds i
 class Engine:
     def __init__(self, model: EngineModel, seqs: list[TaskSequence], settings: EngineSpec, max_prefix_len: int,
                  log: Callable[[str], None] = print_stderr):
-        self.model, self.seqs, self.settings = model, seqs, settings
+        self.model, self.seqs, self.settings, self.max_prefix_len = model, seqs, settings, max_prefix_len
+        self.sampling = any(s.spec.temperature > 0 for s in seqs)
         bs = settings.block_size
         n_rows = settings.max_batch_size
         blocks_for = lambda n: -(-n // bs)  # noqa: E731
@@ -55,9 +56,8 @@ class Engine:
         n_rows = max(1, min(n_rows, (n_blocks - 1 - n_prefix) // min(self.own_blocks)))
         self.images_to_fill = math.ceil(n_rows / len(seqs))
         cache = model.new_kv_cache(n_blocks, bs)
-        sampling = any(s.spec.temperature > 0 for s in seqs)
         self.runner = Runner(model, cache, n_rows, n_slots, max_prefix_len, max(self.own_blocks),
-                             max(len(s.spec.prompt) for s in seqs), len(seqs), settings.cuda_graphs, sampling)
+                             max(len(s.spec.prompt) for s in seqs), len(seqs), settings.cuda_graphs, self.sampling)
         graphs = self.runner.graphs
         # With graphs, admit once an eighth of the rows is free: steps that admit run eagerly.
         self.scheduler = Scheduler(BlockManager(n_blocks, bs), n_rows, n_slots,
@@ -91,35 +91,33 @@ class Engine:
                 f"(engine.kv_memory_fraction={self.settings.kv_memory_fraction})")
         return max(2, min(wanted, fits))
 
-    @torch.inference_mode()
     def _warmup_peak_bytes(self) -> int:
-        """Peak activation memory of a maximal vision batch and a maximal mixed forward."""
-        model, dev = self.model, self.model.device
+        """Peak activation memory of a maximal vision batch and of the largest step the scheduler
+        can plan (warmup.py), run for real through the runner's eager path on a scratch cache."""
+        dev = self.model.device
         torch.cuda.synchronize(dev)
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-        feats = model.encode(model.largest_vision_batch())
-        prefix = model.prefix_inputs(feats[:1])
-        n_rows, bs = self.settings.max_batch_size, self.settings.block_size
-        n = PREFILL_TOKENS_PER_STEP + n_rows * 16
-        scratch = model.new_kv_cache(3, bs)
-        embeds = torch.cat([prefix.embeds_NC, prefix.embeds_NC.new_zeros(n, prefix.embeds_NC.shape[1])])
-        positions = torch.cat([prefix.positions, model.own_positions(torch.zeros(n, dtype=torch.long, device=dev))],
-                              dim=-1)
-        N = embeds.shape[0]
-        table = torch.tensor([[1, 2]], device=dev)
-        batch = AttentionBatch(torch.zeros(N, dtype=torch.long, device=dev),
-                               [PrefixGroup(torch.arange(N, device=dev)[None], table,
-                                            torch.tensor([2 * bs], device=dev), causal=False)], bs)
-        hidden = model.forward(embeds, positions, batch, scratch, prefix)
-        zeros = torch.zeros(n_rows, dtype=torch.long, device=dev)
-        state = RowState(zeros, zeros, zeros, zeros + 1, zeros.bool(), zeros.float(), zeros.float() + 1, zeros)
-        model.decide(hidden[:n_rows], state, True, None)
+        self._run_largest_step()
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base
-        del scratch, hidden, feats, prefix
         torch.cuda.empty_cache()
         return int(peak * 1.2)
+
+    @torch.inference_mode()
+    def _run_largest_step(self, prefill_tokens: int = PREFILL_TOKENS_PER_STEP) -> Decision:
+        """A maximal vision batch, then the largest step (warmup.py) on a scratch cache and runner."""
+        model, seqs, bs = self.model, self.seqs, self.settings.block_size
+        n_rows = self.settings.max_batch_size
+        feats = model.encode(model.largest_vision_batch())
+        max_prompt = max(len(s.spec.prompt) for s in seqs)
+        plan = largest_step(n_rows, len(seqs), self.max_prefix_len, max_prompt,
+                            max(len(s.spec.prompt) + s.spec.budget for s in seqs), bs, prefill_tokens)
+        runner = Runner(model, model.new_kv_cache(2, bs), n_rows, max(len(plan.prefix_slots), 1),
+                        self.max_prefix_len, max(self.own_blocks), max_prompt, len(seqs), False, self.sampling)
+        for slot in plan.prefix_slots.tolist():
+            runner.features[slot] = feats[slot % len(feats)]
+        return runner._eager(plan, runner.slots[0])
 
     # ------------------------------------------------------------------ the loop
 
