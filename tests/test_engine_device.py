@@ -188,5 +188,5 @@ def test_the_warm_up_runs_the_largest_mixed_step(tiny, batch, prefill):
                         max(len(s.spec.prompt) + s.spec.budget for s in seqs), 16, prefill)
     assert plan.n_out == batch and len(plan.prefix_slots) >= 1
     assert len(plan.decode_rows) == (batch - len(seqs) if prefill < 2 * md.P else 0)
-    d = engine._run_largest_step(prefill)
+    d = engine._run_largest_step(batch, prefill)
     assert d.code.shape == (batch,) and d.value.shape == (batch, 2)

@@ -74,12 +74,12 @@ def test_kv_cache_is_sized_from_free_memory(tiny_cuda, monkeypatch):
     roomy = Engine(md.engine, seqs, settings, md.P)
     wanted = roomy.stats["kv_blocks"]  # a tiny model on a big GPU: everything it asks for
     per_block = md.engine.kv_bytes_per_token() * settings.block_size
-    reserve = roomy._warmup_peak_bytes()
-    assert reserve > 0
+    reserve, rows = roomy._warmup_peak_bytes(8)
+    assert reserve > 0 and rows == 8
     del roomy
     # The warm-up's reserve pinned to what it measured, free memory to it plus the wanted
     # blocks: at fraction 0.5 the engine must take exactly half of them.
-    monkeypatch.setattr(Engine, "_warmup_peak_bytes", lambda self: reserve)
+    monkeypatch.setattr(Engine, "_warmup_peak_bytes", lambda self, n_rows: (reserve, n_rows))
     monkeypatch.setattr(engine_mod, "available_bytes", lambda dev: reserve + wanted * per_block)
     tight = Engine(md.engine, seqs, settings, md.P)
     assert tight.stats["kv_blocks"] == max(2, wanted // 2) < wanted
@@ -149,3 +149,28 @@ def test_vision_inputs_go_up_through_reused_pinned_buffers():
     for parts, out in zip(batches, outs):
         assert out.is_cuda and torch.equal(out.cpu(), torch.cat(parts))
     assert all(b.is_pinned() for b in up._bufs)
+
+
+def test_warm_up_halves_the_rows_until_the_largest_step_fits(tiny_cuda, monkeypatch):
+    from batchvlm.engine.engine import Engine
+    from batchvlm.job import EngineSpec
+
+    md, prepared = tiny_cuda
+    seqs = md.sequences(TASKS, max_new_tokens=9, max_objects=3)
+    real = Engine._run_largest_step
+
+    def fault(self, n_rows, *args):
+        if n_rows > 12:
+            raise torch.OutOfMemoryError("injected")
+        return real(self, n_rows, *args)
+
+    monkeypatch.setattr(Engine, "_run_largest_step", fault)
+    logged = []
+    engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=64), md.P, log=logged.append)
+    assert engine.stats["rows"] == 8 and len(logged) == 3
+    reference = [[(o.tokens, o.objects) for o in img] for img in generate(md.model, prepared, [s.spec for s in seqs])]
+    from batchvlm.engine.labeler import WorkItem
+
+    out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
+           for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
+    assert [out[i] for i in range(len(prepared))] == reference

@@ -43,15 +43,15 @@ class Engine:
     def __init__(self, model: EngineModel, seqs: list[TaskSequence], settings: EngineSpec, max_prefix_len: int,
                  log: Callable[[str], None] = print_stderr):
         self.model, self.seqs, self.settings, self.max_prefix_len = model, seqs, settings, max_prefix_len
+        self.log = log
         self.sampling = any(s.spec.temperature > 0 for s in seqs)
         bs = settings.block_size
         n_rows = settings.max_batch_size
         blocks_for = lambda n: -(-n // bs)  # noqa: E731
         n_prefix = blocks_for(max_prefix_len)
         self.own_blocks = [blocks_for(len(s.spec.prompt) + s.spec.budget) for s in seqs]
-        self.images_to_fill = math.ceil(n_rows / len(seqs))
         n_slots = max(settings.max_images_in_flight, 1)
-        n_blocks = self._kv_blocks(n_rows, n_prefix, max(self.own_blocks), bs)
+        n_blocks, n_rows = self._kv_blocks(n_rows, n_prefix, max(self.own_blocks), bs)
         # Rows beyond what the blocks can hold at once would never run: their staging is waste.
         n_rows = max(1, min(n_rows, (n_blocks - 1 - n_prefix) // min(self.own_blocks)))
         self.images_to_fill = math.ceil(n_rows / len(seqs))
@@ -62,7 +62,6 @@ class Engine:
         # With graphs, admit once an eighth of the rows is free: steps that admit run eagerly.
         self.scheduler = Scheduler(BlockManager(n_blocks, bs), n_rows, n_slots,
                                    admit_rows=max(1, n_rows // 8) if graphs is not None else 1)
-        self.log = log
         self.inflight: deque[InFlight] = deque()
         # On CPU a launch runs the whole forward before returning: pipelining would only add a
         # zombie row per finish and a step of admission lag.
@@ -73,14 +72,18 @@ class Engine:
 
     # ------------------------------------------------------------------ sizing
 
-    def _kv_blocks(self, n_rows: int, n_prefix: int, max_own: int, bs: int) -> int:
-        """Enough blocks to fill every row (with twice the images that needs, at their largest),
-        and no more than free memory allows: accelerator memory after a warm-up of the largest
-        step on CUDA, available host memory on CPU."""
-        wanted = 1 + 2 * self.images_to_fill * n_prefix + n_rows * max_own + sum(self.own_blocks)
+    def _kv_blocks(self, n_rows: int, n_prefix: int, max_own: int, bs: int) -> tuple[int, int]:
+        """-> (blocks, rows). Enough blocks to fill every row (with twice the images that needs,
+        at their largest), and no more than free memory allows: accelerator memory after a
+        warm-up of the largest step on CUDA (rows halve until that step fits), available host
+        memory on CPU."""
         model = self.model
+        reserve = 0
+        if model.device.type == "cuda":
+            reserve, n_rows = self._warmup_peak_bytes(n_rows)
+        images_to_fill = math.ceil(n_rows / len(self.seqs))
+        wanted = 1 + 2 * images_to_fill * n_prefix + n_rows * max_own + sum(self.own_blocks)
         per_block = model.kv_bytes_per_token() * bs
-        reserve = self._warmup_peak_bytes() if model.device.type == "cuda" else 0
         room = int((available_bytes(model.device) - reserve) * self.settings.kv_memory_fraction)
         fits = room // per_block
         one_image = 1 + n_prefix + max_own
@@ -89,26 +92,37 @@ class Engine:
                 f"not enough {model.device.type} memory for one image's KV cache: it needs "
                 f"{one_image * per_block / 2**20:.0f} MiB, {max(room, 0) / 2**20:.0f} MiB is free for it "
                 f"(engine.kv_memory_fraction={self.settings.kv_memory_fraction})")
-        return max(2, min(wanted, fits))
+        return max(2, min(wanted, fits)), n_rows
 
-    def _warmup_peak_bytes(self) -> int:
-        """Peak activation memory of a maximal vision batch and of the largest step the scheduler
-        can plan (warmup.py), run for real through the runner's eager path on a scratch cache."""
+    def _warmup_peak_bytes(self, n_rows: int) -> tuple[int, int]:
+        """-> (peak activation memory of a maximal vision batch and of the largest step the
+        scheduler can plan with n_rows rows (warmup.py), rows). Run for real through the runner's
+        eager path on a scratch cache; out of memory, the rows halve until it fits."""
         dev = self.model.device
-        torch.cuda.synchronize(dev)
-        base = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        self._run_largest_step()
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - base
-        torch.cuda.empty_cache()
-        return int(peak * 1.2)
+        while True:
+            torch.cuda.synchronize(dev)
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            try:
+                self._run_largest_step(n_rows)
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                if n_rows == 1:
+                    raise RuntimeError("not enough accelerator memory for the largest vision batch and a "
+                                       "one-sequence step") from None
+                n_rows //= 2
+                self.log(f"batchvlm: the largest step does not fit in accelerator memory; trying "
+                         f"{n_rows} rows (engine.max_batch_size={self.settings.max_batch_size})")
+                continue
+            torch.cuda.synchronize(dev)
+            peak = torch.cuda.max_memory_allocated(dev) - base
+            torch.cuda.empty_cache()
+            return int(peak * 1.2), n_rows
 
     @torch.inference_mode()
-    def _run_largest_step(self, prefill_tokens: int = PREFILL_TOKENS_PER_STEP) -> Decision:
+    def _run_largest_step(self, n_rows: int, prefill_tokens: int = PREFILL_TOKENS_PER_STEP) -> Decision:
         """A maximal vision batch, then the largest step (warmup.py) on a scratch cache and runner."""
         model, seqs, bs = self.model, self.seqs, self.settings.block_size
-        n_rows = self.settings.max_batch_size
         feats = model.encode(model.largest_vision_batch())
         max_prompt = max(len(s.spec.prompt) for s in seqs)
         plan = largest_step(n_rows, len(seqs), self.max_prefix_len, max_prompt,
