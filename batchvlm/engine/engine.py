@@ -159,10 +159,12 @@ class Engine:
         if r.oom_rows:  # the step still ran whole, in parts; later steps get half its rows
             rows = r.oom_rows[0]
             r.oom_rows.clear()
-            self.scheduler.row_cap = max(1, min(self.scheduler.row_cap, rows // 2))
+            sched = self.scheduler
+            sched.row_cap = max(1, min(sched.row_cap, rows // 2))
+            sched.admit_rows = min(sched.admit_rows, max(1, sched.row_cap // 8))
             stats["oom_halvings"] = stats.get("oom_halvings", 0) + 1
             self.log(f"batchvlm: out of accelerator memory in a step of {rows} sequences; it ran in parts, "
-                     f"and steps now hold at most {self.scheduler.row_cap} sequences")
+                     f"and steps now hold at most {sched.row_cap} sequences")
         return inflight
 
     def summary(self) -> str:
