@@ -9,8 +9,10 @@ Invariants (the pipelined engine depends on them):
     by the family's `decide`; the host never needs a token to launch the next step.
   * Vision batches run on their own stream, each with its own event; a step waits only for
     the events of the images it prefills.
-  * Decode-only steps replay CUDA graphs captured per padded batch size (CUDA only); padding
-    rows use a scratch state row and the null KV block.
+  * Decode-only steps replay CUDA graphs captured at start-up per padded batch size (CUDA
+    only); padding rows use a scratch state row and the null KV block.
+  * An eager step that runs out of memory is run as two half plans (split.py), recursively:
+    every row is still written, in the plan's order.
 On CPU the same code runs with synchronous copies and no graphs.
 
 Flat token layout of one step: [image prefixes (ragged) | prompts (ragged) | decode tokens].
