@@ -183,10 +183,11 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
         if isinstance(model, StaticModel):
             labeler, how = model.labeler(seqs, job.engine), "static batches"
         else:
-            labeler = EngineLabeler(model, seqs, job.engine, family.max_prefix_len())
+            labeler = EngineLabeler(model, seqs, job.engine, family.max_prefix_len(), log)
             e = labeler.engine
-            how = (f"{e.stats['kv_blocks']} KV blocks of {job.engine.block_size}, "
-                   f"{'pipelined' if e.pipelined else 'synchronous'}")
+            how = (f"{e.stats['kv_blocks']} KV blocks of {job.engine.block_size}, {e.stats['rows']} rows, "
+                   f"{'pipelined' if e.pipelined else 'synchronous'}"
+                   + (f", CUDA graphs captured in {e.stats['graph_capture_s']:.1f} s" if e.runner.graphs else ""))
         log(f"batchvlm: rank {rank.rank}/{rank.world}: {len(pending)} shard(s) to label; model {info.name} "
             f"({info.family}, {info.backend}, {info.dtype}, {info.device}) loaded in {t_load:.1f} s; labeler ready in "
             f"{time.time() - t_engine:.1f} s ({how}, {len(seqs)} sequences per image)")
@@ -255,6 +256,8 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
                 for stem in claimed - set(writer.written):
                     stealing.claims.release(stem)
         summary.shards_written = list(writer.written)
+        if isinstance(labeler, EngineLabeler):
+            log(f"batchvlm: rank {rank.rank}/{rank.world}: engine: {labeler.engine.summary()}")
         if stealing and not stop.event.is_set() and limit is None:
             held = [s.stem for s in pending if s.stem not in writer.written and not manifest.is_done(out_dir, s.stem)
                     and s.stem not in summary.shards_failed]

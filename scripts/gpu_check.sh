@@ -1,31 +1,78 @@
 #!/usr/bin/env bash
-# The GPU validation, as one call of at most ~8 minutes on a CUDA machine with no network:
-#   1. install what the image lacks from .whl/ (scripts/gpu_wheels.sh fetches them),
-#   2. run the GPU-marked tests,
-#   3. run scripts/bench_engine.py on full-size Moondream 2 shapes with random weights
-#      (caption, detect+point, mixed; batch 64 and 256; fixed output lengths; GPU busy
-#      fraction from the torch profiler) and write the results table.
+# The GPU validation, as one call of at most 8 minutes on a CUDA machine with no network:
+#   1. install what the image lacks from .whl/ (scripts/gpu_wheels.sh fetches them) and check
+#      that every module batchvlm and its tests import is there,
+#   2. run the GPU-marked tests (the parity fixtures must be in shared/fixtures of the checkout
+#      or under $BATCHVLM_SHARED: their absence fails the check, it does not skip tests),
+#   3. run scripts/bench_engine.py on full-size Moondream 2 shapes with random weights, bf16
+#      (mixed and caption on the synthetic scenes, mixed on 1024x768 photos = 13 crops;
+#      batch 256 then 64; fixed output lengths; best of 3; GPU busy fraction), rows in order of
+#      importance, stopping cleanly before its time is up.
 # Results land in $OUT (the device tool's output folder) or ./gpu-results.
+#
+# Before the device call, here:  scripts/gpu_wheels.sh; mkdir -p shared; cp -r ../shared/fixtures shared/
+# and carry [".whl"] (shared/ travels by itself).
+#
+#   scripts/gpu_check.sh --dry-run   the same steps on CPU with tiny sizes (checks the script itself)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+DRY=0
+[[ "${1:-}" == "--dry-run" ]] && DRY=1
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
+PY=${PYTHON:-python3}
 if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "gpu_check: installing .whl/ failed"; exit 2; }
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
-{
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-    python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
-} | tee "$OUT/env.txt"
 
-timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
-tests=${PIPESTATUS[0]}
+# 1. Every module the package and the GPU tests need (the carried wheels included).
+$PY - <<'EOF' || exit 2
+import importlib, sys
+need = ["torch", "numpy", "PIL", "pyarrow", "tokenizers", "safetensors", "huggingface_hub", "fsspec", "yaml",
+        "tqdm", "typer", "pytest", "webdataset", "braceexpand", "pydantic", "pydantic_core", "annotated_types",
+        "typing_inspection", "batchvlm.run", "batchvlm.engine.engine"]
+missing = []
+for name in need:
+    try:
+        importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001 - report every missing module at once
+        missing.append(f"{name} ({type(e).__name__}: {e})")
+if missing:
+    sys.exit("gpu_check: missing modules: " + "; ".join(missing) + " -- run scripts/gpu_wheels.sh and carry .whl")
+EOF
 
-timeout 330 python3 scripts/bench_engine.py --model full-random --batch 64 256 --images 192 --fixed-lengths \
-    --max-new-tokens 32 --max-objects 6 --skip-one-at-a-time --profile --json "$OUT/bench.json" 2>&1 \
-    | tee "$OUT/bench.log"
+FIXTURES=""
+for d in ${BATCHVLM_SHARED:+"$BATCHVLM_SHARED"} shared ../shared; do
+    if [[ -d "$d/fixtures/moondream-tiny" ]]; then FIXTURES=$(cd "$d" && pwd); break; fi
+done
+if [[ -z "$FIXTURES" ]]; then
+    echo "gpu_check: parity fixtures not found (shared/fixtures/moondream-tiny): cp -r ../shared/fixtures shared/"
+    exit 2
+fi
+export BATCHVLM_SHARED=$FIXTURES BATCHVLM_REQUIRE_FIXTURES=1
+
+if (( DRY )); then
+    echo "gpu_check: dry run on CPU" | tee "$OUT/env.txt"
+    $PY -m pytest -q -m gpu -p no:cacheprovider --collect-only tests/test_gpu.py 2>&1 | tail -3 | tee "$OUT/gpu_tests.log"
+    tests=${PIPESTATUS[0]}
+    bench_args=(--model demo --device cpu --images 3 --batch 4 --repeat 1 --max-new-tokens 4 --max-objects 2
+                --workloads mixed mixed@1024x768 --skip-one-at-a-time --deadline-s 240)
+else
+    {
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+        $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+    } | tee "$OUT/env.txt"
+    # 2. GPU tests: 150 s at most.
+    timeout 150 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+    tests=${PIPESTATUS[0]}
+    # 3. The benchmark: 290 s at most, rows stop starting after 230 s (a row takes < 60 s).
+    bench_args=(--model full-random --batch 256 64 --images 128 --fixed-lengths --max-new-tokens 32 --max-objects 6
+                --workloads mixed mixed@1024x768 caption --skip-one-at-a-time --profile --deadline-s 230)
+fi
+timeout 290 $PY scripts/bench_engine.py "${bench_args[@]}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 bench=${PIPESTATUS[0]}
 echo "gpu_check: tests exit $tests, bench exit $bench"
 exit $(( tests != 0 || bench != 0 ))

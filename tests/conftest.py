@@ -33,6 +33,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     if not (FIXTURES / "moondream-tiny").is_dir():
+        if os.environ.get("BATCHVLM_REQUIRE_FIXTURES"):  # scripts/gpu_check.sh: a missing fixture fails
+            pytest.fail(f"shared/fixtures not found (looked in {', '.join(map(str, _CANDIDATES))})")
         pytest.skip("shared/fixtures not found beside the checkout")
     return FIXTURES
 

@@ -45,13 +45,15 @@ def make_images(n: int, rng: random.Random, prefix_len: int | None = None) -> li
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("pipelined", [False, True])
-def test_random_finishes_never_leak_or_overcommit(seed, pipelined):
+@pytest.mark.parametrize("batched", [False, True])
+def test_random_finishes_never_leak_or_overcommit(seed, pipelined, batched):
     rng = random.Random(seed)
     bs = 4
     n_rows = rng.choice([1, 3, 8])
     n_blocks = rng.choice([12, 20, 60])
     blocks = BlockManager(n_blocks, bs)
-    sched = Scheduler(blocks, n_rows, n_image_slots=3)
+    # batched: admission waits for free rows, and the row cap is halved (after an out-of-memory) midway.
+    sched = Scheduler(blocks, n_rows, n_image_slots=3, admit_rows=rng.randint(1, n_rows) if batched else 1)
     images = make_images(12, rng)
     pending = deque(images)
     inflight: deque = deque()
@@ -61,11 +63,14 @@ def test_random_finishes_never_leak_or_overcommit(seed, pipelined):
     while pending or not sched.idle or inflight:
         while pending and (slot := sched.take_image_slot()) is not None:
             sched.add_encoded(pending.popleft(), slot)
+        if batched and step == 5:
+            sched.row_cap = max(1, n_rows // 2)
         plan = sched.schedule()
         if plan is not None:
             # Capacity: rows and blocks in use never exceed what exists.
             rows = [s.row for s in sched.running]
             assert len(rows) == len(set(rows)) <= n_rows
+            assert len(plan.seqs) <= sched.row_cap
             assert blocks.used <= n_blocks - 1
             for s in plan.seqs:  # a sequence runs at most one step past its known finish
                 assert step - finished_at.get(id(s), step) <= 1
@@ -107,3 +112,35 @@ def test_plan_holds_prefix_once_and_own_blocks_per_sequence():
     for b in image.prefix_blocks:
         assert blocks.refs(b) == 4
     assert plan.needs.tolist() == [1, 1, 3, 3]  # text: token head; spatial: token + x
+
+
+def test_split_plan_keeps_the_order_of_every_unit():
+    from batchvlm.engine.split import split_plan, units
+
+    blocks = BlockManager(200, 4)
+    sched = Scheduler(blocks, 16, n_image_slots=4)
+    images = make_images(3, random.Random(5))
+    for image in images[:2]:
+        sched.add_encoded(image, sched.take_image_slot())
+    first = sched.schedule()
+    n = len(first.seqs)
+    sched.commit(first, Emissions(np.full(n, EMIT_NONE), np.zeros(n, dtype=np.int64), np.zeros(n, bool),
+                                  np.zeros((n, 2))))
+    sched.add_encoded(images[2], sched.take_image_slot())
+    plan = sched.schedule()  # a mixed step: one prefix, its prompts, the first images' decodes
+    assert len(plan.prefix_slots) == 1 and len(plan.new_rows) and len(plan.decode_rows)
+    stack = [plan]
+    leaves = []
+    while stack:
+        p = stack.pop()
+        if units(p) == 1:
+            leaves.append(p)
+        else:
+            a, b = split_plan(p)
+            assert units(a) + units(b) == units(p) and units(a) and units(b)
+            stack += [b, a]
+    assert [s for leaf in leaves for s in leaf.seqs] == plan.seqs
+    assert np.concatenate([leaf.needs for leaf in leaves]).tolist() == plan.needs.tolist()
+    assert np.concatenate([leaf.prompt_tokens for leaf in leaves]).tolist() == plan.prompt_tokens.tolist()
+    assert np.concatenate([leaf.decode_rows for leaf in leaves]).tolist() == plan.decode_rows.tolist()
+    assert units(leaves[0]) == 1 and len(leaves[0].prefix_slots) == 1  # the prefix comes first

@@ -63,12 +63,114 @@ def test_demo_model_in_bfloat16_still_labels_right():
     assert min(scores.values()) >= 0.85, scores
 
 
-def test_kv_cache_is_sized_from_free_memory(tiny_cuda):
+def test_kv_cache_is_sized_from_free_memory(tiny_cuda, monkeypatch):
+    import batchvlm.engine.engine as engine_mod
     from batchvlm.engine.engine import Engine
     from batchvlm.job import EngineSpec
 
     md, _ = tiny_cuda
     seqs = md.sequences(TASKS, max_new_tokens=9, max_objects=3)
-    small = Engine(md.engine, seqs, EngineSpec(max_batch_size=8, kv_memory_fraction=0.01), md.P)
-    large = Engine(md.engine, seqs, EngineSpec(max_batch_size=8, kv_memory_fraction=0.5), md.P)
-    assert small.stats["kv_blocks"] <= large.stats["kv_blocks"]
+    settings = EngineSpec(max_batch_size=8, kv_memory_fraction=0.5)
+    roomy = Engine(md.engine, seqs, settings, md.P)
+    wanted = roomy.stats["kv_blocks"]  # a tiny model on a big GPU: everything it asks for
+    per_block = md.engine.kv_bytes_per_token() * settings.block_size
+    reserve, rows = roomy._warmup_peak_bytes(8)
+    assert reserve > 0 and rows == 8
+    del roomy
+    # The warm-up's reserve pinned to what it measured, free memory to it plus the wanted
+    # blocks: at fraction 0.5 the engine must take exactly half of them.
+    monkeypatch.setattr(Engine, "_warmup_peak_bytes", lambda self, n_rows: (reserve, n_rows))
+    monkeypatch.setattr(engine_mod, "available_bytes", lambda dev: reserve + wanted * per_block)
+    tight = Engine(md.engine, seqs, settings, md.P)
+    assert tight.stats["kv_blocks"] == max(2, wanted // 2) < wanted
+    monkeypatch.setattr(engine_mod, "available_bytes", lambda dev: reserve)
+    with pytest.raises(RuntimeError, match="one image's KV cache"):
+        Engine(md.engine, seqs, settings, md.P)
+
+
+def test_emission_views_are_pinned_and_contiguous():
+    from batchvlm.engine.staging import Slot
+
+    slot = Slot(torch.device("cuda"), capacity=64, n_rows=10)
+    for n in (1, 7, 10):
+        ints, floats = slot.out_views(n)
+        assert ints.is_contiguous() and floats.is_contiguous()
+        assert ints.is_pinned() and floats.is_pinned()
+        assert ints.data_ptr() == slot.out_ints.data_ptr() and floats.data_ptr() == slot.out_floats.data_ptr()
+
+
+def test_graphs_are_captured_at_start_up_and_replayed(tiny_cuda):
+    from batchvlm.engine.engine import Engine
+    from batchvlm.engine.graphs import buckets
+    from batchvlm.engine.labeler import WorkItem
+    from batchvlm.job import EngineSpec
+
+    md, prepared = tiny_cuda
+    seqs = md.sequences(TASKS, max_new_tokens=9, max_objects=3)
+    engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=32, pipelined=True), md.P)
+    graphs = engine.runner.graphs
+    assert set(graphs.graphs) == set(buckets(32)) and all(g[0] is not None for g in graphs.graphs.values())
+    captured = dict(graphs.graphs)
+    list(engine.run(WorkItem(i, p, str(i)) for i, p in enumerate(prepared)))
+    assert graphs.graphs == captured
+    assert 0 < engine.stats["graph_steps"] < engine.stats["steps"], engine.stats
+
+
+def test_engine_agrees_with_itself_in_bfloat16(tmp_path):
+    """bf16 rounding depends on the batch composition, so runners may differ in a few sequences:
+    most must agree, and each must be well formed."""
+    folder = hub_folder(tmp_path / "tiny", TINY, random_state(MoondreamConfig.from_dict(TINY), seed=5),
+                        id_tokenizer(64))
+    md = LoadedMoondream(str(folder), device="cuda", dtype="bfloat16")
+    g = torch.Generator().manual_seed(7)
+    images = [Image.fromarray(torch.randint(0, 256, (60 + 17 * i, 80, 3), generator=g, dtype=torch.uint8).numpy())
+              for i in range(16)]
+    prepared = [md.preprocessor(im) for im in images]
+    seqs = md.sequences(TASKS, max_new_tokens=9, max_objects=3)
+    runs = [run_engine(md, prepared, seqs, max_batch_size=b, pipelined=p, cuda_graphs=gr)
+            for b, p, gr in ((7, False, False), (64, True, True), (64, False, True))]
+    for run in runs:
+        for img in run:
+            for (tokens, objects), s in zip(img, seqs):
+                assert len(tokens) <= 9 and len(objects) <= 3
+    pairs = [(a, b) for other in runs[1:] for x, y in zip(runs[0], other) for a, b in zip(x, y)]
+    assert sum(a == b for a, b in pairs) / len(pairs) >= 0.8
+
+
+def test_vision_inputs_go_up_through_reused_pinned_buffers():
+    from batchvlm.models.pinned import PinnedUpload
+
+    up = PinnedUpload(torch.device("cuda"))
+    g = torch.Generator().manual_seed(0)
+    batches = [[torch.randint(0, 256, (n, 8, 8, 3), generator=g, dtype=torch.uint8) for n in sizes]
+               for sizes in ([1, 13], [2], [13, 13, 1], [1], [5, 2])]
+    outs = [up(parts) for parts in batches]  # later batches reuse (and overwrite) the buffers
+    torch.cuda.synchronize()
+    for parts, out in zip(batches, outs):
+        assert out.is_cuda and torch.equal(out.cpu(), torch.cat(parts))
+    assert all(b.is_pinned() for b in up._bufs)
+
+
+def test_warm_up_halves_the_rows_until_the_largest_step_fits(tiny_cuda, monkeypatch):
+    from batchvlm.engine.engine import Engine
+    from batchvlm.job import EngineSpec
+
+    md, prepared = tiny_cuda
+    seqs = md.sequences(TASKS, max_new_tokens=9, max_objects=3)
+    real = Engine._run_largest_step
+
+    def fault(self, n_rows, *args):
+        if n_rows > 12:
+            raise torch.OutOfMemoryError("injected")
+        return real(self, n_rows, *args)
+
+    monkeypatch.setattr(Engine, "_run_largest_step", fault)
+    logged = []
+    engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=64), md.P, log=logged.append)
+    assert engine.stats["rows"] == 8 and len(logged) == 3
+    reference = [[(o.tokens, o.objects) for o in img] for img in generate(md.model, prepared, [s.spec for s in seqs])]
+    from batchvlm.engine.labeler import WorkItem
+
+    out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
+           for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
+    assert [out[i] for i in range(len(prepared))] == reference

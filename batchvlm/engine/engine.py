@@ -11,96 +11,127 @@ changes *when* the host looks at results, never what they are.
 from __future__ import annotations
 
 import math
+import sys
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from ..job import EngineSpec
-from ..models.attention import AttentionBatch, PrefixGroup
-from ..models.decoding import RawOutput, RowState
+from ..models.decoding import Decision, RawOutput
 from ..models.family import EngineModel, TaskSequence
 from .kv_cache import BlockManager
 from .labeler import WorkItem, sequence_seed
-from .plan import PREFILL_TOKENS_PER_STEP
+from .memory import available_bytes
+from .plan import PREFILL_TOKENS_PER_STEP, StepPlan
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import Image, Sequence
 from .staging import InFlight
+from .warmup import largest_step
+
+
+def print_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
 
 MAX_VISION_COST = 128  # vision work (crops, patches / 1024) per batch: bounds its activation memory
 
 
 class Engine:
-    def __init__(self, model: EngineModel, seqs: list[TaskSequence], settings: EngineSpec, max_prefix_len: int):
-        self.model, self.seqs, self.settings = model, seqs, settings
+    def __init__(self, model: EngineModel, seqs: list[TaskSequence], settings: EngineSpec, max_prefix_len: int,
+                 log: Callable[[str], None] = print_stderr):
+        self.model, self.seqs, self.settings, self.max_prefix_len = model, seqs, settings, max_prefix_len
+        self.log = log
+        self.sampling = any(s.spec.temperature > 0 for s in seqs)
         bs = settings.block_size
         n_rows = settings.max_batch_size
         blocks_for = lambda n: -(-n // bs)  # noqa: E731
         n_prefix = blocks_for(max_prefix_len)
         self.own_blocks = [blocks_for(len(s.spec.prompt) + s.spec.budget) for s in seqs]
-        self.images_to_fill = math.ceil(n_rows / len(seqs))
         n_slots = max(settings.max_images_in_flight, 1)
-        n_blocks = self._kv_blocks(n_rows, n_prefix, max(self.own_blocks), bs)
+        n_blocks, n_rows = self._kv_blocks(n_rows, n_prefix, max(self.own_blocks), bs)
+        # Rows beyond what the blocks can hold at once would never run: their staging is waste.
+        n_rows = max(1, min(n_rows, (n_blocks - 1 - n_prefix) // min(self.own_blocks)))
+        self.images_to_fill = math.ceil(n_rows / len(seqs))
         cache = model.new_kv_cache(n_blocks, bs)
-        sampling = any(s.spec.temperature > 0 for s in seqs)
         self.runner = Runner(model, cache, n_rows, n_slots, max_prefix_len, max(self.own_blocks),
-                             max(len(s.spec.prompt) for s in seqs), len(seqs), settings.cuda_graphs, sampling)
-        self.scheduler = Scheduler(BlockManager(n_blocks, bs), n_rows, n_slots)
+                             max(len(s.spec.prompt) for s in seqs), len(seqs), settings.cuda_graphs, self.sampling)
+        graphs = self.runner.graphs
+        # With graphs, admit once an eighth of the rows is free: steps that admit run eagerly.
+        self.scheduler = Scheduler(BlockManager(n_blocks, bs), n_rows, n_slots,
+                                   admit_rows=max(1, n_rows // 8) if graphs is not None else 1)
         self.inflight: deque[InFlight] = deque()
         # On CPU a launch runs the whole forward before returning: pipelining would only add a
         # zombie row per finish and a step of admission lag.
         self.pipelined = model.device.type == "cuda" if settings.pipelined == "auto" else settings.pipelined
         self.step = self._step_pipelined if self.pipelined else self._step_sync
-        self.stats = {"steps": 0, "kv_blocks": n_blocks}
+        self.stats = {"steps": 0, "graph_steps": 0, "kv_blocks": n_blocks, "rows": n_rows,
+                      "graph_capture_s": round(graphs.capture_s, 2) if graphs is not None else 0.0}
 
     # ------------------------------------------------------------------ sizing
 
-    def _kv_blocks(self, n_rows: int, n_prefix: int, max_own: int, bs: int) -> int:
-        """Enough blocks to fill every row (with twice the images that needs, at their largest),
-        and on CUDA no more than free memory allows after a warm-up of the largest step."""
-        wanted = 1 + 2 * self.images_to_fill * n_prefix + n_rows * max_own + sum(self.own_blocks)
+    def _kv_blocks(self, n_rows: int, n_prefix: int, max_own: int, bs: int) -> tuple[int, int]:
+        """-> (blocks, rows). Enough blocks to fill every row (with twice the images that needs,
+        at their largest), and no more than free memory allows: accelerator memory after a
+        warm-up of the largest step on CUDA (rows halve until that step fits), available host
+        memory on CPU."""
         model = self.model
-        if model.device.type != "cuda":
-            return wanted
+        reserve = 0
+        if model.device.type == "cuda":
+            reserve, n_rows = self._warmup_peak_bytes(n_rows)
+        images_to_fill = math.ceil(n_rows / len(self.seqs))
+        wanted = 1 + 2 * images_to_fill * n_prefix + n_rows * max_own + sum(self.own_blocks)
         per_block = model.kv_bytes_per_token() * bs
-        reserve = self._warmup_peak_bytes()
-        free, _ = torch.cuda.mem_get_info(model.device)
-        fits = int((free - reserve) * self.settings.kv_memory_fraction) // per_block
-        if fits < 1 + n_prefix + max_own:
-            raise RuntimeError("not enough accelerator memory for one image's KV cache")
-        return max(2, min(wanted, fits))
+        room = int((available_bytes(model.device) - reserve) * self.settings.kv_memory_fraction)
+        fits = room // per_block
+        one_image = 1 + n_prefix + max_own
+        if fits < one_image:
+            raise RuntimeError(
+                f"not enough {model.device.type} memory for one image's KV cache: it needs "
+                f"{one_image * per_block / 2**20:.0f} MiB, {max(room, 0) / 2**20:.0f} MiB is free for it "
+                f"(engine.kv_memory_fraction={self.settings.kv_memory_fraction})")
+        return max(2, min(wanted, fits)), n_rows
+
+    def _warmup_peak_bytes(self, n_rows: int) -> tuple[int, int]:
+        """-> (peak activation memory of a maximal vision batch and of the largest step the
+        scheduler can plan with n_rows rows (warmup.py), rows). Run for real through the runner's
+        eager path on a scratch cache; out of memory, the rows halve until it fits."""
+        dev = self.model.device
+        while True:
+            torch.cuda.synchronize(dev)
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            try:
+                self._run_largest_step(n_rows)
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                if n_rows == 1:
+                    raise RuntimeError("not enough accelerator memory for the largest vision batch and a "
+                                       "one-sequence step") from None
+                n_rows //= 2
+                self.log(f"batchvlm: the largest step does not fit in accelerator memory; trying "
+                         f"{n_rows} rows (engine.max_batch_size={self.settings.max_batch_size})")
+                continue
+            torch.cuda.synchronize(dev)
+            peak = torch.cuda.max_memory_allocated(dev) - base
+            torch.cuda.empty_cache()
+            return int(peak * 1.2), n_rows
 
     @torch.inference_mode()
-    def _warmup_peak_bytes(self) -> int:
-        """Peak activation memory of a maximal vision batch and a maximal mixed forward."""
-        model, dev = self.model, self.model.device
-        torch.cuda.synchronize(dev)
-        base = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
+    def _run_largest_step(self, n_rows: int, prefill_tokens: int = PREFILL_TOKENS_PER_STEP) -> Decision:
+        """A maximal vision batch, then the largest step (warmup.py) on a scratch cache and runner."""
+        model, seqs, bs = self.model, self.seqs, self.settings.block_size
         feats = model.encode(model.largest_vision_batch())
-        prefix = model.prefix_inputs(feats[:1])
-        n_rows, bs = self.settings.max_batch_size, self.settings.block_size
-        n = PREFILL_TOKENS_PER_STEP + n_rows * 16
-        scratch = model.new_kv_cache(3, bs)
-        embeds = torch.cat([prefix.embeds_NC, prefix.embeds_NC.new_zeros(n, prefix.embeds_NC.shape[1])])
-        positions = torch.cat([prefix.positions, model.own_positions(torch.zeros(n, dtype=torch.long, device=dev))],
-                              dim=-1)
-        N = embeds.shape[0]
-        table = torch.tensor([[1, 2]], device=dev)
-        batch = AttentionBatch(torch.zeros(N, dtype=torch.long, device=dev),
-                               [PrefixGroup(torch.arange(N, device=dev)[None], table,
-                                            torch.tensor([2 * bs], device=dev), causal=False)], bs)
-        hidden = model.forward(embeds, positions, batch, scratch, prefix)
-        zeros = torch.zeros(n_rows, dtype=torch.long, device=dev)
-        state = RowState(zeros, zeros, zeros, zeros + 1, zeros.bool(), zeros.float(), zeros.float() + 1, zeros)
-        model.decide(hidden[:n_rows], state, True, None)
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - base
-        del scratch, hidden, feats, prefix
-        torch.cuda.empty_cache()
-        return int(peak * 1.2)
+        max_prompt = max(len(s.spec.prompt) for s in seqs)
+        plan = largest_step(n_rows, len(seqs), self.max_prefix_len, max_prompt,
+                            max(len(s.spec.prompt) + s.spec.budget for s in seqs), bs, prefill_tokens)
+        runner = Runner(model, model.new_kv_cache(2, bs), n_rows, max(len(plan.prefix_slots), 1),
+                        self.max_prefix_len, max(self.own_blocks), max_prompt, len(seqs), False, self.sampling)
+        for slot in plan.prefix_slots.tolist():
+            runner.features[slot] = feats[slot % len(feats)]
+        return runner._eager(plan, runner.slots[0])
 
     # ------------------------------------------------------------------ the loop
 
@@ -109,18 +140,38 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return None
-        self.stats["steps"] += 1
-        return self.scheduler.commit(plan, self.runner.collect(self.runner.launch(plan)))
+        return self.scheduler.commit(plan, self.runner.collect(self._launch(plan)))
 
     def _step_pipelined(self) -> list[Image] | None:
         plan = self.scheduler.schedule()
         if plan is not None:
-            self.stats["steps"] += 1
-            self.inflight.append(self.runner.launch(plan))
+            self.inflight.append(self._launch(plan))
         if self.inflight and (len(self.inflight) == 2 or plan is None):
             oldest = self.inflight.popleft()
             return self.scheduler.commit(oldest.plan, self.runner.collect(oldest))
         return None if plan is None else []
+
+    def _launch(self, plan: StepPlan) -> InFlight:
+        inflight = self.runner.launch(plan)
+        r, stats = self.runner, self.stats
+        stats["steps"] += 1
+        stats["graph_steps"] = r.graph_steps
+        if r.oom_rows:  # the step still ran whole, in parts; later steps get half its rows
+            rows = r.oom_rows[0]
+            r.oom_rows.clear()
+            sched = self.scheduler
+            sched.row_cap = max(1, min(sched.row_cap, rows // 2))
+            sched.admit_rows = min(sched.admit_rows, max(1, sched.row_cap // 8))
+            stats["oom_halvings"] = stats.get("oom_halvings", 0) + 1
+            self.log(f"batchvlm: out of accelerator memory in a step of {rows} sequences; it ran in parts, "
+                     f"and steps now hold at most {sched.row_cap} sequences")
+        return inflight
+
+    def summary(self) -> str:
+        s = self.stats
+        share = s["graph_steps"] / s["steps"] if s["steps"] else 0.0
+        return (f"{s['steps']} steps, {share:.0%} replayed a CUDA graph ({s['graph_capture_s']:.1f} s to capture), "
+                f"{s['rows']} rows, {s['kv_blocks']} KV blocks")
 
     def _feed(self, items: Iterator[WorkItem]) -> bool:
         """Encode more images when the admission queue runs short. -> False once input is exhausted."""
@@ -167,8 +218,9 @@ class Engine:
 
 
 class EngineLabeler:
-    def __init__(self, model: EngineModel, seqs: list[TaskSequence], settings: EngineSpec, max_prefix_len: int):
-        self.engine = Engine(model, seqs, settings, max_prefix_len)
+    def __init__(self, model: EngineModel, seqs: list[TaskSequence], settings: EngineSpec, max_prefix_len: int,
+                 log: Callable[[str], None] = print_stderr):
+        self.engine = Engine(model, seqs, settings, max_prefix_len, log)
 
     def label(self, items: Iterable[WorkItem]) -> Iterator[tuple[Any, list[RawOutput]]]:
         for image in self.engine.run(items):

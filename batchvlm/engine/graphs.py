@@ -1,5 +1,8 @@
 """CUDA graphs of decode-only steps, keyed by padded (rows, images) counts (powers of two).
 
+Every bucket is captured at start-up, before the first step: a capture synchronizes the device,
+so capturing mid-run would stall the pipeline each time a new batch size appears.
+
 A graph reads rows, own indices, positions and block tables from static buffers. Padding rows
 point at the scratch state row and the null block (they write only there); padding images
 have no query rows and a one-slot prefix in the null block. Every output head is computed for
@@ -8,6 +11,7 @@ every row here (fixed shapes). Prefix tables are as wide as the widest prefix th
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,6 +35,16 @@ def bucket(n: int) -> int:
     return b
 
 
+def key_of(n_rows: int, n_images: int, max_rows: int) -> tuple[int, int]:
+    return min(bucket(n_rows), max_rows), min(bucket(n_images), max_rows)
+
+
+def buckets(max_rows: int) -> list[tuple[int, int]]:
+    """Every key a decode step of at most max_rows rows can have (an image has >= 1 row)."""
+    rows = sorted({min(2**k, max_rows) for k in range(bucket(max_rows).bit_length())})
+    return [(r, i) for r in rows for i in rows if i <= r]
+
+
 class DecodeGraphs:
     def __init__(self, runner: Runner, max_prefix_blocks: int, max_own_blocks: int, seqs_per_image: int,
                  capture: bool = True):
@@ -41,6 +55,10 @@ class DecodeGraphs:
         self.capture = capture  # False: run the same fixed-shape body eagerly (tests it on CPU)
         self.graphs: dict[tuple[int, int], tuple] = {}  # (graph | None, static inputs, outputs | body)
         self.pool = None
+        t0 = time.perf_counter()
+        for key in buckets(runner.n_rows):
+            self._capture(*key)
+        self.capture_s = time.perf_counter() - t0
 
     def _capture(self, n_rows: int, n_images: int):
         r = self.r
@@ -80,10 +98,8 @@ class DecodeGraphs:
     def run(self, plan: StepPlan, slot: Slot) -> Decision:
         r = self.r
         D, I = len(plan.decode_rows), len(plan.decode_image_tables)
-        key = (min(bucket(D), r.n_rows), min(bucket(I), r.n_rows))
-        if key not in self.graphs:
-            self._capture(*key)
-        graph, static, out = self.graphs[key]
+        key = key_of(D, I, r.n_rows)
+        graph, static, out = self.graphs[key]  # captured at start-up
         n_rows, n_images = key
         rows = np.full(n_rows, r.n_rows, dtype=np.int64)
         rows[:D] = plan.decode_rows

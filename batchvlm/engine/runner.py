@@ -9,8 +9,10 @@ Invariants (the pipelined engine depends on them):
     by the family's `decide`; the host never needs a token to launch the next step.
   * Vision batches run on their own stream, each with its own event; a step waits only for
     the events of the images it prefills.
-  * Decode-only steps replay CUDA graphs captured per padded batch size (CUDA only); padding
-    rows use a scratch state row and the null KV block.
+  * Decode-only steps replay CUDA graphs captured at start-up per padded batch size (CUDA
+    only); padding rows use a scratch state row and the null KV block.
+  * An eager step that runs out of memory is run as two half plans (split.py), recursively:
+    every row is still written, in the plan's order.
 On CPU the same code runs with synchronous copies and no graphs.
 
 Flat token layout of one step: [image prefixes (ragged) | prompts (ragged) | decode tokens].
@@ -18,6 +20,7 @@ Flat token layout of one step: [image prefixes (ragged) | prompts (ragged) | dec
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -28,10 +31,16 @@ from ..models.decoding import Decision, RowState
 from ..models.family import EngineModel, Prepared
 from .graphs import DecodeGraphs
 from .plan import NEED_COORD, NEED_SIZE, NEED_TOKEN, PREFILL_TOKENS_PER_STEP, StepPlan
+from .split import split_plan, units
 from .staging import Emissions, InFlight, Slot, rows_by_image
 
 STATE_INT = ("mode", "phase", "count", "limit", "seed")
 STATE_FLOAT = ("temperature", "top_p")
+
+
+class HostEvent:
+    """A vision batch's mark on CPU, where encoding has finished when `encode` returns: nothing
+    to wait for, but the per-batch bookkeeping is the same as CUDA's."""
 
 
 class Runner:
@@ -63,7 +72,9 @@ class Runner:
         self.compute = torch.cuda.current_stream(dev) if cuda else None
         self.copy_stream = torch.cuda.Stream(dev) if cuda else None
         self.vision_stream = torch.cuda.Stream(dev) if cuda else None
-        self.vision_events: list[torch.cuda.Event | None] = [None] * n_image_slots
+        self.vision_events: list[torch.cuda.Event | HostEvent | None] = [None] * n_image_slots
+        self.graph_steps = 0  # steps that replayed a graph (or ran its fixed-shape body)
+        self.oom_rows: list[int] = []  # rows of each step that ran out of memory (then split)
         self.graphs = DecodeGraphs(self, nbp, max_own_blocks, seqs_per_image) \
             if (cuda and cuda_graphs) else None
 
@@ -74,31 +85,63 @@ class Runner:
         """Encode images into feature slots. On CUDA this runs on its own stream, overlapping
         decode steps; a step that prefills these images waits for this batch's event."""
         if self.vision_stream is None:
-            for slot, f in zip(slots, self.model.encode(images)):
-                self.features[slot] = f
-            return
-        event = torch.cuda.Event()
-        with torch.cuda.stream(self.vision_stream):
-            feats = self.model.encode(images)
-            event.record(self.vision_stream)
+            event, feats = HostEvent(), self.model.encode(images)
+        else:
+            event = torch.cuda.Event()
+            with torch.cuda.stream(self.vision_stream):
+                feats = self.model.encode(images)
+                event.record(self.vision_stream)
         for slot, f in zip(slots, feats):
             self.features[slot], self.vision_events[slot] = f, event
+
+    def vision_waits(self, prefix_slots: np.ndarray) -> list[torch.cuda.Event | HostEvent]:
+        """The events of the vision batches holding these images, each once: a prefill waits for
+        its own images only, never for a newer batch still encoding."""
+        events = {id(e): e for e in (self.vision_events[s] for s in prefix_slots.tolist()) if e is not None}
+        return list(events.values())
 
     # ------------------------------------------------------------------ steps
 
     def launch(self, plan: StepPlan) -> InFlight:
         slot = self.slots[self._next_slot]
         self._next_slot ^= 1
-        for s in plan.prefix_slots.tolist():
-            if self.vision_events[s] is not None:
-                self.compute.wait_event(self.vision_events[s])
+        for event in self.vision_waits(plan.prefix_slots):
+            if self.compute is not None:
+                self.compute.wait_event(event)
         with torch.inference_mode():
             if plan.is_decode_only and self.graphs is not None:
+                self.graph_steps += 1
                 decision = self.graphs.run(plan, slot)
             else:
-                decision = self._eager(plan, slot)
+                decision = self._eager_fitting(plan, slot)
             self._download(decision, plan.n_out, slot)
         return InFlight(plan, slot)
+
+    def _eager_fitting(self, plan: StepPlan, slot: Slot) -> Decision:
+        """The eager step; on out-of-memory, the same work as two half plans, recursively, so no
+        row is lost (split.py). Records the failed plan's rows in `oom_rows` for the engine.
+
+        Rare and off the hot path, so it synchronizes: the device must be done with the failed
+        attempt (and each part's upload) before the slot's pinned inputs are overwritten. A
+        retried part rewrites what the failed attempt may have written (initial row state, K/V
+        at the same slots): the row state that carries over between steps is written only after
+        the whole forward has succeeded (`decide`).
+        """
+        try:
+            return self._eager(plan, slot)
+        except torch.OutOfMemoryError:
+            if units(plan) < 2:
+                raise
+        self.oom_rows.append(plan.n_out)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        parts = []
+        for part in split_plan(plan):
+            parts.append(self._eager_fitting(part, slot))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        return Decision(*(torch.cat([getattr(d, f.name) for d in parts]) for f in fields(Decision)))
 
     def collect(self, inflight: InFlight) -> Emissions:
         slot = inflight.slot

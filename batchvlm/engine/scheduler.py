@@ -8,6 +8,14 @@ its own prefix length, which may differ from image to image) and at least one se
 and blocks allow (waiting sequences of admitted images go before new images, oldest first),
 each reserving its prompt + budget at once, so a running sequence never waits for memory and
 nothing is preempted. Capacity is whatever the block manager has left.
+
+Two knobs bound a step's rows beyond the free rows:
+  admit_rows  admission waits until this many rows are free (unless nothing decodes). A step
+              that admits runs eagerly; with CUDA graphs, admitting in batches keeps most
+              steps decode-only, so most steps replay a graph.
+  row_cap     at most this many sequences per step (the engine halves it after running out of
+              memory). Running sequences beyond it wait, oldest first served, and keep their
+              rows and blocks.
 """
 
 from __future__ import annotations
@@ -27,8 +35,11 @@ def _lens(images: list[Image]) -> np.ndarray:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, n_rows: int, n_image_slots: int):
+    def __init__(self, blocks: BlockManager, n_rows: int, n_image_slots: int, admit_rows: int = 1):
         self.blocks = blocks
+        self.admit_rows = admit_rows
+        self.row_cap = n_rows
+        self._rows_left = n_rows  # rows this step may still start (set per schedule())
         self.free_rows = list(range(n_rows - 1, -1, -1))
         self.free_image_slots = list(range(n_image_slots - 1, -1, -1))
         self.encoded: deque[Image] = deque()  # features ready, prefix not yet admitted
@@ -50,27 +61,20 @@ class Scheduler:
         return self.blocks.blocks_for(len(s.spec.prompt) + s.spec.budget)
 
     def _fits(self, s: Sequence, extra_blocks: int = 0) -> bool:
-        return bool(self.free_rows) and self.blocks.free >= self._seq_blocks(s) + extra_blocks
+        return (bool(self.free_rows) and self._rows_left > 0
+                and self.blocks.free >= self._seq_blocks(s) + extra_blocks)
 
     # ------------------------------------------------------------------ plan
 
     def schedule(self) -> StepPlan | None:
         # Every sequence started earlier decodes, unless its limit says it must be finished.
         decoding = [s for s in self.running if s.state is SeqState.RUNNING and s.decode_steps < s.max_decode_steps]
+        decoding = decoding[: self.row_cap]
+        self._rows_left = self.row_cap - len(decoding)
         new: list[Sequence] = []
         prefilled: list[Image] = []
-        while self.admitted and self._start_waiting(self.admitted[0], new):
-            self.admitted.popleft()
-        budget = PREFILL_TOKENS_PER_STEP
-        while (not self.admitted and self.encoded and (not prefilled or budget >= self.encoded[0].prefix_len)
-               and self._fits(self.encoded[0].seqs[0], self.blocks.blocks_for(self.encoded[0].prefix_len))):
-            image = self.encoded.popleft()
-            image.prefix_blocks = self.blocks.allocate(self.blocks.blocks_for(image.prefix_len))
-            image.unfinished = len(image.seqs)
-            prefilled.append(image)
-            budget -= image.prefix_len
-            if not self._start_waiting(image, new):
-                self.admitted.append(image)
+        if not decoding or min(len(self.free_rows), self._rows_left) >= self.admit_rows:
+            self._admit(new, prefilled)
         if not new and not decoding:
             return None
         prompt_images: dict[int, Image] = {}
@@ -117,6 +121,20 @@ class Scheduler:
         self.step += 1
         return plan
 
+    def _admit(self, new: list[Sequence], prefilled: list[Image]) -> None:
+        while self.admitted and self._start_waiting(self.admitted[0], new):
+            self.admitted.popleft()
+        budget = PREFILL_TOKENS_PER_STEP
+        while (not self.admitted and self.encoded and (not prefilled or budget >= self.encoded[0].prefix_len)
+               and self._fits(self.encoded[0].seqs[0], self.blocks.blocks_for(self.encoded[0].prefix_len))):
+            image = self.encoded.popleft()
+            image.prefix_blocks = self.blocks.allocate(self.blocks.blocks_for(image.prefix_len))
+            image.unfinished = len(image.seqs)
+            prefilled.append(image)
+            budget -= image.prefix_len
+            if not self._start_waiting(image, new):
+                self.admitted.append(image)
+
     def _start_waiting(self, image: Image, new: list[Sequence]) -> bool:
         """Start the image's waiting sequences while they fit. -> True when none is left waiting;
         the image then drops its own reference to the prefix (its sequences hold the rest)."""
@@ -128,6 +146,7 @@ class Scheduler:
             s.blocks = self.blocks.allocate(self._seq_blocks(s))
             self.blocks.share(image.prefix_blocks)
             s.row = self.free_rows.pop()
+            self._rows_left -= 1
             s.state = SeqState.RUNNING
             self.running.append(s)
             new.append(s)

@@ -17,6 +17,7 @@ from ..attention import AttentionBatch, KVCache
 from ..decoding import MODE_DETECT, MODE_POINT, MODE_TEXT, Decision, RawOutput, RowState, SeqSpec
 from ..family import FamilyError, ModelInfo, PrefixInputs, TaskSequence
 from ..hub import load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
+from ..pinned import PinnedUpload
 from .config import MoondreamConfig
 from .decoding import decide
 from .model import MoondreamModel
@@ -124,6 +125,7 @@ class MoondreamEngine:
         self.model, self.info = model, info
         self.device, self.dtype = model.device, model.dtype
         self.P = model.config.prefix_len
+        self._upload = PinnedUpload(self.device)
 
     def new_kv_cache(self, n_blocks: int, block_size: int) -> KVCache:
         return self.model.new_kv_cache(n_blocks, block_size)
@@ -133,7 +135,7 @@ class MoondreamEngine:
         return 2 * t.n_layers * t.n_kv_heads * t.head_dim * self.dtype.itemsize
 
     def encode(self, images: list[PreparedImage]) -> list[torch.Tensor]:
-        crops = torch.cat([im.crops for im in images]).to(self.device, non_blocking=True)
+        crops = self._upload([im.crops for im in images])
         return list(self.model.vision(crops, [im.tiling for im in images]).unbind(0))
 
     def largest_vision_batch(self) -> list[PreparedImage]:
