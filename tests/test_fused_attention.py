@@ -16,6 +16,15 @@ H, HKV, D, BS, N_BLOCKS = 4, 2, 8, 4, 96
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Eager flex runs many small ops, which two threads on a shared CPU make several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 class Blocks:
     """Hands out distinct random physical blocks (never the null block 0)."""
 
@@ -27,7 +36,7 @@ class Blocks:
         return [int(self.free.pop()) for _ in range(n)] + [0] * (width - n)
 
 
-def random_batch(seed: int, causal: bool, n_pad_rows: int) -> tuple[AttentionBatch, int]:
+def random_batch(seed: int, causal: bool, n_pad_rows: int, device: str = "cpu") -> tuple[AttentionBatch, int]:
     """One step with every kind of group: new prefixes (variable lengths), prompts of tasks that
     share an image or have one alone, decode tokens, and graph-style padding rows (null block,
     a padding image with a one-slot prefix). -> (batch, N flat tokens)."""
@@ -69,7 +78,7 @@ def random_batch(seed: int, causal: bool, n_pad_rows: int) -> tuple[AttentionBat
     N = rows
 
     def t(a):
-        return torch.as_tensor(np.asarray(a), dtype=torch.long)
+        return torch.as_tensor(np.asarray(a), dtype=torch.long, device=device)
 
     q_pre[q_pre < 0], q_prompt[q_prompt < 0] = N, N
     image_tables = np.concatenate([old_tables, np.zeros((1, nbp), dtype=np.int64)])
@@ -87,11 +96,11 @@ def random_batch(seed: int, causal: bool, n_pad_rows: int) -> tuple[AttentionBat
     return AttentionBatch(t(write), groups, BS), N
 
 
-def run(backend, batch: AttentionBatch, N: int, seed: int, dtype=torch.float32):
+def run(backend, batch: AttentionBatch, N: int, seed: int, dtype=torch.float32, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
-    cache = KVCache(torch.randn(1, N_BLOCKS * BS, HKV, D, generator=g).to(dtype),
-                    torch.randn(1, N_BLOCKS * BS, HKV, D, generator=g).to(dtype), BS, backend)
-    q, k, v = (torch.randn(N, h, D, generator=g).to(dtype) for h in (H, HKV, HKV))
+    cache = KVCache(torch.randn(1, N_BLOCKS * BS, HKV, D, generator=g).to(device, dtype),
+                    torch.randn(1, N_BLOCKS * BS, HKV, D, generator=g).to(device, dtype), BS, backend)
+    q, k, v = (torch.randn(N, h, D, generator=g).to(device, dtype) for h in (H, HKV, HKV))
     out = attend(q, k, v, cache.k[0], cache.v[0], batch, plan_groups(batch, cache))
     return out, cache
 

@@ -72,3 +72,19 @@ def test_kv_cache_is_sized_from_free_memory(tiny_cuda):
     small = Engine(md.engine, seqs, EngineSpec(max_batch_size=8, kv_memory_fraction=0.01), md.P)
     large = Engine(md.engine, seqs, EngineSpec(max_batch_size=8, kv_memory_fraction=0.5), md.P)
     assert small.stats["kv_blocks"] <= large.stats["kv_blocks"]
+
+
+def test_compiled_fused_attention_equals_the_reference_on_cuda():
+    """The compiled flex kernels (the CUDA default) on the random paged batches of the CPU test."""
+    from test_fused_attention import random_batch, run
+
+    from batchvlm.models.attention import ReferenceAttention, backend_for
+    from batchvlm.models.fused_attention import FusedAttention
+
+    assert isinstance(backend_for(torch.device("cuda")), FusedAttention)
+    for seed, causal in ((0, False), (1, True)):
+        batch, N = random_batch(seed, causal, n_pad_rows=3, device="cuda")
+        want, _ = run(ReferenceAttention(), batch, N, seed, device="cuda")
+        got, _ = run(FusedAttention(compile=True), batch, N, seed, device="cuda")
+        real = batch.write_slots != 0
+        torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=2e-5)
