@@ -23,7 +23,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchvlm.engine.staging import rows_by_image
-from batchvlm.models.attention import AttentionBatch, KVCache, ReferenceAttention, SharedPrefix, TaskGroup, attend, plan_groups
+from batchvlm.models.attention import (AttentionBatch, KVCache, ReferenceAttention, SharedPrefix, TaskGroup, attend,
+                                       plan_groups)
 from batchvlm.models.fused_attention import FusedAttention
 
 

@@ -111,7 +111,7 @@ def paged_mask(q_rows: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, n_
             blk = kv // block_size
             return (owner[blk] == b) & (logical[blk] * block_size + kv % block_size < lens32[b])
     else:
-        own32 = _pad2(q_own.clamp(max=2**30), Bp, Tqp, 0).to(torch.int32)  # [Bp, Tqp]
+        own32 = _pad2(q_own, Bp, Tqp, 0).to(torch.int32)  # [Bp, Tqp]; PAD = 2**30 fits
 
         def mask_mod(b, h, q, kv):
             blk = kv // block_size
@@ -189,8 +189,8 @@ class FusedAttention:
             g = plan.group
             if isinstance(g, PrefixGroup):
                 # This step's own K/V rows of the prefix (just computed; not read back from the cache).
-                k_pad = torch.cat([k_NHD, k_NHD.new_zeros(1, Hkv, D)]).to(q_NHD.dtype)
-                v_pad = torch.cat([v_NHD, v_NHD.new_zeros(1, Hkv, D)]).to(q_NHD.dtype)
+                k_pad = torch.cat([k_NHD, k_NHD.new_zeros(1, Hkv, D)])
+                v_pad = torch.cat([v_NHD, v_NHD.new_zeros(1, Hkv, D)])
                 q_BHLD = q_pad[g.q_rows].transpose(1, 2)
                 k_BHLD, v_BHLD = k_pad[g.q_rows].transpose(1, 2), v_pad[g.q_rows].transpose(1, 2)
                 o_BHLD = F.scaled_dot_product_attention(q_BHLD, k_BHLD, v_BHLD, attn_mask=plan.key_mask,
