@@ -4,7 +4,8 @@
 #      that every module batchvlm and its tests import is there,
 #   2. run the GPU-marked tests (the parity fixtures must be in shared/fixtures of the checkout
 #      or under $BATCHVLM_SHARED: their absence fails the check, it does not skip tests),
-#   3. run scripts/bench_engine.py on full-size Moondream 2 shapes with random weights, bf16
+#   3. run scripts/bench_attention.py (reference vs fused decode-step attention, Moondream 2 shapes),
+#   4. run scripts/bench_engine.py on full-size Moondream 2 shapes with random weights, bf16
 #      (mixed and caption on the synthetic scenes, mixed on 1024x768 photos = 13 crops;
 #      batch 256 then 64; fixed output lengths; best of 3; GPU busy fraction), rows in order of
 #      importance, stopping cleanly before its time is up.
@@ -58,8 +59,9 @@ if (( DRY )); then
     echo "gpu_check: dry run on CPU" | tee "$OUT/env.txt"
     $PY -m pytest -q -m gpu -p no:cacheprovider --collect-only tests/test_gpu.py 2>&1 | tail -3 | tee "$OUT/gpu_tests.log"
     tests=${PIPESTATUS[0]}
+    attention=0
     bench_args=(--model demo --device cpu --images 3 --batch 4 --repeat 1 --max-new-tokens 4 --max-objects 2
-                --workloads mixed mixed@1024x768 --skip-one-at-a-time --deadline-s 240)
+                --workloads mixed mixed@1024x768 --skip-one-at-a-time --deadline-s 200)
 else
     {
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -68,11 +70,14 @@ else
     # 2. GPU tests: 150 s at most.
     timeout 150 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
     tests=${PIPESTATUS[0]}
-    # 3. The benchmark: 290 s at most, rows stop starting after 230 s (a row takes < 60 s).
+    # 3. Decode-step attention, reference vs fused: 60 s at most.
+    timeout 60 $PY scripts/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log"
+    attention=${PIPESTATUS[0]}
+    # 4. The benchmark: 260 s at most, rows stop starting after 200 s (a row takes < 60 s).
     bench_args=(--model full-random --batch 256 64 --images 128 --fixed-lengths --max-new-tokens 32 --max-objects 6
-                --workloads mixed mixed@1024x768 caption --skip-one-at-a-time --profile --deadline-s 230)
+                --workloads mixed mixed@1024x768 caption --skip-one-at-a-time --profile --deadline-s 200)
 fi
-timeout 290 $PY scripts/bench_engine.py "${bench_args[@]}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+timeout 260 $PY scripts/bench_engine.py "${bench_args[@]}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 bench=${PIPESTATUS[0]}
-echo "gpu_check: tests exit $tests, bench exit $bench"
-exit $(( tests != 0 || bench != 0 ))
+echo "gpu_check: tests exit $tests, attention bench exit $attention, bench exit $bench"
+exit $(( tests != 0 || attention != 0 || bench != 0 ))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import LoadedMoondream, hub_folder, id_tokenizer, random_state
 from PIL import Image
-from test_engine import TASKS, run_engine
+from test_engine import TASKS
 from test_moondream_loading import TINY
 
 import batchvlm.engine.engine as engine_mod

@@ -174,3 +174,19 @@ def test_warm_up_halves_the_rows_until_the_largest_step_fits(tiny_cuda, monkeypa
     out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
            for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
     assert [out[i] for i in range(len(prepared))] == reference
+
+
+def test_compiled_fused_attention_equals_the_reference_on_cuda():
+    """The compiled flex kernels (the CUDA default) on the random paged batches of the CPU test."""
+    from test_fused_attention import random_batch, run
+
+    from batchvlm.models.attention import ReferenceAttention, backend_for
+    from batchvlm.models.fused_attention import FusedAttention
+
+    assert isinstance(backend_for(torch.device("cuda")), FusedAttention)
+    for seed, causal in ((0, False), (1, True)):
+        batch, N = random_batch(seed, causal, n_pad_rows=3, device="cuda")
+        want, _ = run(ReferenceAttention(), batch, N, seed, device="cuda")
+        got, _ = run(FusedAttention(compile=True), batch, N, seed, device="cuda")
+        real = batch.write_slots != 0
+        torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=2e-5)

@@ -99,7 +99,7 @@ class ToyModel:
         return self.wte[token_N]
 
     def forward(self, embeds_NC, positions, batch: AttentionBatch, cache: KVCache, prefix=None) -> torch.Tensor:
-        plans = plan_groups(batch)
+        plans = plan_groups(batch, cache)
         return self._layers(embeds_NC, positions,
                             lambda i, q, k, v: attend(q, k, v, cache.k[i], cache.v[i], batch, plans))
 

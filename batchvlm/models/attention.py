@@ -21,11 +21,18 @@ Two kinds of group:
                softmaxes are merged exactly by their log-sum-exps (cascade attention). With
                several tasks per image this divides the dominant memory traffic by their number.
 Rotary positions are applied before attention and play no part here.
+
+Backends. This file is the plain reference (gathers, float32 softmax): CPU and tests. CUDA uses
+the fused kernels of models/fused_attention.py, which read the cache in place. The backend is
+picked once, by device, when the cache is allocated (`KVCache.backend`); a family calls
+`plan_groups(batch, cache)` once per forward and `attend(...)` per layer, whatever the backend.
+Tests force the fused path anywhere by setting `cache.backend`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -92,7 +99,7 @@ class GroupPlan:
     prefix_mask: torch.Tensor | None = None  # [I, 1, 1, Lp]
 
 
-def plan_groups(batch: AttentionBatch) -> list[GroupPlan]:
+def _plan_reference(batch: AttentionBatch) -> list[GroupPlan]:
     bs = batch.block_size
     plans = []
     for g in batch.groups:
@@ -133,7 +140,7 @@ def _attend_lse(q_BHTD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor
     return (p @ v_BHLD.float()) / total[..., None], m[..., 0] + total.log()
 
 
-def attend(
+def _attend_reference(
     q_NHD: torch.Tensor,
     k_NHD: torch.Tensor,
     v_NHD: torch.Tensor,
@@ -142,7 +149,6 @@ def attend(
     batch: AttentionBatch,
     plans: list[GroupPlan],
 ) -> torch.Tensor:
-    """Write this step's keys/values into their slots, then attend every group. -> [N, H, D]."""
     k_cache.index_copy_(0, batch.write_slots, k_NHD.to(k_cache.dtype))
     v_cache.index_copy_(0, batch.write_slots, v_NHD.to(v_cache.dtype))
     N, H, D = q_NHD.shape
@@ -177,6 +183,49 @@ def attend(
     return out[:N]
 
 
+class AttentionBackend(Protocol):
+    def plan(self, batch: AttentionBatch, n_slots: int) -> Any:
+        """Per-forward tensors shared by all layers, for a cache of n_slots slots per layer."""
+
+    def attend(self, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, batch: AttentionBatch, plans: Any) -> torch.Tensor:
+        """Write this step's keys/values into their slots, then attend every group. -> [N, H, D]."""
+
+
+class ReferenceAttention:
+    def plan(self, batch: AttentionBatch, n_slots: int) -> list[GroupPlan]:
+        return _plan_reference(batch)
+
+    def attend(self, q_NHD, k_NHD, v_NHD, k_cache, v_cache, batch, plans) -> torch.Tensor:
+        return _attend_reference(q_NHD, k_NHD, v_NHD, k_cache, v_cache, batch, plans)
+
+
+def backend_for(device: torch.device) -> AttentionBackend:
+    """The one attention path of a device: fused, compiled kernels on CUDA; the reference elsewhere."""
+    if device.type == "cuda":
+        from .fused_attention import FusedAttention
+
+        return FusedAttention(compile=True)
+    return ReferenceAttention()
+
+
+@dataclass
+class Plans:
+    backend: AttentionBackend
+    groups: Any  # the backend's per-group plans
+
+
+def plan_groups(batch: AttentionBatch, cache: KVCache) -> Plans:
+    """Once per forward: what every layer's `attend` shares."""
+    return Plans(cache.backend, cache.backend.plan(batch, cache.k.shape[1]))
+
+
+def attend(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cache: torch.Tensor,
+           v_cache: torch.Tensor, batch: AttentionBatch, plans: Plans) -> torch.Tensor:
+    """Write this step's keys/values into their slots, then attend every group. -> [N, H, D]."""
+    return plans.backend.attend(q_NHD, k_NHD, v_NHD, k_cache, v_cache, batch, plans.groups)
+
+
 @dataclass
 class KVCache:
     """All layers' keys and values: one allocation, per-layer views by indexing dim 0."""
@@ -184,13 +233,14 @@ class KVCache:
     k: torch.Tensor  # [n_layers, n_blocks * block_size, n_kv_heads, head_dim]
     v: torch.Tensor
     block_size: int
+    backend: AttentionBackend = field(default_factory=ReferenceAttention)  # picked by device in allocate
 
     @classmethod
     def allocate(cls, n_layers: int, n_blocks: int, block_size: int, n_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         shape = (n_layers, n_blocks * block_size, n_kv_heads, head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device),
-                   torch.zeros(shape, dtype=dtype, device=device), block_size)
+                   torch.zeros(shape, dtype=dtype, device=device), block_size, backend_for(torch.device(device)))
 
     @property
     def n_blocks(self) -> int:

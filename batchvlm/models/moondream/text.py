@@ -59,7 +59,7 @@ class TextModel(nn.Module):
         """Flat tokens of many sequences -> hidden states before post_ln [N, C]."""
         c = self.config
         N = embeds_NC.shape[0]
-        plans = plan_groups(batch)
+        plans = plan_groups(batch, cache)
         cos_sin = self.rotary[positions_N]
         q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         x = embeds_NC
