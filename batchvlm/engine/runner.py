@@ -35,6 +35,12 @@ from .split import split_plan, units
 from .staging import Emissions, InFlight, Slot, rows_by_image
 
 STATE_INT = ("mode", "phase", "count", "limit", "seed")
+
+
+def _extent(lens: np.ndarray) -> tuple[int, bool]:
+    """(longest prefix, every prefix that long) of a step's images, from the host's plan."""
+    n = int(lens.max())
+    return n, bool((lens == n).all())
 STATE_FLOAT = ("temperature", "top_p")
 
 
@@ -231,11 +237,11 @@ class Runner:
             write_slots.append(slot_of(prompt_tables[flat_seq_t], flat_own_t, bs))
             groups.append(TaskGroup(q_prompt_t, own_prompt_t, prompt_tables, prompt_lens,
                                     SharedPrefix(prompt_image_tables, prompt_image_lens, prompt_by_image_t,
-                                                 prompt_slot_t)))
+                                                 prompt_slot_t, *_extent(plan.prompt_image_lens))))
         if D:
             self.decode_group(decode_rows, decode_own, decode_pos, decode_tables, decode_image_tables,
                               decode_image_lens, decode_by_image_t, decode_slot_t, n_pre + n_prompt,
-                              embeds, own_pos, write_slots, groups)
+                              embeds, own_pos, write_slots, groups, _extent(plan.decode_image_lens))
         positions = m.own_positions(torch.cat(own_pos)) if own_pos else None
         if prefix is not None:
             positions = prefix.positions if positions is None else torch.cat([prefix.positions, positions], dim=-1)
@@ -245,15 +251,16 @@ class Runner:
         return self.decide(rows, hidden[last_t], (lm_t, co_t, sz_t))
 
     def decode_group(self, rows, own, pos, tables, image_tables, image_lens, by_image, slot, first_row,
-                     embeds, own_pos, write_slots, groups) -> None:
-        """Append the decode tokens (inputs read from the device buffers) at flat rows first_row..."""
+                     embeds, own_pos, write_slots, groups, extent: tuple[int | None, bool] = (None, False)) -> None:
+        """Append the decode tokens (inputs read from the device buffers) at flat rows first_row...
+        `extent`: the host's (longest prefix, all prefixes that long), when it knows them."""
         D = rows.shape[0]
         embeds.append(self.model.embed_inputs(self.next_kind[rows], self.next_token[rows], self.next_value[rows]))
         own_pos.append(pos)
         write_slots.append(slot_of(tables, own, self.bs))
         flat = torch.arange(first_row, first_row + D, device=self.device)
         groups.append(TaskGroup(flat[:, None], own[:, None], tables, own + 1,
-                                SharedPrefix(image_tables, image_lens, by_image, slot)))
+                                SharedPrefix(image_tables, image_lens, by_image, slot, *extent)))
 
     def _init_rows(self, rows: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor) -> None:
         self.state_int["mode"][rows] = ints[:, 0]

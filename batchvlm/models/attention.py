@@ -54,6 +54,10 @@ class SharedPrefix:
     lens: torch.Tensor  # [I] long: each image's prefix length
     q_rows: torch.Tensor  # [I, M] long: flat query rows on each image; padding -> row N
     q_slot: torch.Tensor  # [B, Tq] long: where each group query sits in [I * M]; padding -> I * M
+    # Known on the host, where the caller has it: the longest prefix (keys past it are never
+    # read) and whether every image's prefix is that long (then no mask is needed at all).
+    max_len: int | None = None
+    all_full: bool = False
 
 
 @dataclass
@@ -96,7 +100,7 @@ class GroupPlan:
     k_slots: torch.Tensor  # [B, Lk] the group's keys (prefix group: the prefix; task group: own)
     mask: torch.Tensor  # [B, 1, Tq, Lk] bool
     prefix_slots: torch.Tensor | None = None  # [I, Lp] task groups: each image's prefix keys
-    prefix_mask: torch.Tensor | None = None  # [I, 1, 1, Lp]
+    prefix_mask: torch.Tensor | None = None  # [I, 1, 1, Lp]; None: every key is valid
 
 
 def _plan_reference(batch: AttentionBatch) -> list[GroupPlan]:
@@ -116,22 +120,23 @@ def _plan_reference(batch: AttentionBatch) -> list[GroupPlan]:
         j = torch.arange(k_slots.shape[1], device=k_slots.device)
         mask = (j[None, None, :] < g.own_len[:, None, None]) & (j[None, None, :] <= g.q_own[:, :, None])
         p = g.prefix
-        prefix_slots = _all_slots(p.tables, bs)
+        prefix_slots = _all_slots(p.tables, bs)[:, : p.max_len]
         jp = torch.arange(prefix_slots.shape[1], device=k_slots.device)
-        prefix_mask = (jp[None, :] < p.lens[:, None])[:, None, None, :]
+        prefix_mask = None if p.all_full else (jp[None, :] < p.lens[:, None])[:, None, None, :]
         plans.append(GroupPlan(g, k_slots, mask[:, None], prefix_slots, prefix_mask))
     return plans
 
 
 def _attend_lse(q_BHTD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
-                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention that also returns the log-sum-exp of the scores (float32). -> [B,H,T,D], [B,H,T]"""
     H = q_BHTD.shape[1]
     if k_BHLD.shape[1] != H:
         k_BHLD = k_BHLD.repeat_interleave(H // k_BHLD.shape[1], dim=1)
         v_BHLD = v_BHLD.repeat_interleave(H // v_BHLD.shape[1], dim=1)
     scores = (q_BHTD.float() * q_BHTD.shape[-1] ** -0.5) @ k_BHLD.float().transpose(-1, -2)
-    scores.masked_fill_(~mask, float("-inf"))
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
     # Every query sees at least one key, so the row max is finite. In place: the scores are the
     # largest tensor here.
     m = scores.amax(dim=-1, keepdim=True)

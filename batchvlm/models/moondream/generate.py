@@ -67,7 +67,7 @@ def generate(
         by_image = q_rows_BT.reshape(I, S * Tq)
         q_slot = torch.arange(B * Tq, device=dev).view(B, Tq)
         q_slot = torch.where(q_rows_BT == n_rows, I * S * Tq, q_slot)
-        return SharedPrefix(prefix_t, lens_I, by_image, q_slot)
+        return SharedPrefix(prefix_t, lens_I, by_image, q_slot, P, True)
 
     # 2. Every prompt against its image's prefix, padded to the longest prompt.
     lens = [len(specs[b % S].prompt) for b in range(B)]
@@ -125,7 +125,7 @@ def generate(
         rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[img]  # active is sorted by image
         by_image = torch.full((I, M), n, dtype=torch.long, device=dev)
         by_image[img, rank] = torch.arange(n, device=dev)
-        prefix = SharedPrefix(prefix_t, lens_I, by_image, (img * M + rank)[:, None])
+        prefix = SharedPrefix(prefix_t, lens_I, by_image, (img * M + rank)[:, None], P, True)
         batch = AttentionBatch(slot_of(own_t[act], o, bs),
                                [TaskGroup(torch.arange(n, device=dev)[:, None], o[:, None], own_t[act], o + 1, prefix)],
                                bs)
