@@ -177,7 +177,10 @@ def keep_fields(inp: InputSpec, shards: list[ShardRef]) -> list[pa.Field]:
         return [pa.field(name, pa.string()) for name in inp.keep]
     import pyarrow.parquet as pq
 
-    with fsspec.open(shards[0].url, "rb") as f:
+    readable = [s for s in shards if s.planned]  # placeholders are files that could not be read
+    if not readable:
+        return []  # every shard fails: no rows to write
+    with fsspec.open(readable[0].url, "rb") as f:
         sch = pq.read_schema(f)
     return [pa.field(name, sch.field(name).type) for name in inp.keep]
 
