@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .tasks import Strict, Task, column_of
 
@@ -56,11 +56,16 @@ class InputSpec(Strict):
         given = [k for k in ("shards", "folder", "parquet") if getattr(self, k)]
         if len(given) != 1:
             raise ValueError("give exactly one of shards, folder, parquet")
-        if len(set(self.keep)) != len(self.keep):
-            raise ValueError("keep: a column is named twice")
-        if clash := RESERVED_COLUMNS.intersection(self.keep):
-            raise ValueError(f"keep: {sorted(clash)[0]!r} is a reserved output column")
         return self
+
+    @field_validator("keep")
+    @classmethod
+    def _keep_names(cls, keep: list[str]) -> list[str]:
+        if len(set(keep)) != len(keep):
+            raise ValueError("a column is named twice")
+        if clash := RESERVED_COLUMNS.intersection(keep):
+            raise ValueError(f"{sorted(clash)[0]!r} is a reserved output column")
+        return keep
 
     @property
     def kind(self) -> Literal["tar", "folder", "parquet"]:
@@ -150,22 +155,20 @@ class Job(Strict):
 
     @field_validator("tasks")
     @classmethod
-    def _unique_columns(cls, tasks: list[Task]) -> list[Task]:
+    def _unique_columns(cls, tasks: list[Task], info: ValidationInfo) -> list[Task]:
+        inp = info.data.get("input")  # validated before the tasks (field order); absent if invalid
+        kept = set(inp.keep) if inp else set()
         seen = set()
         for t in tasks:
             col = column_of(t)
             if col in RESERVED_COLUMNS:
                 raise ValueError(f"task name {col!r} is a reserved column")
+            if col in kept:
+                raise ValueError(f"column {col!r} is also in input.keep; give the task a distinct name")
             if col in seen:
                 raise ValueError(f"two tasks write column {col!r}; give one a distinct name")
             seen.add(col)
         return tasks
-
-    @model_validator(mode="after")
-    def _keep_apart_from_tasks(self) -> Job:
-        if clash := {column_of(t) for t in self.tasks}.intersection(self.input.keep):
-            raise ValueError(f"input.keep: {sorted(clash)[0]!r} is also a task's column; rename the task")
-        return self
 
     def label_fingerprint(self) -> str:
         """Hash of every setting that changes labels (not inputs, not speed knobs)."""

@@ -281,3 +281,14 @@ def test_keep_names_are_checked_before_any_work(tmp_path):
     bad = write_job(tmp_path / "job.yaml", "x.tar", input={"keep": ["status"]})
     r = cli("validate", bad, check=False)
     assert r.returncode == 2 and "reserved" in r.stderr
+
+
+def test_keep_columns_may_not_clash_with_label_columns(tmp_path):
+    from batchvlm.job import JobError, parse_job
+
+    base = {"name": "j", "input": {"folder": "x"}, "tasks": [{"caption": {}}], "output": {"dir": "o"}}
+    for keep, message in [(["caption"], "tasks: column 'caption' is also in input.keep"),
+                          (["error"], "input.keep: 'error' is a reserved output column"),
+                          (["json", "json"], "input.keep: a column is named twice")]:
+        with pytest.raises(JobError, match=message):
+            parse_job(base | {"input": {"folder": "x", "keep": keep}}, tmp_path)
