@@ -96,7 +96,9 @@ class WriterThread:
     def __init__(self, layout: Layout, sch: pa.Schema, compression: str, on_written=None):
         self.layout, self.schema, self.compression = layout, sch, compression
         self.on_written = on_written  # called with the stem after its done marker is down
-        self._queue: queue.Queue[ShardOutput | None] = queue.Queue(maxsize=4)
+        # Each item is a whole shard's rows: one waiting (plus one being written) keeps memory at a few
+        # shards' worth while the writer is behind, which only happens when labelling outruns the disk.
+        self._queue: queue.Queue[ShardOutput | None] = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
         self.written: list[str] = []
         self._thread = threading.Thread(target=self._run, name="batchvlm-writer", daemon=True)
