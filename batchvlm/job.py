@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .tasks import Strict, Task, column_of
+from .tasks import Strict, Task, column_of, truncated_column
 
 RESERVED_COLUMNS = {"key", "source", "width", "height", "status", "error"}
 
@@ -163,8 +163,8 @@ class Job(Strict):
             col = column_of(t)
             if col in RESERVED_COLUMNS:
                 raise ValueError(f"task name {col!r} is a reserved column")
-            if col in kept:
-                raise ValueError(f"column {col!r} is also in input.keep; give the task a distinct name")
+            if clash := kept.intersection((col, truncated_column(t))):
+                raise ValueError(f"column {clash.pop()!r} is also in input.keep; give the task a distinct name")
             if col in seen:
                 raise ValueError(f"two tasks write column {col!r}; give one a distinct name")
             seen.add(col)

@@ -291,6 +291,7 @@ def test_keep_columns_may_not_clash_with_label_columns(tmp_path):
 
     base = {"name": "j", "input": {"folder": "x"}, "tasks": [{"caption": {}}], "output": {"dir": "o"}}
     for keep, message in [(["caption"], "tasks: column 'caption' is also in input.keep"),
+                          (["caption_truncated"], "tasks: column 'caption_truncated' is also in input.keep"),
                           (["error"], "input.keep: 'error' is a reserved output column"),
                           (["json", "json"], "input.keep: a column is named twice")]:
         with pytest.raises(JobError, match=message):
