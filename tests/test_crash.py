@@ -16,7 +16,7 @@ from batchvlm.shapes.shards import write_shards
 
 def _complete(out) -> int:
     n = 0
-    for stats in (out / "_batchvlm").glob("*.stats.json"):
+    for stats in (out / "__batchvlm__").glob("*.stats.json"):
         try:
             n += json.loads(stats.read_text())["complete"]
         except ValueError:
@@ -51,7 +51,7 @@ def test_kill_9_then_rerun(tmp_path):
         assert p.wait() <= 0, log.read_text()  # one that ended on its own (a fast machine) ended well
         for stem, mtime in finished.items():  # what was done stays untouched
             assert (out / f"{stem}.parquet").stat().st_mtime_ns == mtime
-        for stats in (out / "_batchvlm").glob("*.stats.json"):
+        for stats in (out / "__batchvlm__").glob("*.stats.json"):
             if json.loads(stats.read_text())["complete"]:
                 stem = stats.name.removesuffix(".stats.json")
                 finished.setdefault(stem, (out / f"{stem}.parquet").stat().st_mtime_ns)
@@ -60,11 +60,11 @@ def test_kill_9_then_rerun(tmp_path):
     assert r.returncode == 0, r.stderr
     for stem, mtime in finished.items():
         assert (out / f"{stem}.parquet").stat().st_mtime_ns == mtime
-    assert not list(out.glob("*.tmp-*")) and not list((out / "_batchvlm").glob("*.tmp-*"))
+    assert not list(out.glob("*.tmp-*")) and not list((out / "__batchvlm__").glob("*.tmp-*"))
     for s in range(n_shards):
         keys = pq.read_table(out / f"shapes-{s:06d}.parquet", columns=["key"]).column("key").to_pylist()
         assert keys == [f"{s:06d}_{i:04d}" for i in range(per_shard)]
-        assert json.loads((out / "_batchvlm" / f"shapes-{s:06d}.stats.json").read_text())["complete"]
+        assert json.loads((out / "__batchvlm__" / f"shapes-{s:06d}.stats.json").read_text())["complete"]
 
 
 def test_sweep_spares_other_live_writers(tmp_path):

@@ -72,7 +72,7 @@ def read_back(out: Path) -> dict[str, list[str]]:
 
 def _done(out: Path) -> int:
     n = 0
-    for p in (out / "_batchvlm").glob("*.stats.json"):
+    for p in (out / "__batchvlm__").glob("*.stats.json"):
         try:
             n += bool(json.loads(p.read_text()).get("complete"))
         except ValueError:
@@ -100,10 +100,10 @@ def test_a_folder_in_bounded_stable_shards_that_every_reader_opens(tmp_path):
         os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     before = {f.name: f.stat().st_mtime_ns for f in out.glob("*.parquet")
-              if json.loads((out / "_batchvlm" / f"{f.stem}.stats.json").read_text())["complete"]}
+              if json.loads((out / "__batchvlm__" / f"{f.stem}.stats.json").read_text())["complete"]}
     assert killed and 2 <= len(before) < 11
     cli("run", job)
-    assert sorted(p.name for p in out.iterdir() if not p.name.endswith(".parquet")) == ["_batchvlm"]
+    assert sorted(p.name for p in out.iterdir() if not p.name.endswith(".parquet")) == ["__batchvlm__"]
     names = sorted(f.stem for f in out.glob("*.parquet"))
     assert names == [f"hidden-{i:05d}" for i in range(3)] + [f"root-{i:05d}" for i in range(4)] \
         + [f"sub-{i:05d}" for i in range(4)]
@@ -138,7 +138,7 @@ def test_two_ranks_split_one_folders_shards(tmp_path):
     assert all("4 shard(s) written" in log for log in logs)  # 8 shards: 4 each
     keys = pq.read_table(tmp_path / "out", columns=["key"]).column("key").to_pylist()
     assert sorted(keys) == [f"img{i:05d}.{('png', 'jpg', 'webp')[i % 3]}" for i in range(48)]
-    frozen = json.loads((tmp_path / "out" / "_batchvlm" / "shards.json").read_text())
+    frozen = json.loads((tmp_path / "out" / "__batchvlm__" / "shards.json").read_text())
     assert [s["stem"] for s in frozen["shards"]] == [f"root-{i:05d}" for i in range(8)]
 
 
@@ -185,7 +185,7 @@ def test_tar_sidecars_pass_through_and_duplicate_keys_are_error_rows(tmp_path):
         ("a", "ok", '{"url": "http://x/a"}', "a cat"), ("b", "ok", None, "ünïcode"),
         ("a", "error", '{"url": "http://x/a2"}', None)]
     assert rows[2]["error"].startswith("duplicate key")
-    stats = json.loads((tmp_path / "out" / "_batchvlm" / "s-0.stats.json").read_text())
+    stats = json.loads((tmp_path / "out" / "__batchvlm__" / "s-0.stats.json").read_text())
     assert stats["error_kinds"] == {"duplicate key": 1}
 
 
@@ -275,7 +275,7 @@ def test_an_old_layout_folder_is_refused_with_how_to_migrate(tmp_path):
     with pytest.raises(OutputError, match="older batchvlm"):  # preview, export
         Output.open(out)
     cli("run", job, "--overwrite")
-    assert sorted(p.name for p in out.iterdir()) == ["_batchvlm", "mine.parquet", "s-0.parquet"]
+    assert sorted(p.name for p in out.iterdir()) == ["__batchvlm__", "mine.parquet", "s-0.parquet"]
     assert pq.read_table(out / "s-0.parquet").column("key").to_pylist() == ["a"]
 
 

@@ -76,7 +76,7 @@ def test_broken_images_become_rows(tmp_path):
         else:
             assert row["error"] is None and isinstance(row["caption"], str)
         LabelRow.model_validate(row)
-    stats = json.loads((tmp_path / "out" / "_batchvlm" / "mixed-000.stats.json").read_text())
+    stats = json.loads((tmp_path / "out" / "__batchvlm__" / "mixed-000.stats.json").read_text())
     assert stats["complete"] and (stats["rows"], stats["errors"]) == (11, 5)
 
 
@@ -183,7 +183,7 @@ def test_damaged_tar_keeps_what_was_readable(tmp_path):
     job = write_job(tmp_path / "job.yaml", "broken-0.tar")
     r = cli("run", job, check=False)
     assert r.returncode == 1 and "1 DAMAGED (broken-0: 2 sample(s) kept)" in r.stderr
-    stats = json.loads((tmp_path / "out" / "_batchvlm" / "broken-0.stats.json").read_text())
+    stats = json.loads((tmp_path / "out" / "__batchvlm__" / "broken-0.stats.json").read_text())
     assert stats["complete"] and stats["damaged"] and stats["rows"] == 2  # the two whole images
 
 

@@ -1,6 +1,6 @@
 """The job's shards, frozen: which images each shard holds is fixed for the life of an output folder.
 
-The first run lists the input and writes the list to `_batchvlm/shards.json`; later runs reuse
+The first run lists the input and writes the list to `__batchvlm__/shards.json`; later runs reuse
 it and add shards for what is new, so a resumed or extended job never relabels or skips an image:
 
     folder   images not in any shard of their directory yet go into new shards of that

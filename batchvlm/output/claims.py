@@ -1,5 +1,5 @@
 """Work stealing on a shared filesystem: a rank claims a shard by creating `<stem>.claim` in the
-output's `_batchvlm/` folder atomically (O_EXCL). Claims are leases: their holder refreshes them
+output's `__batchvlm__/` folder atomically (O_EXCL). Claims are leases: their holder refreshes them
 while it works, and a claim not refreshed for `lease_s` (its holder died), or held by a dead
 process on this host, may be taken over. A finished shard's claim is removed after its done
 marker is written."""

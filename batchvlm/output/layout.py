@@ -1,7 +1,7 @@
 """Where everything lives in an output folder.
 
     <dir>/<shard>.parquet        the labels, one file per shard; nothing else at this level
-    <dir>/_batchvlm/             metadata (readers skip `_` folders, so <dir> opens as a dataset)
+    <dir>/__batchvlm__/          metadata, which no reader of <dir> picks up (see META_DIR)
         job.json                 the resolved job, provenance and the label fingerprint
         shards.json              the frozen shard list: which files / row ranges each shard holds
         shards.lock              held while a rank extends the shard list
@@ -18,7 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-META_DIR = "_batchvlm"
+# pyarrow (and so pandas), Spark and Hive skip paths starting with `_` or `.`; the `datasets`
+# library skips only `.` and `__` directories, and would feed the JSON here to its Parquet
+# reader. Two leading underscores keep the folder out of every one of them.
+META_DIR = "__batchvlm__"
 OLD_JOB_FILE = "_job.json"
 
 

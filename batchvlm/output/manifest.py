@@ -1,8 +1,8 @@
 """What is already in an output folder: finished shards, the job that wrote them, leftovers.
 
-`_batchvlm/<stem>.stats.json` with `"complete": true` is the done marker, valid while the input
+`__batchvlm__/<stem>.stats.json` with `"complete": true` is the done marker, valid while the input
 shard it was made from is unchanged (same size and modification time, recorded in it).
-`_batchvlm/job.json` records the resolved job and the fingerprint of its label-affecting
+`__batchvlm__/job.json` records the resolved job and the fingerprint of its label-affecting
 settings; a run whose settings differ is refused unless it overwrites.
 """
 

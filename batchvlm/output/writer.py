@@ -1,8 +1,8 @@
 """Parquet output: one file per input shard, written whole under a temporary name in
-`_batchvlm/`, fsynced, renamed up into the output folder, and only then marked done by
-`_batchvlm/<stem>.stats.json` (also written atomically).
+`__batchvlm__/`, fsynced, renamed up into the output folder, and only then marked done by
+`__batchvlm__/<stem>.stats.json` (also written atomically).
 
-A crash at any moment leaves either no file, a `*.tmp-*` file in `_batchvlm/` (never seen by
+A crash at any moment leaves either no file, a `*.tmp-*` file in `__batchvlm__/` (never seen by
 readers, swept on the next run), or a Parquet file without its stats (redone from scratch on
 the next run). A finished shard is never rewritten by a resumed run; one whose input changed
 is replaced by the rename, so readers see the old file or the new one, never a mix.
