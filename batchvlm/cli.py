@@ -9,10 +9,12 @@ from pathlib import Path
 
 import typer
 
-from .data.sources import SourceError, list_shards
+from .data.shardlist import plan
+from .data.sources import SourceError, list_files
 from .job import Job, JobError, load_job
 from .models.family import FamilyError, ModelLoadError
 from .output import manifest
+from .output.layout import Layout
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Label image datasets with vision-language models: shards in, Parquet labels out.")
@@ -56,7 +58,7 @@ def run(
         clear = overwrite or job.output.mode == "overwrite"
         if envs:  # one worker process per GPU of this node; they start after the clearing
             if clear:
-                manifest.clear_outputs(Path(job.output.dir))
+                manifest.clear_outputs(Layout(Path(job.output.dir)))
             raise typer.Exit(spawn(job_file, envs, limit, job.name))
         if LOCAL_RANK_ENV in os.environ:  # a worker of the above: the launcher cleared already
             clear = False
@@ -71,17 +73,20 @@ def run(
     typer.echo(summary.line(job.output.dir), err=True)
     if summary.stopped_by_signal:
         raise typer.Exit(EXIT_STOPPED)
-    if summary.shards_failed:
+    if summary.shards_failed or (summary.shards_damaged and not job.input.allow_damaged):
         raise typer.Exit(1)
 
 
 def _plan(job: Job, overwrite: bool) -> None:
-    out = Path(job.output.dir)
-    shards = list_shards(job.input)
-    manifest.check_not_input(out, shards)
-    if not overwrite and out.is_dir():
-        manifest.check_settings(out, job.label_fingerprint())
-    done = [] if overwrite else [s for s in shards if manifest.is_done(out, s.stem)]
+    layout = Layout(Path(job.output.dir))
+    if job.input.kind == "parquet":
+        manifest.check_not_input(layout, list_files(job.input))
+    if not overwrite:
+        layout.check()
+        manifest.check_settings(layout, job.label_fingerprint())
+    shards = plan(job.input, None if overwrite else layout)
+    out = layout.dir
+    done = [] if overwrite else [s for s in shards if manifest.is_done(layout, s)]
     typer.echo(f"job {job.name}: {len(shards)} shard(s), {len(done)} done, {len(shards) - len(done)} to label")
     typer.echo(f"model {job.model.name} (revision {job.model.revision or 'default'}), "
                f"{len(job.tasks)} task(s), output {out}")
@@ -92,7 +97,7 @@ def validate(job_file: Path = JOB_ARG) -> None:
     """Check JOB_FILE and its inputs without loading a model."""
     job = _load(job_file)
     try:
-        shards = list_shards(job.input)
+        shards = plan(job.input)
     except SourceError as e:
         fail(str(e))
     typer.echo(f"{job_file}: ok ({len(shards)} shard(s), {len(job.tasks)} task(s))")
@@ -110,14 +115,16 @@ def status(
     try:
         job = Output.open(target).job if target.is_dir() else _load(target)
         report = collect(job)
-    except (OutputError, SourceError) as e:
+    except (OutputError, SourceError, manifest.OutputConflict) as e:
         fail(str(e))
     if as_json:
         typer.echo(json.dumps(report, indent=1))
         return
     typer.echo(f"{job.name}: {report['done']}/{report['shards']} shards done, {report['partial']} partial, "
-               f"{report['failed']} failed, {report['pending']} pending; {report['rows']} rows, "
-               f"{report['errors']} errors")
+               f"{report['failed']} failed, {report['pending']} pending, {report['damaged']} damaged; "
+               f"{report['rows']} rows, {report['errors']} errors")
+    for line in report["damaged_shards"][:10]:
+        typer.echo(f"  damaged: {line}")
     for name in report["partial_shards"][:10]:
         typer.echo(f"  partial: {name}")
     for line in report["failed_shards"][:10]:

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .tasks import Strict, Task, column_of
+from .tasks import Strict, Task, column_of, truncated_column
 
 RESERVED_COLUMNS = {"key", "source", "width", "height", "status", "error"}
 
@@ -31,14 +31,25 @@ def is_url(path: str) -> bool:
 class InputSpec(Strict):
     shards: str | list[str] | None = Field(
         None, description="Webdataset tar shards: paths or fsspec URLs, with {000..009} brace expansion and globs.")
-    folder: str | None = Field(None, description="A directory tree of images; each directory is one shard.")
+    folder: str | None = Field(None, description="A directory tree of images; each directory is split into shards "
+                                                 "of at most shard_size images.")
     parquet: str | list[str] | None = Field(
-        None, description="Parquet files (brace expansion, globs); each file is one shard.")
+        None, description="Parquet files (brace expansion, globs); a file of more than shard_size rows is split "
+                          "into row ranges.")
     image_column: str = Field("image", description="Parquet: column with image bytes or a path to the image.")
     key_column: str | None = Field(None, description="Parquet: column with a sample key (default: row number).")
     image_keys: list[str] = Field(["jpg", "jpeg", "png", "webp"],
                                   description="Webdataset: file extensions that hold the image, by priority "
                                               "(a folder reads every common image type).")
+    shard_size: int = Field(10_000, ge=1, description="Folder and Parquet input: images per shard (the unit of "
+                            "output, resume and memory). The first run freezes which images each shard holds; "
+                            "images added later go into new shards. Tars stay one shard each.")
+    keep: list[str] = Field([], description="Input metadata passed through as output columns. Parquet: columns of "
+                            "the input table (types kept). Tar / folder: sidecar extensions (json, txt, ...: the "
+                            "file beside the image, as a string; null when missing); folder: also `path`, the "
+                            "image's path relative to input.folder.")
+    allow_damaged: bool = Field(False, description="A damaged tar (cut short, not a tar) keeps the samples before "
+                                "the break either way; true = the run still exits 0.")
 
     @model_validator(mode="after")
     def _one_source(self) -> InputSpec:
@@ -46,6 +57,30 @@ class InputSpec(Strict):
         if len(given) != 1:
             raise ValueError("give exactly one of shards, folder, parquet")
         return self
+
+    @field_validator("keep")
+    @classmethod
+    def _keep_names(cls, keep: list[str]) -> list[str]:
+        if len(set(keep)) != len(keep):
+            raise ValueError("a column is named twice")
+        if clash := RESERVED_COLUMNS.intersection(keep):
+            raise ValueError(f"{sorted(clash)[0]!r} is a reserved output column")
+        return keep
+
+    @property
+    def kind(self) -> Literal["tar", "folder", "parquet"]:
+        return "tar" if self.shards else "folder" if self.folder else "parquet"
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """Every setting that changes which image (and which metadata) a row holds."""
+        fields: dict[str, Any] = {"kind": self.kind, "keep": self.keep}
+        if self.kind == "tar":
+            fields["image_keys"] = self.image_keys
+        else:
+            fields["shard_size"] = self.shard_size
+        if self.kind == "parquet":
+            fields |= {"image_column": self.image_column, "key_column": self.key_column}
+        return fields
 
 
 class ModelSpec(Strict):
@@ -120,12 +155,16 @@ class Job(Strict):
 
     @field_validator("tasks")
     @classmethod
-    def _unique_columns(cls, tasks: list[Task]) -> list[Task]:
+    def _unique_columns(cls, tasks: list[Task], info: ValidationInfo) -> list[Task]:
+        inp = info.data.get("input")  # validated before the tasks (field order); absent if invalid
+        kept = set(inp.keep) if inp else set()
         seen = set()
         for t in tasks:
             col = column_of(t)
             if col in RESERVED_COLUMNS:
                 raise ValueError(f"task name {col!r} is a reserved column")
+            if clash := kept.intersection((col, truncated_column(t))):
+                raise ValueError(f"column {clash.pop()!r} is also in input.keep; give the task a distinct name")
             if col in seen:
                 raise ValueError(f"two tasks write column {col!r}; give one a distinct name")
             seen.add(col)
@@ -138,8 +177,8 @@ class Job(Strict):
             "model": self.model.model_dump(exclude={"device", "family"}),  # the weights hash pins the family
             "tasks": [t.model_dump() for t in self.tasks],
             "engine": {k: getattr(e, k) for k in ("max_new_tokens", "max_objects", "temperature", "top_p", "seed")},
-            # which image of a sample is read, and the pixels the model sees
-            "image_keys": self.input.image_keys,
+            # which image a row holds, and the pixels the model sees
+            "input": self.input.fingerprint_fields(),
             "loader": {"max_image_pixels": self.loader.max_image_pixels, "jpeg_draft": self.loader.jpeg_draft},
         }
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,6 +1,6 @@
 """The run loop of one worker: its pending shards -> loader -> engine -> one Parquet per shard.
 
-    run_job(job) ─ list shards ─ take mine ─ skip done ─ start loader ─ load model ─┐
+    run_job(job) ─ plan shards ─ take mine ─ skip done ─ start loader ─ load model ─┐
                                                                                    ▼
       loader (Sample | ShardEnd) ──▶ images() ──▶ labeler.label() ──▶ results
              error rows, shard ends ─────────────────────────────┐     │
@@ -30,7 +30,8 @@ from typing import Any
 
 from . import __version__
 from .data.loader import Sample, ShardEnd, Stealing, load
-from .data.sources import ShardRef, list_shards
+from .data.shardlist import plan
+from .data.sources import ShardRef, keep_fields, list_files
 from .dist import Rank, my_shards
 from .engine.engine import EngineLabeler
 from .engine.labeler import WorkItem
@@ -39,6 +40,7 @@ from .models import registry
 from .models.family import StaticModel
 from .output import manifest
 from .output.claims import Claims
+from .output.layout import Layout
 from .output.writer import ShardOutput, WriterThread, schema
 from .progress import Progress
 
@@ -68,7 +70,8 @@ class ShardAssembly:
         rows = [self.rows[i] for i in sorted(self.rows)]
         errors = Counter(r["error"].split(":")[0] for r in rows if r["error"])
         seconds = time.time() - self.started
-        stats = {"shard": self.ref.stem, "source": self.ref.url, "complete": complete, "rows": len(rows),
+        stats = {"shard": self.ref.stem, "source": self.ref.url, "input": manifest.input_stat(self.ref),
+                 "complete": complete, "rows": len(rows),
                  "ok": len(rows) - sum(errors.values()), "errors": sum(errors.values()),
                  "error_kinds": dict(errors), "damaged": self.damaged, "seconds": round(seconds, 3),
                  "images_per_s": round(len(rows) / seconds, 2) if seconds > 0 else None,
@@ -82,6 +85,7 @@ class RunSummary:
     shards_done_before: int
     shards_written: list[str] = field(default_factory=list)
     shards_failed: list[str] = field(default_factory=list)
+    shards_damaged: list[str] = field(default_factory=list)  # "<stem>: N samples kept", done now or before
     images: int = 0
     errors: int = 0
     seconds: float = 0.0
@@ -93,6 +97,8 @@ class RunSummary:
                  f"{self.images} images", f"{self.errors} errors", f"{rate:.1f} images/s"]
         if self.shards_failed:
             parts.append(f"{len(self.shards_failed)} FAILED ({', '.join(self.shards_failed[:3])})")
+        if self.shards_damaged:
+            parts.append(f"{len(self.shards_damaged)} DAMAGED ({', '.join(sorted(self.shards_damaged)[:3])})")
         if self.stopped_by_signal:
             parts.append("stopped by signal: unfinished shards left for the next run")
         return f"batchvlm: {', '.join(parts)} -> {out_dir}"
@@ -118,7 +124,8 @@ class StopFlag:
 def row_for(ref: ShardRef, s: Sample, columns: dict[str, Any] | None, error: str | None) -> dict[str, Any]:
     row = {"key": s.key, "source": ref.url, "width": s.width or None, "height": s.height or None,
            "status": "error" if error else "ok", "error": error}
-    return row | (columns or {})
+    return row | (columns or {}) | (s.meta or {})
+
 
 
 def _device_for(job: Job, rank: Rank) -> Job:
@@ -138,26 +145,35 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
     t0 = time.time()
     rank = rank or Rank(0, 1, 0)
     stop = stop or StopFlag()
-    out_dir = Path(job.output.dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    shards = list_shards(job.input)
-    manifest.check_not_input(out_dir, shards)
+    layout = Layout(Path(job.output.dir))
+    if job.input.kind == "parquet":
+        manifest.check_not_input(layout, list_files(job.input))
     if overwrite or job.output.mode == "overwrite":
         if rank.world > 1:
             raise manifest.OutputConflict("--overwrite with several ranks would let one rank delete another's "
                                           "output; clear the output folder once before launching")
-        manifest.clear_outputs(out_dir)
+        manifest.clear_outputs(layout)
     else:
-        manifest.check_settings(out_dir, job.label_fingerprint())
-    manifest.sweep_temporaries(out_dir)
+        layout.check()
+        manifest.check_settings(layout, job.label_fingerprint())
+    layout.meta.mkdir(parents=True, exist_ok=True)
+    manifest.sweep_temporaries(layout)
+    shards = plan(job.input, layout, freeze=True)
     stealing = None
     if job.runtime.work_stealing:
         mine = shards  # every rank may take any shard; claims keep them apart
-        stealing = Stealing(Claims(out_dir), out_dir, offset=rank.rank * max(1, len(shards) // rank.world))
+        stealing = Stealing(Claims(layout.meta), layout, offset=rank.rank * max(1, len(shards) // rank.world))
     else:
         mine = my_shards(shards, rank)
-    pending = [s for s in mine if not manifest.is_done(out_dir, s.stem)]
-    summary = RunSummary(len(shards), len(mine) - len(pending))
+    summary = RunSummary(len(shards), 0)
+    pending = []
+    for s in mine:
+        if (stats := manifest.done_stats(layout, s)) is None:
+            pending.append(s)
+            continue
+        summary.shards_done_before += 1
+        if stats.get("damaged"):  # reported by every run until the input is replaced
+            summary.shards_damaged.append(manifest.damaged_note(s.stem, stats.get("rows", 0)))
     if not pending:
         summary.seconds = time.time() - t0
         return summary
@@ -171,13 +187,13 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
         model = family.load(job.model.dtype, job.model.device)
         t_load = time.time() - t_load
         info = model.info
-        manifest.check_weights(out_dir, info.weights_sha256)
+        manifest.check_weights(layout, info.weights_sha256)
         meta = {"batchvlm": __version__, "job": job.name, "model": info.to_dict(),
                 "tasks": [t.model_dump() for t in job.tasks], "engine": job.engine.model_dump(), "started": now()}
-        if rank.rank == 0 or not (out_dir / manifest.JOB_FILE).exists():
-            manifest.write_job_record(out_dir, meta | {"label_fingerprint": job.label_fingerprint(),
+        if rank.rank == 0 or not layout.job_file.exists():
+            manifest.write_job_record(layout, meta | {"label_fingerprint": job.label_fingerprint(),
                                                        "job_spec": job.model_dump(), "world_size": rank.world})
-        writer = WriterThread(out_dir, schema(job.tasks, meta), job.output.compression,
+        writer = WriterThread(layout, schema(job.tasks, meta, keep_fields(job.input, shards)), job.output.compression,
                               on_written=stealing.claims.release if stealing else None)
         t_engine = time.time()
         if isinstance(model, StaticModel):
@@ -200,7 +216,11 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
         taken = 0
 
         def finish(i: int) -> None:
-            writer.put(assemblies.pop(i).output(complete=True))
+            a = assemblies.pop(i)
+            if a.damaged:
+                log(f"batchvlm: shard {a.ref.stem} is damaged ({a.damaged}); {len(a.rows)} sample(s) kept")
+                summary.shards_damaged.append(manifest.damaged_note(a.ref.stem, len(a.rows)))
+            writer.put(a.output(complete=True))
 
         def add_row(i: int, index: int, row: dict[str, Any]) -> None:
             a = assemblies[i]
@@ -223,7 +243,7 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
                         if a.failed:  # recorded (not done) so `status` shows it; the next run retries it
                             log(f"batchvlm: shard {a.ref.stem} failed: {a.failed}")
                             summary.shards_failed.append(a.ref.stem)
-                            manifest.record_failure(out_dir, a.ref.stem, a.ref.url, a.failed)
+                            manifest.record_failure(layout, a.ref, a.failed)
                             a.expected = None
                         elif a.complete:
                             finish(item.shard)
@@ -259,7 +279,7 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
         if isinstance(labeler, EngineLabeler):
             log(f"batchvlm: rank {rank.rank}/{rank.world}: engine: {labeler.engine.summary()}")
         if stealing and not stop.event.is_set() and limit is None:
-            held = [s.stem for s in pending if s.stem not in writer.written and not manifest.is_done(out_dir, s.stem)
+            held = [s.stem for s in pending if s.stem not in writer.written and not manifest.is_done(layout, s)
                     and s.stem not in summary.shards_failed]
             if held:
                 log(f"batchvlm: {len(held)} shard(s) are still claimed by other ranks ({', '.join(held[:3])}): they "

@@ -16,7 +16,7 @@ from batchvlm.shapes.shards import write_shards
 
 def _complete(out) -> int:
     n = 0
-    for stats in out.glob("*.stats.json"):
+    for stats in (out / "__batchvlm__").glob("*.stats.json"):
         try:
             n += json.loads(stats.read_text())["complete"]
         except ValueError:
@@ -51,7 +51,7 @@ def test_kill_9_then_rerun(tmp_path):
         assert p.wait() <= 0, log.read_text()  # one that ended on its own (a fast machine) ended well
         for stem, mtime in finished.items():  # what was done stays untouched
             assert (out / f"{stem}.parquet").stat().st_mtime_ns == mtime
-        for stats in out.glob("*.stats.json"):
+        for stats in (out / "__batchvlm__").glob("*.stats.json"):
             if json.loads(stats.read_text())["complete"]:
                 stem = stats.name.removesuffix(".stats.json")
                 finished.setdefault(stem, (out / f"{stem}.parquet").stat().st_mtime_ns)
@@ -60,27 +60,30 @@ def test_kill_9_then_rerun(tmp_path):
     assert r.returncode == 0, r.stderr
     for stem, mtime in finished.items():
         assert (out / f"{stem}.parquet").stat().st_mtime_ns == mtime
-    assert not list(out.glob("*.tmp-*"))
+    assert not list(out.glob("*.tmp-*")) and not list((out / "__batchvlm__").glob("*.tmp-*"))
     for s in range(n_shards):
         keys = pq.read_table(out / f"shapes-{s:06d}.parquet", columns=["key"]).column("key").to_pylist()
         assert keys == [f"{s:06d}_{i:04d}" for i in range(per_shard)]
-        assert json.loads((out / f"shapes-{s:06d}.stats.json").read_text())["complete"]
+        assert json.loads((out / "__batchvlm__" / f"shapes-{s:06d}.stats.json").read_text())["complete"]
 
 
 def test_sweep_spares_other_live_writers(tmp_path):
     import socket
 
+    from batchvlm.output.layout import Layout
     from batchvlm.output.manifest import sweep_temporaries
 
     host = socket.gethostname()
     dead = subprocess.Popen(["true"])
     dead.wait()
-    live_here = tmp_path / f"a.parquet.tmp-{host}-{os.getpid()}"
-    dead_here = tmp_path / f"b.parquet.tmp-{host}-{dead.pid}"
-    other_host = tmp_path / "c.parquet.tmp-node17-123"  # maybe writing right now on another node
-    stale = tmp_path / "d.parquet.tmp-node17-456"
+    layout = Layout(tmp_path)
+    layout.meta.mkdir()
+    live_here = layout.meta / f"a.parquet.tmp-{host}-{os.getpid()}"
+    dead_here = layout.meta / f"b.parquet.tmp-{host}-{dead.pid}"
+    other_host = layout.meta / "c.parquet.tmp-node17-123"  # maybe writing right now on another node
+    stale = layout.meta / "d.parquet.tmp-node17-456"
     for p in (live_here, dead_here, other_host, stale):
         p.write_text("partial")
     os.utime(stale, (time.time() - 7200,) * 2)
-    assert sorted(sweep_temporaries(tmp_path)) == sorted([dead_here.name, stale.name])
+    assert sorted(sweep_temporaries(layout)) == sorted([dead_here.name, stale.name])
     assert live_here.exists() and other_host.exists()

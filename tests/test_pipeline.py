@@ -76,7 +76,7 @@ def test_broken_images_become_rows(tmp_path):
         else:
             assert row["error"] is None and isinstance(row["caption"], str)
         LabelRow.model_validate(row)
-    stats = json.loads((tmp_path / "out" / "mixed-000.stats.json").read_text())
+    stats = json.loads((tmp_path / "out" / "__batchvlm__" / "mixed-000.stats.json").read_text())
     assert stats["complete"] and (stats["rows"], stats["errors"]) == (11, 5)
 
 
@@ -145,8 +145,8 @@ def test_folder_and_parquet_sources(tmp_path):
     (tmp_path / "imgs" / "b" / "y.jpg").write_bytes(b"broken")
     job = write_job(tmp_path / "f.yaml", "unused", input={"folder": "imgs", "shards": None}, output={"dir": "out-f"})
     cli("run", job)
-    assert keys_of(tmp_path / "out-f" / "_root.parquet") == ["top.png"]
-    rows = pq.read_table(tmp_path / "out-f" / "b.parquet").to_pylist()
+    assert keys_of(tmp_path / "out-f" / "root-00000.parquet") == ["top.png"]
+    rows = pq.read_table(tmp_path / "out-f" / "b-00000.parquet").to_pylist()
     assert [(r["key"], r["status"], r["width"]) for r in rows] == [("x.png", "ok", 120), ("y.jpg", "error", None)]
 
     pq.write_table(pa.table({"id": ["p1", "p2", "p3"], "image": [good_png(), None, b"junk"]}),
@@ -181,8 +181,9 @@ def test_damaged_tar_keeps_what_was_readable(tmp_path):
     member_bytes = 512 + -(-len(members[0][1]) // 512) * 512
     path.write_bytes(path.read_bytes()[: 2 * member_bytes + 700])  # cut inside the third image
     job = write_job(tmp_path / "job.yaml", "broken-0.tar")
-    cli("run", job)
-    stats = json.loads((tmp_path / "out" / "broken-0.stats.json").read_text())
+    r = cli("run", job, check=False)
+    assert r.returncode == 1 and "1 DAMAGED (broken-0: 2 sample(s) kept)" in r.stderr
+    stats = json.loads((tmp_path / "out" / "__batchvlm__" / "broken-0.stats.json").read_text())
     assert stats["complete"] and stats["damaged"] and stats["rows"] == 2  # the two whole images
 
 

@@ -76,7 +76,7 @@ def test_array_tasks_sequential_and_concurrent_equal_single_run(data):
     for task in range(3):
         r = cli(job, {"SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_TASK_COUNT": "3"})
         assert "x2" in r.stderr
-    assert json.loads((root / "out-array-seq" / "_job.json").read_text())["world_size"] == 6
+    assert json.loads((root / "out-array-seq" / "__batchvlm__" / "job.json").read_text())["world_size"] == 6
     _same(tables(root / "out-array-seq"), single)
 
     job = write_job(root / "arr2.yaml", "data/shapes-*.tar", out="out-array-par")
@@ -103,7 +103,7 @@ def test_work_stealing_ranks_take_each_shard_once(data):
              for r in range(2)]
     assert [p.wait() for p in procs] == [0, 0]
     _same(tables(root / "out-steal"), single)
-    assert not list((root / "out-steal").glob("*.claim"))
+    assert not list((root / "out-steal" / "__batchvlm__").glob("*.claim"))
 
 
 def test_sigterm_mid_shard_then_rerun(tmp_path):
@@ -113,17 +113,17 @@ def test_sigterm_mid_shard_then_rerun(tmp_path):
     out = tmp_path / "out"
     p = subprocess.Popen([sys.executable, "-m", "batchvlm.cli", "run", str(job)], stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while time.time() < deadline and len(list(out.glob("*.stats.json"))) < 2:
+    while time.time() < deadline and len(list((out / "__batchvlm__").glob("*.stats.json"))) < 2:
         time.sleep(0.05)
     p.send_signal(signal.SIGTERM)
     stderr = p.communicate(timeout=120)[1]
     assert p.returncode == 75, stderr  # "stopped: run again", for Slurm requeue
     assert "stopped by signal" in stderr
-    done_first = {s.name for s in out.glob("*.stats.json")}
+    done_first = {s.name for s in (out / "__batchvlm__").glob("*.stats.json")}
     assert 2 <= len(done_first) < 12
-    for stats in out.glob("*.stats.json"):
+    for stats in (out / "__batchvlm__").glob("*.stats.json"):
         assert json.loads(stats.read_text())["complete"]
-    assert not list(out.glob("*.tmp-*"))
+    assert not list(out.glob("*.tmp-*")) and not list((out / "__batchvlm__").glob("*.tmp-*"))
     cli(job)
     for s in range(12):
         keys = pq.read_table(out / f"shapes-{s:06d}.parquet", columns=["key"]).column("key").to_pylist()

@@ -7,7 +7,8 @@ from helpers import encode_image, write_tar
 from PIL import Image
 
 from batchvlm.data.decode import decode
-from batchvlm.data.sources import Encoded, ShardRef, list_shards, read_shard
+from batchvlm.data.shardlist import plan
+from batchvlm.data.sources import Encoded, ShardRef, read_shard
 from batchvlm.job import InputSpec
 from batchvlm.models.moondream.config import VisionConfig
 from batchvlm.models.moondream.preprocess import Preprocessor
@@ -17,9 +18,9 @@ def test_brace_globs_and_urls_list_sorted_unique_shards(tmp_path):
     for name in ["b-001.tar", "b-000.tar", "a-000.tar"]:
         write_tar(tmp_path / name, [("k.png", b"x")])
     inp = InputSpec(shards=[str(tmp_path / "b-{000..001}.tar"), str(tmp_path / "*.tar"), f"file://{tmp_path}/a-000.tar"])
-    shards = list_shards(inp.model_copy(update={"shards": inp.shards[:2]}))
+    shards = plan(inp.model_copy(update={"shards": inp.shards[:2]}))
     assert [s.stem for s in shards] == ["a-000", "b-000", "b-001"]
-    url = list_shards(InputSpec(shards=f"file://{tmp_path}/a-*.tar"))
+    url = plan(InputSpec(shards=f"file://{tmp_path}/a-*.tar"))
     assert url == [ShardRef("a-000", f"file://{tmp_path}/a-000.tar", "tar")]
     assert [e.key for e in read_shard(url[0], InputSpec(shards="x"))] == ["k"]
 
@@ -115,7 +116,10 @@ def test_same_key_different_case_keeps_the_first(tmp_path):
 def test_a_broken_link_in_a_folder_is_an_error_row(tmp_path):
     (tmp_path / "a.png").write_bytes(encode_image(Image.new("RGB", (8, 8)), "PNG"))
     (tmp_path / "b.png").symlink_to(tmp_path / "gone.png")
-    got = list(read_shard(ShardRef("f", str(tmp_path), "folder"), InputSpec(folder=str(tmp_path))))
+    inp = InputSpec(folder=str(tmp_path))
+    (shard,) = plan(inp)
+    assert (shard.stem, shard.files) == ("root-00000", ("a.png", "b.png"))
+    got = list(read_shard(shard, inp))
     assert [(e.key, e.error is None) for e in got] == [("a.png", True), ("b.png", False)]
     assert got[1].error.startswith("read:")
 

@@ -3,8 +3,10 @@
 Worker w of W reads pending shards w, w+W, w+2W, ... in full, so every sample is produced by
 exactly one worker (no duplicates, no gaps) and each shard's samples arrive in shard order,
 followed by one `ShardEnd`. With work stealing, every worker walks all shards (from its own
-offset) and reads those it manages to claim instead. Crops travel as uint8 tensors (shared
-memory), never floats. Workers ignore SIGTERM / SIGINT: the main process decides when to stop.
+offset) and reads those it manages to claim instead. A key seen before in the same shard makes
+an error row (`duplicate key`): no two rows of a shard share a key, and nothing is dropped
+silently. Crops travel as uint8 tensors (shared memory), never floats. Workers ignore SIGTERM /
+SIGINT: the main process decides when to stop.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import multiprocessing
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..job import InputSpec, LoaderSpec
 from ..models.family import Prepared, Preprocessor
 from ..output.claims import Claims
+from ..output.layout import Layout
 from ..output.manifest import is_done
 from .decode import decode
 from .sources import Encoded, ShardRef, read_shard
@@ -34,6 +37,7 @@ class Sample:
     height: int
     error: str | None
     prepared: Prepared | None  # the family's preprocessed image (tensors travel in shared memory)
+    meta: dict[str, Any] | None = None  # the `input.keep` values, passed through to the row
 
 
 @dataclass
@@ -60,7 +64,7 @@ def prepare(enc: Encoded, pre: Preprocessor, spec: LoaderSpec, shard: int, index
 @dataclass(frozen=True)
 class Stealing:
     claims: Claims
-    out_dir: Path
+    layout: Layout
     offset: int  # where this rank starts walking the shard list
 
 
@@ -80,21 +84,27 @@ class ShardStream(IterableDataset):
         start = st.offset + wid * max(1, total // n)
         for k in range(total):
             i = (start + k) % total
-            stem = self.shards[i].stem
-            if not is_done(st.out_dir, stem) and st.claims.take(stem):
-                if is_done(st.out_dir, stem):  # finished and released between the check and the take
+            ref = self.shards[i]
+            stem = ref.stem
+            if not is_done(st.layout, ref) and st.claims.take(stem):
+                if is_done(st.layout, ref):  # finished and released between the check and the take
                     st.claims.release(stem)
                     continue
                 yield from self._shard(i)
 
     def _shard(self, i: int) -> Iterator[Sample | ShardEnd]:
-        count = 0
+        count, seen = 0, set()  # keys of this shard so far: bounded by the shard size
         try:
             for enc in read_shard(self.shards[i], self.inp):
                 if not isinstance(enc, Encoded):
                     yield ShardEnd(i, count, damaged=enc.error)
                     return
-                yield prepare(enc, self.pre, self.spec, i, count)
+                if enc.key in seen:
+                    enc = Encoded(enc.key, None, "duplicate key: an earlier sample of this shard has it", enc.meta)
+                seen.add(enc.key)
+                sample = prepare(enc, self.pre, self.spec, i, count)
+                sample.meta = enc.meta
+                yield sample
                 count += 1
         except Exception as e:  # noqa: BLE001 - whatever breaks a shard fails that shard, never the job
             yield ShardEnd(i, count, failed=f"{type(e).__name__}: {e}")

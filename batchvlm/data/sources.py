@@ -1,13 +1,15 @@
-"""Input sources: the job's shards, and the encoded samples inside each.
+"""Input sources: what the job's input holds, and the encoded samples inside each shard.
 
-A shard is the unit of work and of output: one tar file, one Parquet file, or one directory of
-an image folder. Every source yields `Encoded` samples (key + image bytes, or an error) in a
+A shard is the unit of work and of output: one tar file, a row range of a Parquet file, or up
+to `input.shard_size` images of one directory (which ones: data/shardlist.py). Every source
+yields `Encoded` samples (key + image bytes or an error, plus the `input.keep` metadata) in a
 stable order, so a shard labelled twice gives the same rows.
 
-Error policy: a sample that cannot be read becomes an `Encoded` with an error (it will be an
-error row); a shard whose container is corrupt (a truncated tar) ends with a `ShardDamaged`
-marker after the samples that could be read; an I/O failure (network, permissions) raises and
-leaves the shard unfinished, to be retried by the next run.
+Error policy: a sample that cannot be decoded, or whose file no longer exists, becomes an
+`Encoded` with an error (it will be an error row); a shard whose container is corrupt (a
+truncated tar, not a tar) ends with a `ShardDamaged` marker after the samples that could be
+read; an I/O failure (network, permissions, an unlistable directory) raises and leaves the
+shard unfinished, to be retried by the next run.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import fsspec
+import pyarrow as pa
 from braceexpand import braceexpand
 
 from ..job import InputSpec, is_url
@@ -30,9 +34,19 @@ FOLDER_EXTS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"
 
 @dataclass(frozen=True)
 class ShardRef:
-    stem: str  # output file stem, unique within the job
+    stem: str  # output file stem, unique within the job; never starts with "_" or "."
     url: str  # tar / Parquet path or URL, or a directory
     kind: str  # "tar" | "parquet" | "folder"
+    files: tuple[str, ...] | None = None  # folder: the image names (in `url`) it holds; None: not listable
+    rows: tuple[int, int] | None = None  # parquet: the row range [start, end) it holds; None: all
+    size: int | None = None  # tar / parquet: the local input file's size and mtime when listed
+    mtime_ns: int | None = None
+
+    @property
+    def planned(self) -> bool:
+        """False for a placeholder: a directory or Parquet file that could not be read when the
+        shards were planned. It is not frozen, and reading it fails (until the next plan)."""
+        return not ((self.kind == "folder" and self.files is None) or (self.kind == "parquet" and self.rows is None))
 
 
 @dataclass
@@ -40,7 +54,7 @@ class Encoded:
     key: str
     data: bytes | None
     error: str | None = None
-    path: str | None = None  # where the image bytes came from, for folder and path columns
+    meta: dict[str, Any] | None = None  # the `input.keep` values of the sample
 
 
 @dataclass
@@ -68,7 +82,7 @@ def _expand(patterns: list[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def _stem(url: str) -> str:
+def file_stem(url: str) -> str:
     name = url.rstrip("/").rsplit("/", 1)[-1]
     for ext in (".tar.gz", ".tgz", ".tar", ".parquet"):
         if name.endswith(ext):
@@ -76,35 +90,99 @@ def _stem(url: str) -> str:
     return name
 
 
-def list_shards(inp: InputSpec) -> list[ShardRef]:
-    """All shards of the input, sorted by stem; the same list on every rank."""
-    if inp.folder:
-        root = Path(inp.folder)
-        if not root.is_dir():
-            raise SourceError(f"input.folder: {root} is not a directory")
-        shards = []
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames.sort()
-            if any(Path(f).suffix.lower() in FOLDER_EXTS for f in filenames):
-                rel = Path(dirpath).relative_to(root)
-                stem = "_root" if rel == Path(".") else str(rel).replace(os.sep, "__")
-                shards.append(ShardRef(stem, dirpath, "folder"))
-    else:
-        kind = "tar" if inp.shards else "parquet"
-        patterns = inp.shards or inp.parquet
-        urls = _expand([patterns] if isinstance(patterns, str) else patterns)
-        missing = [u for u in urls if not is_url(u) and not os.path.exists(u)]
-        if missing:
-            raise SourceError(f"input.{'shards' if inp.shards else 'parquet'}: not found: {missing[0]}"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-        shards = [ShardRef(_stem(u), u, kind) for u in urls]
-    stems = [s.stem for s in shards]
-    dupes = sorted({s for s in stems if stems.count(s) > 1})
-    if dupes:
-        raise SourceError(f"input: two shards would write the same output {dupes[0]!r}.parquet")
-    if not shards:
+def list_files(inp: InputSpec) -> list[str]:
+    """The tar or Parquet files the job names, in pattern order (globs sorted), each once."""
+    field = "shards" if inp.shards else "parquet"
+    patterns = getattr(inp, field)
+    urls = _expand([patterns] if isinstance(patterns, str) else patterns)
+    missing = [u for u in urls if not is_url(u) and not os.path.exists(u)]
+    if missing:
+        raise SourceError(f"input.{field}: not found: {missing[0]}"
+                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if not urls:
         raise SourceError("input: no shards found")
-    return sorted(shards, key=lambda s: s.stem)
+    return urls
+
+
+def file_stat(url: str) -> tuple[int | None, int | None]:
+    """(size, mtime_ns) of a local input file; (None, None) for URLs (not compared)."""
+    if is_url(url):
+        return None, None
+    st = os.stat(url)
+    return st.st_size, st.st_mtime_ns
+
+
+@dataclass
+class FolderScan:
+    images: dict[str, list[str]]  # relative directory ("." = the root) -> its image file names, sorted
+    unreadable: dict[str, str]  # relative directory -> why it could not be listed
+
+
+def _is_image(entry: os.DirEntry) -> bool:
+    # a broken link is listed: reading it gives an error row
+    return Path(entry.name).suffix.lower() in FOLDER_EXTS and (entry.is_file() or entry.is_symlink())
+
+
+def scan_folder(root: Path) -> FolderScan:
+    """Every directory under `root` that holds images, walked in sorted order (hidden ones too)."""
+    if not root.is_dir():
+        raise SourceError(f"input.folder: {root} is not a directory")
+    scan = FolderScan({}, {})
+    todo = [Path(".")]
+    while todo:
+        rel = todo.pop()
+        try:
+            with os.scandir(root / rel) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as e:
+            if rel == Path("."):
+                raise SourceError(f"input.folder: cannot list {root}: {e.strerror}") from None
+            scan.unreadable[rel.as_posix()] = f"cannot list {root / rel}: {e.strerror}"
+            continue
+        names = [e.name for e in entries if _is_image(e)]
+        if names:
+            scan.images[rel.as_posix()] = names
+        todo += reversed([rel / e.name for e in entries if e.is_dir(follow_symlinks=False)])
+    return scan
+
+
+def check_columns(names: list[str], inp: InputSpec, url: str) -> None:
+    if inp.image_column not in names:
+        raise SourceError(f"input.image_column: {url} has no column {inp.image_column!r} (has {names})")
+    if inp.key_column and inp.key_column not in names:
+        raise SourceError(f"input.key_column: {url} has no column {inp.key_column!r}")
+    if missing := [c for c in inp.keep if c not in names]:
+        raise SourceError(f"input.keep: {url} has no column {missing[0]!r} (has {names})")
+
+
+def parquet_rows(url: str, inp: InputSpec) -> int | None:
+    """Rows of a Parquet input file, after checking it has the columns the job reads; None if it
+    cannot be read (corrupt, I/O error)."""
+    import pyarrow.parquet as pq
+
+    try:
+        with fsspec.open(url, "rb") as f:
+            meta = pq.read_metadata(f)
+    except (OSError, ValueError):
+        return None
+    check_columns(meta.schema.to_arrow_schema().names, inp, url)
+    return meta.num_rows
+
+
+def keep_fields(inp: InputSpec, shards: list[ShardRef]) -> list[pa.Field]:
+    """The output columns of `input.keep`: the input table's types for Parquet, else strings."""
+    if not inp.keep:
+        return []
+    if inp.kind != "parquet":
+        return [pa.field(name, pa.string()) for name in inp.keep]
+    import pyarrow.parquet as pq
+
+    readable = [s for s in shards if s.planned]  # placeholders are files that could not be read
+    if not readable:
+        return []  # every shard fails: no rows to write
+    with fsspec.open(readable[0].url, "rb") as f:
+        sch = pq.read_schema(f)
+    return [pa.field(name, sch.field(name).type) for name in inp.keep]
 
 
 def read_shard(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | ShardDamaged]:
@@ -143,6 +221,16 @@ def _tar_members(f) -> Iterator[tuple[str, str, bytes]]:
         raise tarfile.ReadError(f"cut short at byte {tar.offset} (no end-of-archive blocks)")
 
 
+def _text(data: bytes | None) -> str | None:
+    return None if data is None else data.decode("utf-8", errors="replace")
+
+
+def _tar_sample(key: str, sample: dict[str, bytes], inp: InputSpec, image_keys: list[str]) -> Encoded:
+    data, error = _pick_image(sample, image_keys)
+    meta = {ext: _text(sample.get(ext.lower())) for ext in inp.keep} if inp.keep else None
+    return Encoded(key, data, error, meta)
+
+
 def _read_tar(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | ShardDamaged]:
     image_keys = [k.lower() for k in inp.image_keys]
     with fsspec.open(shard.url, "rb") as f:
@@ -150,61 +238,95 @@ def _read_tar(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | ShardDamage
         try:
             for k, ext, data in _tar_members(f):
                 if k != key and key is not None:
-                    yield Encoded(key, *_pick_image(sample, image_keys))
+                    yield _tar_sample(key, sample, inp, image_keys)
                     sample = {}
                 key = k
                 sample.setdefault(ext, data)  # a.jpg and a.JPG: the first wins
         except (tarfile.TarError, EOFError) as e:
             damaged = ShardDamaged(f"damaged tar: {e}")
         if key is not None:  # the last sample (before a break: its members so far were read whole)
-            yield Encoded(key, *_pick_image(sample, image_keys))
+            yield _tar_sample(key, sample, inp, image_keys)
         if damaged:
             yield damaged
 
 
+def _read_or_none(path: Path) -> bytes | None:
+    """The file's bytes; None if it does not exist. Other I/O errors (permissions, a flaky disk)
+    raise: the shard is left unfinished and retried, not marked done with error rows."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
 def _read_folder(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded]:
     root = Path(shard.url)
-    names = sorted(f for f in os.listdir(root) if Path(f).suffix.lower() in FOLDER_EXTS
-                   and ((root / f).is_file() or (root / f).is_symlink()))  # a broken link: an error row
-    for name in names:
+    if shard.files is None:  # a directory that could not be listed when the shards were planned
+        os.listdir(root)  # raises again if it still cannot
+        raise SourceError(f"{root} became readable after the shards were planned; the next run labels it")
+    for name in shard.files:
         path = root / name
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            yield Encoded(name, None, f"read: {e.strerror}", str(path))
-            continue
-        yield Encoded(name, data, None, str(path))
+        meta: dict[str, Any] | None = None
+        if inp.keep:
+            meta = {ext: _text(_read_or_none(path.with_suffix(f".{ext}"))) for ext in inp.keep if ext != "path"}
+            if "path" in inp.keep:
+                meta["path"] = os.path.relpath(path, inp.folder)
+        data = _read_or_none(path)
+        yield Encoded(name, data, None if data is not None else "read: file not found", meta)
+
+
+def _row_groups(pf, start: int, end: int) -> tuple[list[int], int]:
+    """The row groups that hold rows [start, end), and the row number of the first one's first row."""
+    groups, first, offset = [], start, 0
+    for g in range(pf.num_row_groups):
+        n = pf.metadata.row_group(g).num_rows
+        if offset < end and offset + n > start:
+            first = offset if not groups else first
+            groups.append(g)
+        offset += n
+    return groups, first
 
 
 def _read_parquet(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded]:
     import pyarrow.parquet as pq
 
     with fsspec.open(shard.url, "rb") as f:
-        pf = pq.ParquetFile(f)
-        names = pf.schema_arrow.names
-        if inp.image_column not in names:
-            raise SourceError(f"input.image_column: {shard.url} has no column {inp.image_column!r} (has {names})")
-        if inp.key_column and inp.key_column not in names:
-            raise SourceError(f"input.key_column: {shard.url} has no column {inp.key_column!r}")
-        columns = [inp.image_column] + ([inp.key_column] if inp.key_column else [])
-        row = 0
+        pf = pq.ParquetFile(f)  # a placeholder's file raises here again if it is still unreadable
+        if shard.rows is None:
+            raise SourceError(f"{shard.url} became readable after the shards were planned; the next run labels it")
+        check_columns(pf.schema_arrow.names, inp, shard.url)
+        start, end = shard.rows
+        groups, row = _row_groups(pf, start, end)
+        if not groups:
+            return
+        columns = list(dict.fromkeys([inp.image_column, *([inp.key_column] if inp.key_column else []), *inp.keep]))
         base = shard.url.rsplit("/", 1)[0]
-        for batch in pf.iter_batches(batch_size=256, columns=columns):
-            images = batch.column(inp.image_column).to_pylist()
-            keys = batch.column(inp.key_column).to_pylist() if inp.key_column else [None] * len(images)
-            for value, key in zip(images, keys):
-                key = str(key) if key is not None else str(row)
-                row += 1
-                if isinstance(value, dict):  # the datasets library's {"bytes", "path"} image struct
-                    value = value.get("bytes") or value.get("path")
-                if value is None:
-                    yield Encoded(key, None, "no image (null)")
-                elif isinstance(value, bytes):
-                    yield Encoded(key, value)
-                else:
-                    path = value if is_url(value) or os.path.isabs(value) else f"{base}/{value}"
-                    try:
-                        with fsspec.open(path, "rb") as img:
-                            yield Encoded(key, img.read(), None, path)
-                    except OSError as e:
-                        yield Encoded(key, None, f"read {value}: {e.strerror or e}", path)
+        for batch in pf.iter_batches(batch_size=256, row_groups=groups, columns=columns):
+            lo, hi = max(start - row, 0), min(end - row, batch.num_rows)
+            if lo < hi:
+                yield from _parquet_batch(batch.slice(lo, hi - lo), row + lo, inp, base)
+            row += batch.num_rows
+            if row >= end:
+                return
+
+
+def _parquet_batch(batch, first_row: int, inp: InputSpec, base: str) -> Iterator[Encoded]:
+    images = batch.column(inp.image_column).to_pylist()
+    keys = batch.column(inp.key_column).to_pylist() if inp.key_column else [None] * len(images)
+    kept = {c: batch.column(c).to_pylist() for c in inp.keep}
+    for i, (value, key) in enumerate(zip(images, keys)):
+        key = str(key) if key is not None else str(first_row + i)
+        meta = {c: v[i] for c, v in kept.items()} if kept else None
+        if isinstance(value, dict):  # the datasets library's {"bytes", "path"} image struct
+            value = value.get("bytes") or value.get("path")
+        if value is None:
+            yield Encoded(key, None, "no image (null)", meta)
+        elif isinstance(value, bytes):
+            yield Encoded(key, value, None, meta)
+        else:
+            path = value if is_url(value) or os.path.isabs(value) else f"{base}/{value}"
+            try:
+                with fsspec.open(path, "rb") as img:
+                    yield Encoded(key, img.read(), None, meta)
+            except FileNotFoundError:
+                yield Encoded(key, None, f"read {value}: file not found", meta)

@@ -1,7 +1,8 @@
-"""Work stealing on a shared filesystem: a rank claims a shard by creating `<stem>.claim`
-atomically (O_EXCL). Claims are leases: their holder refreshes them while it works, and a
-claim not refreshed for `lease_s` (its holder died), or held by a dead process on this host,
-may be taken over. A finished shard's claim is removed after its done marker is written."""
+"""Work stealing on a shared filesystem: a rank claims a shard by creating `<stem>.claim` in the
+output's `__batchvlm__/` folder atomically (O_EXCL). Claims are leases: their holder refreshes them
+while it works, and a claim not refreshed for `lease_s` (its holder died), or held by a dead
+process on this host, may be taken over. A finished shard's claim is removed after its done
+marker is written."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from .writer import tmp_path
 
 
 class Claims:
-    def __init__(self, out_dir: Path, lease_s: float = 300.0, heartbeat_s: float = 30.0):
-        self.out_dir, self.lease_s, self.heartbeat_s = out_dir, lease_s, heartbeat_s
+    def __init__(self, folder: Path, lease_s: float = 300.0, heartbeat_s: float = 30.0):
+        self.folder, self.lease_s, self.heartbeat_s = folder, lease_s, heartbeat_s
         self.me = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
 
     def path(self, stem: str) -> Path:
-        return self.out_dir / f"{stem}.claim"
+        return self.folder / f"{stem}.claim"
 
     def take(self, stem: str) -> bool:
         path = self.path(stem)
@@ -53,7 +54,7 @@ class Claims:
         """Take a dead holder's lease. Ranks that saw the same stale claim race for a token
         named by its mtime (O_EXCL): one wins, the others leave it alone. A token older than a
         lease belongs to a taker that died before replacing the claim."""
-        token = self.out_dir / f"{stem}.claim.takeover-{mtime_ns}"
+        token = self.folder / f"{stem}.claim.takeover-{mtime_ns}"
         try:
             os.close(os.open(token, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         except FileExistsError:
@@ -71,7 +72,7 @@ class Claims:
 
     def release(self, stem: str) -> None:
         self.path(stem).unlink(missing_ok=True)
-        for token in self.out_dir.glob(f"{stem}.claim.takeover-*"):
+        for token in self.folder.glob(f"{stem}.claim.takeover-*"):
             token.unlink(missing_ok=True)
 
     def keep_alive(self, stems: set[str], stop: threading.Event) -> threading.Thread:

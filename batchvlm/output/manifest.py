@@ -1,14 +1,16 @@
 """What is already in an output folder: finished shards, the job that wrote them, leftovers.
 
-`<stem>.stats.json` with `"complete": true` is the done marker. `_job.json` records the
-resolved job and the fingerprint of its label-affecting settings; a run whose settings differ
-is refused unless it overwrites.
+`__batchvlm__/<stem>.stats.json` with `"complete": true` is the done marker, valid while the input
+shard it was made from is unchanged (same size and modification time, recorded in it).
+`__batchvlm__/job.json` records the resolved job and the fingerprint of its label-affecting
+settings; a run whose settings differ is refused unless it overwrites.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import time
 from dataclasses import dataclass
@@ -16,28 +18,41 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..job import is_url
+from .layout import OLD_JOB_FILE, Layout, OutputConflict
 from .writer import atomic_write_bytes
 
 if TYPE_CHECKING:
     from ..data.sources import ShardRef
 
-JOB_FILE = "_job.json"
+__all__ = ["OutputConflict"]
 
 
-class OutputConflict(RuntimeError):
-    pass
-
-
-def read_stats(out_dir: Path, stem: str) -> dict[str, Any] | None:
+def read_stats(layout: Layout, stem: str) -> dict[str, Any] | None:
     try:
-        return json.loads((out_dir / f"{stem}.stats.json").read_text())
+        return json.loads(layout.stats(stem).read_text())
     except (OSError, ValueError):
         return None
 
 
-def is_done(out_dir: Path, stem: str) -> bool:
-    stats = read_stats(out_dir, stem)
-    return bool(stats and stats.get("complete")) and (out_dir / f"{stem}.parquet").exists()
+def input_stat(ref: ShardRef) -> dict[str, int] | None:
+    """What a done marker remembers of its input file, to tell when it was replaced."""
+    return None if ref.size is None else {"size": ref.size, "mtime_ns": ref.mtime_ns}
+
+
+def done_stats(layout: Layout, ref: ShardRef) -> dict[str, Any] | None:
+    """The stats of a finished shard whose input is unchanged since; None if it is to be (re)labelled."""
+    stats = read_stats(layout, ref.stem)
+    done = (bool(stats and stats.get("complete")) and stats.get("input") == input_stat(ref)
+            and layout.parquet(ref.stem).exists())
+    return stats if done else None
+
+
+def damaged_note(stem: str, rows: int) -> str:
+    return f"{stem}: {rows} sample(s) kept"
+
+
+def is_done(layout: Layout, ref: ShardRef) -> bool:
+    return done_stats(layout, ref) is not None
 
 
 STALE_TMP_S = 3600  # a temporary file this old belongs to a dead writer, whatever its host
@@ -53,11 +68,11 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_temporaries(out_dir: Path) -> list[str]:
+def sweep_temporaries(layout: Layout) -> list[str]:
     """Remove `*.tmp-<host>-<pid>` files of dead writers (never finished output): this host's
     with a dead pid, or any host's older than STALE_TMP_S. Other ranks' files in progress stay."""
     host, now, gone = socket.gethostname(), time.time(), []
-    for p in out_dir.glob("*.tmp-*"):
+    for p in layout.meta.glob("*.tmp-*"):
         owner = p.name.rsplit(".tmp-", 1)[1]
         owner_host, _, pid = owner.rpartition("-")
         try:
@@ -80,23 +95,36 @@ def written_by_us(path: Path) -> bool:
         return False
 
 
-def clear_outputs(out_dir: Path) -> None:
-    """--overwrite: remove everything batchvlm wrote here (and nothing else)."""
-    for p in out_dir.glob("*.parquet"):
+def _our_old_stats(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text()).get("shard") == path.name.removesuffix(".stats.json")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def clear_outputs(layout: Layout) -> None:
+    """--overwrite: remove everything batchvlm wrote here (and nothing else), in either layout."""
+    for p in layout.dir.glob("*.parquet"):
         if written_by_us(p):
             p.unlink(missing_ok=True)
-    for pattern in ("*.stats.json", "*.tmp-*", "*.claim", "*.claim.takeover-*", JOB_FILE):
-        for p in out_dir.glob(pattern):
+    shutil.rmtree(layout.meta, ignore_errors=True)
+    for p in layout.dir.glob("*.stats.json"):  # the first layout's done markers
+        if _our_old_stats(p):
+            p.unlink(missing_ok=True)
+    for pattern in ("*.parquet.tmp-*", "*.stats.json.tmp-*", "*.claim", "*.claim.takeover-*", OLD_JOB_FILE):
+        for p in layout.dir.glob(pattern):
             p.unlink(missing_ok=True)
 
 
-def check_not_input(out_dir: Path, shards: list[ShardRef]) -> None:
-    """Refuse an output folder where a shard's output file would replace an input file."""
-    for ref in shards:
-        out = out_dir / f"{ref.stem}.parquet"
-        if not is_url(ref.url) and out.exists() and out.samefile(ref.url):
-            raise OutputConflict(f"output.dir: {out_dir} holds the input {ref.url}; labels would replace it. "
-                                 "Choose another output folder")
+def check_not_input(layout: Layout, parquet_inputs: list[str]) -> None:
+    """Refuse an output folder that holds Parquet input: labels could replace it, and readers of
+    the output folder would read it as labels."""
+    if not layout.dir.is_dir():
+        return
+    for url in parquet_inputs:
+        if not is_url(url) and Path(url).parent.samefile(layout.dir):
+            raise OutputConflict(f"output.dir: {layout.dir} holds the input {url}; labels would replace it or "
+                                 "mix with it. Choose another output folder")
 
 
 @dataclass
@@ -105,35 +133,35 @@ class PriorJob:
     weights_sha256: str | None
 
 
-def read_prior(out_dir: Path) -> PriorJob | None:
+def read_prior(layout: Layout) -> PriorJob | None:
     try:
-        d = json.loads((out_dir / JOB_FILE).read_text())
+        d = json.loads(layout.job_file.read_text())
     except (OSError, ValueError):
         return None
     return PriorJob(d.get("label_fingerprint", ""), (d.get("model") or {}).get("weights_sha256"))
 
 
-def check_settings(out_dir: Path, fingerprint: str) -> None:
-    prior = read_prior(out_dir)
+def check_settings(layout: Layout, fingerprint: str) -> None:
+    prior = read_prior(layout)
     if prior and prior.fingerprint != fingerprint:
         raise OutputConflict(
-            f"{out_dir} holds labels made with other settings (model, tasks or sampling changed); "
-            "use --overwrite to start over, or another output.dir")
+            f"{layout.dir} holds labels made with other settings (model, tasks, sampling or which images a "
+            "shard holds changed); use --overwrite to start over, or another output.dir")
 
 
-def check_weights(out_dir: Path, sha256: str) -> None:
-    prior = read_prior(out_dir)
+def check_weights(layout: Layout, sha256: str) -> None:
+    prior = read_prior(layout)
     if prior and prior.weights_sha256 and prior.weights_sha256 != sha256:
-        raise OutputConflict(f"{out_dir} holds labels from other model weights ({prior.weights_sha256[:12]}...); "
+        raise OutputConflict(f"{layout.dir} holds labels from other model weights ({prior.weights_sha256[:12]}...); "
                              "use --overwrite to start over")
 
 
-def record_failure(out_dir: Path, stem: str, source: str, error: str) -> None:
+def record_failure(layout: Layout, ref: ShardRef, error: str) -> None:
     """A shard that could not be read: a stats file that is not a done marker, with the error."""
-    stats = {"shard": stem, "source": source, "complete": False, "failed": error}
-    atomic_write_bytes(out_dir / f"{stem}.stats.json", json.dumps(stats, indent=1).encode())
+    stats = {"shard": ref.stem, "source": ref.url, "complete": False, "failed": error}
+    atomic_write_bytes(layout.stats(ref.stem), json.dumps(stats, indent=1).encode())
 
 
-def write_job_record(out_dir: Path, record: dict[str, Any]) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    atomic_write_bytes(out_dir / JOB_FILE, json.dumps(record, indent=1, default=str).encode())
+def write_job_record(layout: Layout, record: dict[str, Any]) -> None:
+    os.makedirs(layout.meta, exist_ok=True)
+    atomic_write_bytes(layout.job_file, json.dumps(record, indent=1, default=str).encode())

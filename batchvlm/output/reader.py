@@ -12,10 +12,12 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from ..data.decode import decode
-from ..data.sources import Encoded, ShardRef, list_shards, read_shard
+from ..data.shardlist import plan
+from ..data.sources import Encoded, ShardRef, read_shard
 from ..job import Job
 from ..tasks import column_of, kind_of
-from .manifest import JOB_FILE, read_stats
+from .layout import Layout, OutputConflict
+from .manifest import read_stats
 
 
 class OutputError(ValueError):
@@ -24,18 +26,22 @@ class OutputError(ValueError):
 
 @dataclass
 class Output:
-    dir: Path
+    layout: Layout
     job: Job
     record: dict[str, Any]
 
     @classmethod
     def open(cls, out_dir: str | Path) -> Output:
-        out = Path(out_dir)
+        layout = Layout(Path(out_dir))
         try:
-            record = json.loads((out / JOB_FILE).read_text())
+            layout.check()
+            record = json.loads(layout.job_file.read_text())
+        except OutputConflict as e:
+            raise OutputError(str(e)) from None
         except (OSError, ValueError):
-            raise OutputError(f"{out}: not a batchvlm output folder (no readable {JOB_FILE})") from None
-        return cls(out, Job.model_validate(record["job_spec"]), record)
+            raise OutputError(f"{layout.dir}: not a batchvlm output folder (no readable "
+                              f"{layout.job_file.relative_to(layout.dir)})") from None
+        return cls(layout, Job.model_validate(record["job_spec"]), record)
 
     def columns(self, kind: str) -> list[str]:
         return [column_of(t) for t in self.job.tasks if kind_of(t) == kind]
@@ -52,20 +58,17 @@ class Output:
         """Finished shards, in shard order (their Parquet and done marker exist); with `partial`
         also those a --limit run cut short."""
         done = []
-        for p in sorted(self.dir.glob("*.parquet")):
-            stats = read_stats(self.dir, p.stem)
-            if stats and (stats.get("complete") or (partial and "rows" in stats)):
-                done.append(p.stem)
-        by_stem = {s.stem: s for s in list_shards(self.job.input)}
-        missing = [s for s in done if s not in by_stem]
-        if missing:
-            raise OutputError(f"{self.dir}: input shard for {missing[0]!r} is gone; cannot read its images")
-        return [by_stem[s] for s in done]
+        for shard in plan(self.job.input, self.layout):
+            stats = read_stats(self.layout, shard.stem)
+            if stats and self.layout.parquet(shard.stem).exists() and (
+                    stats.get("complete") or (partial and "rows" in stats)):
+                done.append(shard)
+        return done
 
     def rows(self, limit: int | None = None, partial: bool = False) -> Iterator[tuple[ShardRef, dict[str, Any]]]:
         n = 0
         for shard in self.shards(partial):
-            for row in pq.read_table(self.dir / f"{shard.stem}.parquet").to_pylist():
+            for row in pq.read_table(self.layout.parquet(shard.stem)).to_pylist():
                 if limit is not None and n >= limit:
                     return
                 yield shard, row

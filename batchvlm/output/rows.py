@@ -26,12 +26,16 @@ class LabelRow(BaseModel):
     caption / query -> string; detect -> list of Box; point -> list of Point; null on error rows.
     Each task also has `<name>_truncated` (boolean): its label was cut short by a limit
     (engine.max_new_tokens / max_objects), so a caption may stop mid-sentence or objects may be
-    missing; null on error rows."""
+    missing; null on error rows.
+    Then one column per `input.keep` name, on every row (error rows too): a Parquet input's column
+    with its type; a tar / folder sidecar (`json`, `txt`, ...) as a string; `path` (folder input)
+    the image's path relative to input.folder. A missing sidecar is null."""
 
     model_config = ConfigDict(extra="allow")
 
-    key: str = Field(description="Sample key: webdataset __key__, file name, or Parquet key / row number.")
-    source: str = Field(description="The input shard (tar, Parquet file or directory) the sample came from.")
+    key: str = Field(description="Sample key: webdataset __key__, file name, or Parquet key / row number; "
+                                 "unique within a shard (a repeated key is an error row `duplicate key`).")
+    source: str = Field(description="The input file (tar, Parquet file) or directory the sample came from.")
     width: int | None = Field(description="Pixels, after EXIF orientation; null when unreadable.")
     height: int | None
     status: Literal["ok", "error"]
@@ -43,6 +47,7 @@ def json_schema() -> dict:
     schema["$defs"] = schema.get("$defs", {}) | {"Box": Box.model_json_schema(), "Point": Point.model_json_schema()}
     schema["additionalProperties"] = {"anyOf": [
         {"type": "string"}, {"type": "array", "items": {"$ref": "#/$defs/Box"}},
-        {"type": "array", "items": {"$ref": "#/$defs/Point"}}, {"type": "boolean"}, {"type": "null"}]}
+        {"type": "array", "items": {"$ref": "#/$defs/Point"}}, {"type": "boolean"}, {"type": "null"},
+        {"description": "an input.keep column: the input column's type, or a string for sidecars and path"}]}
     schema["title"] = "batchvlm label row"
     return schema

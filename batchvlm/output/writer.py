@@ -1,9 +1,11 @@
-"""Parquet output: one file per input shard, written whole under a temporary name, fsynced,
-renamed, and only then marked done by `<stem>.stats.json` (also written atomically).
+"""Parquet output: one file per input shard, written whole under a temporary name in
+`__batchvlm__/`, fsynced, renamed up into the output folder, and only then marked done by
+`__batchvlm__/<stem>.stats.json` (also written atomically).
 
-A crash at any moment leaves either no file, a `*.tmp-*` file (ignored and swept on the next
-run), or a Parquet file without its stats (redone from scratch on the next run). A finished
-shard is never rewritten by a resumed run.
+A crash at any moment leaves either no file, a `*.tmp-*` file in `__batchvlm__/` (never seen by
+readers, swept on the next run), or a Parquet file without its stats (redone from scratch on
+the next run). A finished shard is never rewritten by a resumed run; one whose input changed
+is replaced by the rename, so readers see the old file or the new one, never a mix.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..tasks import Task, column_of, kind_of, truncated_column
+from .layout import Layout
 
 BOX = pa.struct([("label", pa.string()), ("x_min", pa.float32()), ("y_min", pa.float32()),
                  ("x_max", pa.float32()), ("y_max", pa.float32())])
@@ -28,7 +31,8 @@ POINT = pa.struct([("label", pa.string()), ("x", pa.float32()), ("y", pa.float32
 TYPES = {"caption": pa.string(), "query": pa.string(), "detect": pa.list_(BOX), "point": pa.list_(POINT)}
 
 
-def schema(tasks: list[Task], metadata: dict[str, Any]) -> pa.Schema:
+def schema(tasks: list[Task], metadata: dict[str, Any], kept: list[pa.Field] | None = None) -> pa.Schema:
+    """The label columns, the task columns, then the `input.keep` columns (`kept`)."""
     fields = [
         pa.field("key", pa.string(), nullable=False),
         pa.field("source", pa.string(), nullable=False),
@@ -37,14 +41,14 @@ def schema(tasks: list[Task], metadata: dict[str, Any]) -> pa.Schema:
         pa.field("status", pa.string(), nullable=False),
         pa.field("error", pa.string()),
     ] + [pa.field(column_of(t), TYPES[kind_of(t)]) for t in tasks] + [
-        pa.field(truncated_column(t), pa.bool_()) for t in tasks]
+        pa.field(truncated_column(t), pa.bool_()) for t in tasks] + (kept or [])
     return pa.schema(fields, metadata={"batchvlm": json.dumps(metadata)})
 
 
-def tmp_path(path: Path) -> Path:
-    """Where `path` is written before its rename: named by host and pid, so a sweep can tell a
-    crashed writer's leftovers from another live rank's file in progress."""
-    return path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+def tmp_path(path: Path, folder: Path | None = None) -> Path:
+    """Where `path` is written before its rename (in `folder`, by default its own): named by host
+    and pid, so a sweep can tell a crashed writer's leftovers from another live rank's file."""
+    return (folder or path.parent) / f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -65,18 +69,18 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def write_shard(out_dir: Path, stem: str, rows: list[dict[str, Any]], sch: pa.Schema, compression: str,
+def write_shard(layout: Layout, stem: str, rows: list[dict[str, Any]], sch: pa.Schema, compression: str,
                 stats: dict[str, Any]) -> None:
-    final = out_dir / f"{stem}.parquet"
-    tmp = tmp_path(final)
+    final = layout.parquet(stem)
+    tmp = tmp_path(final, layout.meta)  # same filesystem: the rename is atomic
     meta = json.loads(sch.metadata[b"batchvlm"]) | {"shard": stem, "finished": stats.get("finished")}
     table = pa.Table.from_pylist(rows, schema=sch.with_metadata({"batchvlm": json.dumps(meta)}))
     pq.write_table(table, tmp, compression=None if compression == "none" else compression)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, final)
-    _fsync_dir(out_dir)
-    atomic_write_bytes(out_dir / f"{stem}.stats.json", json.dumps(stats, indent=1).encode())
+    _fsync_dir(layout.dir)
+    atomic_write_bytes(layout.stats(stem), json.dumps(stats, indent=1).encode())
 
 
 @dataclass
@@ -89,10 +93,12 @@ class ShardOutput:
 class WriterThread:
     """Writes finished shards in the background so the accelerator never waits on disk."""
 
-    def __init__(self, out_dir: Path, sch: pa.Schema, compression: str, on_written=None):
-        self.out_dir, self.schema, self.compression = out_dir, sch, compression
+    def __init__(self, layout: Layout, sch: pa.Schema, compression: str, on_written=None):
+        self.layout, self.schema, self.compression = layout, sch, compression
         self.on_written = on_written  # called with the stem after its done marker is down
-        self._queue: queue.Queue[ShardOutput | None] = queue.Queue(maxsize=4)
+        # Each item is a whole shard's rows: one waiting (plus one being written) keeps memory at a few
+        # shards' worth while the writer is behind, which only happens when labelling outruns the disk.
+        self._queue: queue.Queue[ShardOutput | None] = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
         self.written: list[str] = []
         self._thread = threading.Thread(target=self._run, name="batchvlm-writer", daemon=True)
@@ -103,7 +109,7 @@ class WriterThread:
             if self._error is not None:
                 continue
             try:
-                write_shard(self.out_dir, item.stem, item.rows, self.schema, self.compression, item.stats)
+                write_shard(self.layout, item.stem, item.rows, self.schema, self.compression, item.stats)
                 self.written.append(item.stem)
                 if self.on_written is not None:
                     self.on_written(item.stem)

@@ -1,0 +1,164 @@
+"""The job's shards, frozen: which images each shard holds is fixed for the life of an output folder.
+
+The first run lists the input and writes the list to `__batchvlm__/shards.json`; later runs reuse
+it and add shards for what is new, so a resumed or extended job never relabels or skips an image:
+
+    folder   images not in any shard of their directory yet go into new shards of that
+             directory, `<dir>-<n>`, at most `input.shard_size` each; frozen shards never change
+    parquet  a file of more than shard_size rows becomes row ranges `<file>-<n>`; a file whose
+             size or modification time changed is split again (its done markers no longer match)
+    tar      one shard per tar, `<file>`
+
+New tars and Parquet files are added in the order of their names.
+
+Shards keep the order they were frozen in, new ones last: ranks that planned at different
+moments of one launch agree on every shard they both saw (the partition is by position).
+
+Shard names never start with `_` or `.` (readers skip such files): a directory is named by its
+relative path with `__` for `/` and leading dots and underscores dropped, `root` for the top
+level, with a `+N` suffix where two directories would get the same name.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from ..job import InputSpec
+from ..output.layout import Layout
+from ..output.writer import atomic_write_bytes
+from .sources import ShardRef, SourceError, file_stat, file_stem, list_files, parquet_rows, scan_folder
+
+VERSION = 1
+
+
+def plan(inp: InputSpec, layout: Layout | None = None, freeze: bool = False) -> list[ShardRef]:
+    """The frozen shards of `layout` plus those for images added since. With `freeze`, the list is
+    written back (under a lock, so concurrent ranks extend it one at a time) and outputs of
+    Parquet row ranges that no longer exist are removed."""
+    if not freeze:
+        return _merge(inp, _load(inp, layout) if layout else [])[0]
+    layout.meta.mkdir(parents=True, exist_ok=True)
+    with open(layout.shard_lock, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        prior = _load(inp, layout)
+        shards, dropped = _merge(inp, prior)
+        frozen = [s for s in shards if s.planned]
+        if frozen != prior:
+            _save(inp, layout, frozen)
+        for stem in dropped:
+            layout.parquet(stem).unlink(missing_ok=True)
+            layout.stats(stem).unlink(missing_ok=True)
+        return shards
+
+
+def _load(inp: InputSpec, layout: Layout) -> list[ShardRef]:
+    try:
+        d = json.loads(layout.shard_list.read_text())
+    except FileNotFoundError:
+        return []
+    except ValueError as e:
+        raise SourceError(f"{layout.shard_list} is not valid JSON ({e}); restore it, or relabel with --overwrite") \
+            from None
+    if (d.get("version"), d.get("input"), d.get("shard_size")) != (VERSION, inp.kind, inp.shard_size):
+        return []  # planned for other settings: the fingerprint check refused any labels made with them
+    root = Path(inp.folder) if inp.folder else None
+    return [ShardRef(**(s | {"url": str(root / s["url"]) if root else s["url"],
+                             "files": tuple(s["files"]) if s.get("files") is not None else None,
+                             "rows": tuple(s["rows"]) if s.get("rows") is not None else None}))
+            for s in d["shards"]]
+
+
+def _save(inp: InputSpec, layout: Layout, shards: list[ShardRef]) -> None:
+    root = Path(inp.folder) if inp.folder else None
+
+    def entry(s: ShardRef) -> dict[str, Any]:
+        e = {k: v for k, v in asdict(s).items() if v is not None}
+        if root:  # relative: the folder may move
+            e["url"] = Path(s.url).relative_to(root).as_posix()
+        return e
+
+    data = {"version": VERSION, "input": inp.kind, "shard_size": inp.shard_size, "shards": [entry(s) for s in shards]}
+    atomic_write_bytes(layout.shard_list, json.dumps(data, separators=(",", ":")).encode())
+
+
+def _merge(inp: InputSpec, prior: list[ShardRef]) -> tuple[list[ShardRef], list[str]]:
+    """-> (all shards, stems of frozen shards that no longer exist)."""
+    shards, dropped = (_merge_folder(inp, prior), []) if inp.folder else _merge_files(inp, prior)
+    stems = [s.stem for s in shards]
+    if len(set(stems)) != len(stems):
+        dupe = next(s for s in stems if stems.count(s) > 1)
+        raise SourceError(f"input: two shards would write the same output {dupe!r}.parquet")
+    return shards, dropped
+
+
+def _dir_name(rel: str, used: set[str]) -> str:
+    base = "root" if rel == "." else rel.replace("/", "__").lstrip("._") or "dir"
+    name, n = base, 1
+    while name in used:
+        n += 1
+        name = f"{base}+{n}"
+    used.add(name)
+    return name
+
+
+def _merge_folder(inp: InputSpec, prior: list[ShardRef]) -> list[ShardRef]:
+    root = Path(inp.folder)
+    scan = scan_folder(root)
+    by_dir: dict[str, list[ShardRef]] = {}
+    for s in prior:
+        by_dir.setdefault(Path(s.url).relative_to(root).as_posix(), []).append(s)
+    names = {rel: shards[0].stem.rsplit("-", 1)[0] for rel, shards in by_dir.items()}
+    used = set(names.values())
+    shards = list(prior)
+    for rel, files in scan.images.items():
+        frozen = by_dir.get(rel, [])
+        known = {f for s in frozen for f in s.files}
+        new = [f for f in files if f not in known]
+        if not new:
+            continue
+        name = names.get(rel) or _dir_name(rel, used)
+        for k, i in enumerate(range(0, len(new), inp.shard_size), start=len(frozen)):
+            shards.append(ShardRef(f"{name}-{k:05d}", str(root / rel), "folder", tuple(new[i : i + inp.shard_size])))
+    # A directory that cannot be listed: a placeholder shard (not frozen) that fails when read, so
+    # the run reports it and the next one, once it is readable, freezes its images.
+    for rel in scan.unreadable:
+        if rel not in by_dir:
+            shards.append(ShardRef(f"{_dir_name(rel, used)}-00000", str(root / rel), "folder", None))
+    if not shards:
+        raise SourceError(f"input.folder: no images found in {root}")
+    return shards
+
+
+def _split(url: str, inp: InputSpec, size: int | None, mtime_ns: int | None) -> list[ShardRef]:
+    if inp.kind == "tar":
+        return [ShardRef(file_stem(url), url, "tar", size=size, mtime_ns=mtime_ns)]
+    n = parquet_rows(url, inp)
+    if n is None:  # unreadable: a placeholder that fails when read; the next run plans it again
+        return [ShardRef(file_stem(url), url, "parquet", size=size, mtime_ns=mtime_ns)]
+    if n <= inp.shard_size:
+        return [ShardRef(file_stem(url), url, "parquet", rows=(0, n), size=size, mtime_ns=mtime_ns)]
+    return [ShardRef(f"{file_stem(url)}-{k:05d}", url, "parquet", rows=(i, min(i + inp.shard_size, n)), size=size,
+                     mtime_ns=mtime_ns) for k, i in enumerate(range(0, n, inp.shard_size))]
+
+
+def _merge_files(inp: InputSpec, prior: list[ShardRef]) -> tuple[list[ShardRef], list[str]]:
+    urls = list_files(inp)
+    frozen: dict[str, list[ShardRef]] = {}
+    for s in prior:
+        frozen.setdefault(s.url, []).append(s)
+    current, dropped = {}, []
+    for url in urls:
+        size, mtime_ns = file_stat(url)
+        old = frozen.get(url)
+        if old and (inp.kind == "tar" or (old[0].size, old[0].mtime_ns) == (size, mtime_ns)):
+            # a tar's membership is the tar: only its stat is refreshed (done markers compare it)
+            current[url] = [replace(s, size=size, mtime_ns=mtime_ns) for s in old]
+        else:
+            current[url] = _split(url, inp, size, mtime_ns)
+            dropped += [s.stem for s in old or [] if s.stem not in {c.stem for c in current[url]}]
+    order = [u for u in frozen if u in current] + sorted((u for u in urls if u not in frozen), key=file_stem)
+    return [s for u in order for s in current[u]], dropped
