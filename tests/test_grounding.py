@@ -78,6 +78,10 @@ def test_florence2_loc_tokens():
 def test_florence2_truncated_and_malformed():
     close(florence2_boxes("car<loc_52><loc_334><loc_932><loc_774>car<loc_1><loc_2>"),
           [(0.0525, 0.3345, 0.9325, 0.7745)])
+    close(florence2_boxes("car<loc_10><loc_20><loc_30><loc_40><loc_50><loc_60>"), [(0.0105, 0.0205, 0.0305, 0.0405)])
+    assert florence2_boxes("car<poly><loc_10><loc_20><loc_30><loc_40></poly>") == []  # two points: no polygon
+    close(florence2_boxes("<poly><loc_10><loc_20><loc_30><loc_40><loc_50><loc_5><loc_7>"),
+          [(0.0105, 0.0055, 0.0505, 0.0405)])  # cut inside a point: the complete points count
     assert florence2_boxes("car<loc_52><loc_334><loc_") == [] and florence2_boxes("a car") == []
     close(florence2_boxes("<loc_1500><loc_0><loc_10><loc_10>"), [(0.0105, 0.0005, 1.0, 0.0105)])
 

@@ -8,7 +8,7 @@ by the token limit or malformed in the middle keeps every complete object and dr
     format       written as                                              scale
     qwen2.5-vl   JSON {"bbox_2d": [x1, y1, x2, y2]} / {"point_2d": [x, y]}  pixels of the resized image
     qwen3-vl     the same JSON                                             0-1000
-    florence-2   label<loc_x1><loc_y1><loc_x2><loc_y2>                     1000 bins, value = bin centre
+    florence-2   label<loc_x1><loc_y1><loc_x2><loc_y2>, or <poly>...</poly>  1000 bins, value = bin centre
     paligemma    <locY1><locX1><locY2><locX2> label ; ...  (y before x)     1024 bins
     internvl     <ref>label</ref><box>[[x1, y1, x2, y2], ...]</box>        0-1000
 
@@ -120,16 +120,17 @@ _FLORENCE_BIN = re.compile(r"<loc_(\d+)>")
 
 def florence2_boxes(text: str) -> list[Box]:
     """Florence-2: each coordinate a token <loc_N>, N one of 1000 bins; the bin's centre
-    ((N + 0.5) / 1000) is the value. A run of 4k tokens is k boxes; a polygon (a run of 6 or more
-    points, inside <poly>...</poly> or not) becomes its bounding box; other runs are dropped."""
+    ((N + 0.5) / 1000) is the value. A run of loc tokens is boxes, four tokens each (an unfinished
+    last group is dropped); a run inside <poly>...</poly> is a polygon, kept as its bounding box."""
     boxes = []
     for run in _FLORENCE_LOCS.finditer(text):
-        v = [(int(n) + 0.5) for n in _FLORENCE_BIN.findall(run.group())]
-        if len(v) % 4 == 0 and "<poly>" not in text[max(0, run.start() - 6):run.start()]:
-            boxes += [_box(*v[k:k + 4], 1000, 1000) for k in range(0, len(v), 4)]
-        elif len(v) >= 6 and len(v) % 2 == 0:
-            xs, ys = v[0::2], v[1::2]
-            boxes.append(_box(min(xs), min(ys), max(xs), max(ys), 1000, 1000))
+        v = [int(n) + 0.5 for n in _FLORENCE_BIN.findall(run.group())]
+        if text.endswith("<poly>", 0, run.start()):
+            if len(v) >= 6:  # three points at least
+                xs, ys = v[0:len(v) - 1:2], v[1::2]
+                boxes.append(_box(min(xs), min(ys), max(xs), max(ys), 1000, 1000))
+        else:
+            boxes += [_box(*v[k:k + 4], 1000, 1000) for k in range(0, len(v) - 3, 4)]
     return boxes
 
 

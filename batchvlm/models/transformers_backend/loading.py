@@ -1,0 +1,91 @@
+"""A Hugging Face checkpoint through transformers: its config, processor and image-text-to-text
+model, or one line saying why not.
+
+Never `trust_remote_code`: only architectures transformers ships are loaded, so no code from a
+model repository runs. Only safetensors weights are read (`use_safetensors=True`): nothing is
+unpickled. Everything is read from the local folder (`local_files_only`): hub downloads happen
+before, in one place, with the revision the job pins.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ..moondream.weights import ModelLoadError
+from .processor import load_processor
+
+INSTALL = "pip install 'batchvlm[transformers]'"
+
+
+def transformers_module() -> ModuleType:
+    try:
+        import transformers
+    except ImportError:
+        raise ModelLoadError(f"model.backend: the transformers backend needs the transformers package: {INSTALL}") from None
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
+def model_type_of(folder: Path) -> str:
+    path = folder / "config.json"
+    try:
+        return str(json.loads(path.read_text())["model_type"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ModelLoadError(f"{path}: no readable config.json with a model_type") from None
+
+
+@dataclass(frozen=True)
+class HostSide:
+    """What the run needs before any weights: the config, the processor, the model class."""
+
+    folder: Path
+    model_type: str
+    config: Any  # transformers PretrainedConfig
+    processor: Any  # transformers ProcessorMixin (image processor + tokenizer + chat template)
+    model_class: type
+
+
+def image_text_to_text_class(transformers: ModuleType, config) -> type:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as NAMES
+
+    name = NAMES.get(config.model_type)
+    if name is None or not hasattr(transformers, name):
+        raise ModelLoadError(f"model.name: model_type {config.model_type!r} is not an image-text-to-text model that "
+                             f"transformers {transformers.__version__} can load (AutoModelForImageTextToText)")
+    return getattr(transformers, name)
+
+
+def host_side(folder: Path) -> HostSide:
+    transformers = transformers_module()
+    model_type = model_type_of(folder)
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (ValueError, KeyError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"{folder}/config.json: transformers {transformers.__version__} cannot read model_type "
+                             f"{model_type!r} without running the repository's own code, which batchvlm never does "
+                             f"({first})") from None
+    cls = image_text_to_text_class(transformers, config)
+    if not any(folder.glob("*.safetensors")):
+        raise ModelLoadError(f"{folder}: no *.safetensors weights (batchvlm loads safetensors only)")
+    try:
+        processor = load_processor(transformers, model_type, folder)
+    except (LookupError, ValueError, OSError, TypeError) as e:
+        raise ModelLoadError(f"{folder}: cannot build the {model_type} processor: {str(e).strip().splitlines()[0]}") from None
+    return HostSide(folder, model_type, config, processor, cls)
+
+
+def load_model(host: HostSide, dtype, device) -> Any:
+    """The model, in `dtype` on `device`, in eval mode, without gradients."""
+    try:
+        model = host.model_class.from_pretrained(str(host.folder), config=host.config, dtype=dtype,
+                                                 use_safetensors=True, local_files_only=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ModelLoadError(f"{host.folder}: transformers cannot load the weights: "
+                             f"{str(e).strip().splitlines()[0]}") from None
+    return model.to(device).eval().requires_grad_(False)
