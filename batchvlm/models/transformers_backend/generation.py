@@ -21,7 +21,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from PIL import Image
 
@@ -107,10 +106,3 @@ class StaticLabeler:
             cut = next((k for k, t in enumerate(row) if t in self.stop), len(row))
             results.append(Generated(tuple(row[:cut]), seen[j] if seen else None))
         return results
-
-
-@dataclass
-class RGBImage:
-    """What a loader worker hands over: the decoded image, uint8 [H, W, 3]."""
-
-    pixels: np.ndarray

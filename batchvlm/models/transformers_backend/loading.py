@@ -31,12 +31,15 @@ def transformers_module() -> ModuleType:
     return transformers
 
 
-def model_type_of(folder: Path) -> str:
+def read_raw_config(folder: Path) -> dict:
     path = folder / "config.json"
     try:
-        return str(json.loads(path.read_text())["model_type"])
-    except (OSError, ValueError, KeyError, TypeError):
-        raise ModelLoadError(f"{path}: no readable config.json with a model_type") from None
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise ModelLoadError(f"{path}: missing or not JSON") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+        raise ModelLoadError(f"{path}: no model_type")
+    return raw
 
 
 @dataclass(frozen=True)
@@ -62,14 +65,16 @@ def image_text_to_text_class(transformers: ModuleType, config) -> type:
 
 def host_side(folder: Path) -> HostSide:
     transformers = transformers_module()
-    model_type = model_type_of(folder)
+    raw = read_raw_config(folder)
+    model_type = raw["model_type"]
     try:
-        config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        # False said outright: transformers would otherwise ask on the terminal for a repo with code.
+        config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"{folder}/config.json: transformers {transformers.__version__} cannot read model_type "
-                             f"{model_type!r} without running the repository's own code, which batchvlm never does "
-                             f"({first})") from None
+        why = ("needs the repository's own code, which batchvlm never runs" if "auto_map" in raw
+               else f"is unknown to transformers {transformers.__version__}")
+        raise ModelLoadError(f"{folder}/config.json: model_type {model_type!r} {why} "
+                             f"({type(e).__name__})") from None
     cls = image_text_to_text_class(transformers, config)
     if not any(folder.glob("*.safetensors")):
         raise ModelLoadError(f"{folder}: no *.safetensors weights (batchvlm loads safetensors only)")
