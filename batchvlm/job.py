@@ -53,6 +53,10 @@ class ModelSpec(Strict):
     family: str = Field("auto", min_length=1,
                         description="auto (from the model folder's config.json) or the family it must be: moondream.")
     revision: str | None = Field(None, description="Hub revision (tag, branch or commit); pin it for reproducible labels.")
+    backend: Literal["auto", "native", "transformers"] = Field(
+        "auto", description="native = batchvlm's own engine (a family that matches config.json); transformers = "
+        "static batches through transformers' generate (pip install 'batchvlm[transformers]'); auto = native where "
+        "a family matches, else transformers.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto = float32 on CPU, bfloat16 on GPU.")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N.")
