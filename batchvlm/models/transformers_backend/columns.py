@@ -2,7 +2,8 @@
 
 Captions and answers are decoded without special tokens. Detect / point text is decoded with
 them (Florence-2's <loc_N> and PaliGemma's <locNNNN> may be special tokens) and handed to the
-model's grounding parser; with output.raw_text that text also lands in `<name>_raw`.
+model's grounding parser. That text is always returned as `<name>_raw` too; the Parquet schema
+has the column (and keeps the value) only with output.raw_text.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def _objects(kind: str, fmt: GroundingFormat, text: str, seen: tuple[int, int] |
 
 
 def column_values(tasks: list[Task], prompts: list[Prompt], raws: list[Generated], tokenizer,
-                  fmt: GroundingFormat | None, raw_text: bool) -> dict[str, Any]:
+                  fmt: GroundingFormat | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for t, task in enumerate(tasks):
         kind = kind_of(task)
@@ -39,6 +40,5 @@ def column_values(tasks: list[Task], prompts: list[Prompt], raws: list[Generated
                 keys = ("x_min", "y_min", "x_max", "y_max") if kind == "detect" else ("x", "y")
                 values.append({"label": p.label} | dict(zip(keys, o)))
         out[column_of(task)] = values
-        if raw_text:
-            out[raw_column_of(task)] = texts
+        out[raw_column_of(task)] = texts
     return out
