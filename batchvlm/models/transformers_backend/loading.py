@@ -19,6 +19,9 @@ from ..moondream.weights import ModelLoadError
 from .processor import load_processor
 
 INSTALL = "pip install 'batchvlm[transformers]'"
+# What a hub snapshot needs for this backend: configs, safetensors (with their index), tokenizer
+# files, chat templates. Never *.bin / *.pt / *.pth (pickles) or *.py (remote code).
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
 
 
 def transformers_module() -> ModuleType:
