@@ -117,7 +117,7 @@ def test_labels_equal_transformers_batch_1_generate(tmp_path, checkpoints, arch)
     ims = images(tmp_path / "imgs")
     r = run_cli(tmp_path, checkpoints[arch], TASKS[arch])
     assert r.returncode == 0, r.stderr
-    assert "backend transformers" in r.stderr
+    assert f"({arch}, transformers, float32, cpu)" in r.stderr
     table = pq.read_table(tmp_path / "out" / "_root.parquet")
     meta = json.loads(table.schema.metadata[b"batchvlm"])
     assert meta["model"]["backend"] == "transformers" and meta["model"]["family"] == arch
@@ -166,6 +166,7 @@ def test_error_rows_and_resume(tmp_path, checkpoints):
 
 
 def test_unsupported_grounding_and_unloadable_models_are_one_line(tmp_path, checkpoints):
+    images(tmp_path / "imgs")
     r = run_cli(tmp_path, checkpoints["llava"], [{"detect": {"objects": ["cat"]}}])
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and last.startswith("batchvlm: error: tasks.0.detect: model_type 'llava'")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...tasks import Task, column_of, kind_of, raw_column_of
+from ...tasks import Task, box_values, column_of, kind_of, point_values, raw_column, truncated_column
 from .architectures import GroundingFormat
 from .generation import Generated
 from .prompts import Prompt
@@ -25,20 +25,24 @@ def _objects(kind: str, fmt: GroundingFormat, text: str, seen: tuple[int, int] |
 
 def column_values(tasks: list[Task], prompts: list[Prompt], raws: list[Generated], tokenizer,
                   fmt: GroundingFormat | None) -> dict[str, Any]:
+    """`<name>_truncated`: a sequence ran into max_new_tokens, or wrote more than max_objects."""
     out: dict[str, Any] = {}
     for t, task in enumerate(tasks):
         kind = kind_of(task)
         mine = [(p, r) for p, r in zip(prompts, raws) if p.task == t]
+        truncated = any(not r.stopped for _, r in mine)
         if kind in ("caption", "query"):
             out[column_of(task)] = tokenizer.decode(list(mine[0][1].tokens), skip_special_tokens=True).strip()
-            continue
-        values, texts = [], []
-        for p, r in mine:
-            text = tokenizer.decode(list(r.tokens), skip_special_tokens=False)
-            texts.append({"label": p.label, "text": text})
-            for o in _objects(kind, fmt, text, r.seen)[: p.max_objects]:
-                keys = ("x_min", "y_min", "x_max", "y_max") if kind == "detect" else ("x", "y")
-                values.append({"label": p.label} | dict(zip(keys, o)))
-        out[column_of(task)] = values
-        out[raw_column_of(task)] = texts
+        else:
+            texts, found = [], []
+            for p, r in mine:
+                text = tokenizer.decode(list(r.tokens), skip_special_tokens=False)
+                objects = _objects(kind, fmt, text, r.seen)
+                truncated |= len(objects) > p.max_objects
+                texts.append({"label": p.label, "text": text})
+                found.append(objects[: p.max_objects])
+            values = box_values if kind == "detect" else point_values
+            out[column_of(task)] = values([p.label for p, _ in mine], found)
+            out[raw_column(task)] = texts
+        out[truncated_column(task)] = truncated
     return out

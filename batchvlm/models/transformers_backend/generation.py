@@ -34,6 +34,7 @@ class Generated:
     """The raw output of one sequence on one image."""
 
     tokens: tuple[int, ...]  # new token ids, cut before the first stop token
+    stopped: bool  # a stop token ended it (else max_new_tokens did: the text may be cut short)
     seen: tuple[int, int] | None  # (width, height) of the image as the model saw it, where known
 
 
@@ -103,6 +104,6 @@ class StaticLabeler:
         new = out[:, 1:] if self.model.config.is_encoder_decoder else out[:, enc["input_ids"].shape[1]:]
         results = []
         for j, row in enumerate(new.tolist()):
-            cut = next((k for k, t in enumerate(row) if t in self.stop), len(row))
-            results.append(Generated(tuple(row[:cut]), seen[j] if seen else None))
+            cut = next((k for k, t in enumerate(row) if t in self.stop), None)
+            results.append(Generated(tuple(row[:cut]), cut is not None, seen[j] if seen else None))
         return results

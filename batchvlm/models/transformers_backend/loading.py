@@ -15,13 +15,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..moondream.weights import ModelLoadError
+from ..family import ModelLoadError
+from ..hub import weight_files
 from .processor import load_processor
 
 INSTALL = "pip install 'batchvlm[transformers]'"
-# What a hub snapshot needs for this backend: configs, safetensors (with their index), tokenizer
-# files, chat templates. Never *.bin / *.pt / *.pth (pickles) or *.py (remote code).
-HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
 
 
 def transformers_module() -> ModuleType:
@@ -79,8 +77,7 @@ def host_side(folder: Path) -> HostSide:
         raise ModelLoadError(f"{folder}/config.json: model_type {model_type!r} {why} "
                              f"({type(e).__name__})") from None
     cls = image_text_to_text_class(transformers, config)
-    if not any(folder.glob("*.safetensors")):
-        raise ModelLoadError(f"{folder}: no *.safetensors weights (batchvlm loads safetensors only)")
+    weight_files(folder)  # a safetensors checkpoint is there, before any work starts
     try:
         processor = load_processor(transformers, model_type, folder)
     except (LookupError, ValueError, OSError, TypeError) as e:

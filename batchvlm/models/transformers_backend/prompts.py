@@ -11,16 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...tasks import Task, args_of, kind_of
+from ..family import FamilyError
 from .architectures import GroundingFormat, Style, supported_formats
 
 CHAT_CAPTIONS = {"short": "Describe this image in one sentence.", "normal": "Describe this image.",
                  "long": "Describe this image in detail."}
 PALIGEMMA_CAPTIONS = {"short": "caption en", "normal": "caption en", "long": "describe en"}
 FLORENCE2_CAPTIONS = {"short": "<CAPTION>", "normal": "<DETAILED_CAPTION>", "long": "<MORE_DETAILED_CAPTION>"}
-
-
-class PromptError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -44,16 +41,16 @@ def _words(kind: str, args, obj: str | None, style: Style, fmt: GroundingFormat 
 def prompts_for(tasks: list[Task], style: Style, fmt: GroundingFormat | None, chat_template, model_type: str,
                 max_new_tokens: int, max_objects: int) -> list[Prompt]:
     """Every sequence an image runs, in task order. `chat_template(words) -> text` renders one user
-    turn, or is None when the model has none. Raises PromptError naming the task."""
+    turn, or is None when the model has none. Raises FamilyError naming the task."""
     out = []
     for i, task in enumerate(tasks):
         kind, args = kind_of(task), args_of(task)
         if kind in ("detect", "point") and (fmt is None or (kind == "point" and fmt.point is None)):
             known = f"its format, {fmt.name}, has no points" if fmt else "batchvlm knows no grounding format for it"
-            raise PromptError(f"tasks.{i}.{kind}: model_type {model_type!r} through the transformers backend "
+            raise FamilyError(f"tasks.{i}.{kind}: model_type {model_type!r} through the transformers backend "
                               f"cannot {kind} ({known}); supported formats: {supported_formats()}")
         if style == "chat" and chat_template is None:
-            raise PromptError(f"tasks.{i}.{kind}: the model has no chat template (chat_template.jinja / .json or in "
+            raise FamilyError(f"tasks.{i}.{kind}: the model has no chat template (chat_template.jinja / .json or in "
                               "tokenizer_config.json), so batchvlm cannot put a task to it")
         # A detect / point answer lists every object: its length is bounded by max_new_tokens too.
         spatial = kind in ("detect", "point")
