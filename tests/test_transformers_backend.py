@@ -180,3 +180,46 @@ def test_unsupported_grounding_and_unloadable_models_are_one_line(tmp_path, chec
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "batchvlm: error: model.name: model_type 'bert' is not an image-text-to-text model that transformers "
         f"{transformers.__version__} can load (AutoModelForImageTextToText)"]
+
+
+def test_backend_choice_and_missing_package(tmp_path, checkpoints, monkeypatch):
+    """auto = native where a family matches config.json, else transformers; native insists; a
+    missing transformers package names the extra to install."""
+    from batchvlm.job import ModelSpec
+    from batchvlm.models.family import ModelLoadError
+    from batchvlm.models.registry import open_family
+
+    assert (open_family(ModelSpec(name="demo")).backend, open_family(ModelSpec(name="demo")).name) == ("native",
+                                                                                                        "moondream")
+    family = open_family(ModelSpec(name=str(checkpoints["idefics3"])))
+    assert (family.backend, family.name) == ("transformers", "idefics3")
+    with pytest.raises(ModelLoadError, match="model.backend: native, but batchvlm has no native family for model_type "
+                                             "'idefics3'"):
+        open_family(ModelSpec(name=str(checkpoints["idefics3"]), backend="native"))
+    with pytest.raises(ModelLoadError, match="model_type 'moondream1' is unknown to transformers"):
+        open_family(ModelSpec(name="demo", backend="transformers"))
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    with pytest.raises(ModelLoadError, match=r"pip install 'batchvlm\[transformers\]'"):
+        open_family(ModelSpec(name=str(checkpoints["idefics3"])))
+
+
+def test_sampling_follows_the_job_seed(checkpoints):
+    """temperature > 0 samples (labels differ from greedy) and the same seed gives the same labels."""
+    from batchvlm.engine.labeler import WorkItem
+    from batchvlm.job import EngineSpec, ModelSpec
+    from batchvlm.models.registry import open_family
+    from batchvlm.tasks import CaptionTask
+
+    family = open_family(ModelSpec(name=str(checkpoints["qwen3_vl"])))
+    model = family.load("float32", "cpu")
+    ims = images(Path(checkpoints["qwen3_vl"]).parent / "sampling-imgs")
+    items = [WorkItem(k, family.preprocessor()(im), k) for k, im in ims.items()]
+
+    def captions(**engine) -> dict[str, str]:
+        spec = EngineSpec(max_new_tokens=NEW_TOKENS, **engine)
+        seqs = family.sequences([CaptionTask()], spec)
+        return {k: family.columns([CaptionTask()], seqs, raws)["caption"] for k, raws in model.labeler(seqs, spec).label(items)}
+
+    greedy = captions()
+    sampled = captions(temperature=1.0, seed=3)
+    assert sampled == captions(temperature=1.0, seed=3) and sampled != greedy
