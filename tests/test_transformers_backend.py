@@ -171,8 +171,14 @@ def test_unsupported_grounding_and_unloadable_models_are_one_line(tmp_path, chec
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and last.startswith("batchvlm: error: tasks.0.detect: model_type 'llava'")
     assert "qwen2.5-vl" in last and "paligemma" in last and "florence-2" in last
-    r = run_cli(tmp_path, checkpoints["paligemma"], [{"point": {"objects": ["cat"]}}])
-    assert r.returncode == 2 and "has no points" in r.stderr.strip().splitlines()[-1]
+    from batchvlm.job import EngineSpec, ModelSpec
+    from batchvlm.models.family import FamilyError
+    from batchvlm.models.registry import open_family
+    from batchvlm.tasks import PointTask
+
+    with pytest.raises(FamilyError, match=r"tasks.0.point: model_type 'paligemma' .*\(its format, paligemma, has no points\)"):
+        open_family(ModelSpec(name=str(checkpoints["paligemma"]))).sequences(
+            [PointTask(point={"objects": ["cat"]})], EngineSpec())
     text_only = tmp_path / "bert"
     text_only.mkdir()
     (text_only / "config.json").write_text(json.dumps({"model_type": "bert"}))
