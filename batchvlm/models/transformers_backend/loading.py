@@ -1,22 +1,21 @@
 """A Hugging Face checkpoint through transformers: its config, processor and image-text-to-text
 model, or one line saying why not.
 
-Never `trust_remote_code`: only architectures transformers ships are loaded, so no code from a
-model repository runs. Only safetensors weights are read (`use_safetensors=True`): nothing is
+`trust_remote_code` is never enabled: only architectures transformers ships are loaded, so no
+code from a model repository runs. Only safetensors weights are read (`use_safetensors=True`): nothing is
 unpickled. Everything is read from the local folder (`local_files_only`): hub downloads happen
 before, in one place, with the revision the job pins.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from ..family import ModelLoadError
-from ..hub import weight_files
+from ..hub import read_json, weight_files
 from .processor import load_processor
 
 INSTALL = "pip install 'batchvlm[transformers]'"
@@ -30,17 +29,6 @@ def transformers_module() -> ModuleType:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     return transformers
-
-
-def read_raw_config(folder: Path) -> dict:
-    path = folder / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        raise ModelLoadError(f"{path}: missing or not JSON") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
-        raise ModelLoadError(f"{path}: no model_type")
-    return raw
 
 
 @dataclass(frozen=True)
@@ -66,8 +54,10 @@ def image_text_to_text_class(transformers: ModuleType, config) -> type:
 
 def host_side(folder: Path) -> HostSide:
     transformers = transformers_module()
-    raw = read_raw_config(folder)
-    model_type = raw["model_type"]
+    raw = read_json(folder / "config.json")
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str):
+        raise ModelLoadError(f"{folder}/config.json: no model_type")
     try:
         # False said outright: transformers would otherwise ask on the terminal for a repo with code.
         config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)

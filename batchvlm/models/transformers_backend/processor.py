@@ -15,6 +15,7 @@ Two choices make it robust and reproducible:
 
 from __future__ import annotations
 
+import json
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,6 @@ def image_only(cls: type) -> type:
 def processor_class(transformers, model_type: str, folder: Path) -> type:
     """The processor class named by the checkpoint (processor_config.json / tokenizer_config.json),
     else the one transformers maps the model type to."""
-    import json
-
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
     for name in ("processor_config.json", "preprocessor_config.json"):
