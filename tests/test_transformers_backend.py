@@ -16,10 +16,14 @@ from PIL import Image
 from test_pipeline import broken_shard
 from tiny_vlms import BUILDERS
 
-transformers = pytest.importorskip("transformers")
+from batchvlm.models import grounding
+from batchvlm.models.transformers_backend.processor import load_processor
 
-from batchvlm.models import grounding  # noqa: E402
-from batchvlm.models.transformers_backend.processor import load_processor  # noqa: E402
+
+def tf():
+    """transformers, imported when a test runs, never at collection: importing it imports
+    huggingface_hub, which reads HF_HUB_CACHE once, before other tests' monkeypatching."""
+    return pytest.importorskip("transformers")
 
 NEW_TOKENS = 8
 # architecture -> tasks (detect where batchvlm knows the model's grounding format)
@@ -35,6 +39,7 @@ TASKS = {
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    tf()
     root = tmp_path_factory.mktemp("hub")
     return {name: build(root / name) for name, build in BUILDERS.items()}
 
@@ -67,8 +72,8 @@ def reference(folder: Path, arch: str, ims: dict[str, Image.Image], words: list[
     chat template with the image in the message (apply_chat_template tokenizes and processes), or
     the processor on the task words for PaliGemma / Florence-2.
     -> {key: [(new tokens before the stop, (width, height) the model saw or None) per sequence]}"""
-    processor = load_processor(transformers, arch, folder)
-    model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = load_processor(tf(), arch, folder)
+    model = tf().AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
     out = {}
     for key, image in ims.items():
@@ -185,7 +190,7 @@ def test_unsupported_grounding_and_unloadable_models_are_one_line(tmp_path, chec
     r = run_cli(tmp_path, text_only, [{"caption": {}}])
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "batchvlm: error: model.name: model_type 'bert' is not an image-text-to-text model that transformers "
-        f"{transformers.__version__} can load (AutoModelForImageTextToText)"]
+        f"{tf().__version__} can load (AutoModelForImageTextToText)"]
 
 
 def test_backend_choice_and_missing_package(tmp_path, checkpoints, monkeypatch):
