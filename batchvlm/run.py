@@ -193,7 +193,8 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
         if rank.rank == 0 or not layout.job_file.exists():
             manifest.write_job_record(layout, meta | {"label_fingerprint": job.label_fingerprint(),
                                                        "job_spec": job.model_dump(), "world_size": rank.world})
-        writer = WriterThread(layout, schema(job.tasks, meta, keep_fields(job.input, shards)), job.output.compression,
+        writer = WriterThread(layout, schema(job.tasks, meta, keep_fields(job.input, shards), job.output.raw_text),
+                              job.output.compression,
                               on_written=stealing.claims.release if stealing else None)
         t_engine = time.time()
         if isinstance(model, StaticModel):

@@ -1,5 +1,6 @@
 """`model.name` -> the host side of its family (no weights yet). 'demo' is the model shipped
-inside the package; otherwise config.json's `model_type` picks the family."""
+inside the package; otherwise config.json's `model_type` picks the family: a native one where
+batchvlm has it, else (model.backend auto or transformers) the transformers backend."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ DEMO_DIR = Path(__file__).parent / "demo"
 FAMILIES: dict[str, Callable[[Path, ModelSpec, str | None], Family]] = {
     "moondream1": lambda folder, spec, rev: Moondream.open(folder, spec.name, rev, spec.max_crops),
 }
-HUB_FILES = ["*.json", "*.jinja", "*.safetensors", "*.txt"]  # what any family reads of a hub repo
+# What any family reads of a hub repo (tokenizer.model: sentencepiece; *.tiktoken: tiktoken
+# tokenizers). Never *.bin / *.pt (pickles) or *.py (remote code).
+HUB_FILES = ["*.json", "*.jinja", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 
 
 def open_family(spec: ModelSpec) -> Family:
@@ -27,11 +30,19 @@ def open_family(spec: ModelSpec) -> Family:
     else:
         folder, revision = resolve_dir(spec.name, spec.revision, HUB_FILES)
     model_type = read_json(folder / "config.json").get("model_type", "moondream1")
-    opener = FAMILIES.get(model_type)
-    if opener is None:
-        raise ModelLoadError(f"model.name: {spec.name!r} is a {model_type!r} model; batchvlm serves "
-                             f"{', '.join(sorted(FAMILIES))}")
-    family = opener(folder, spec, revision)
+    native = FAMILIES.get(model_type)
+    if native is None and spec.backend == "native":
+        raise ModelLoadError(f"model.backend: native, but batchvlm has no native family for model_type "
+                             f"{model_type!r} (native: {', '.join(sorted(FAMILIES))}); use transformers or auto")
+    if native is not None and spec.backend != "transformers":
+        family = native(folder, spec, revision)
+    else:
+        if spec.max_crops is not None:
+            raise ModelLoadError("model.max_crops: a Moondream setting; the transformers backend sizes images "
+                                 "with the checkpoint's own image processor")
+        from .transformers_backend.family import TransformersFamily
+
+        family = TransformersFamily.open(folder, spec.name, revision)
     if spec.family not in ("auto", family.name):
         raise ModelLoadError(f"model.family: {spec.family!r}, but {spec.name!r} is a {family.name} model")
     return family

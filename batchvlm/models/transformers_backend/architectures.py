@@ -1,0 +1,65 @@
+"""What batchvlm knows about each architecture beyond what transformers loads: how a task is put
+into words for it, and in which format (if any) it writes boxes and points.
+
+caption / query work for every image-text-to-text model; detect / point only where the
+model's grounding format is known (one parser per format in models/grounding.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from .. import grounding
+
+Style = Literal["chat", "paligemma", "florence2"]
+
+
+@dataclass(frozen=True)
+class GroundingFormat:
+    name: str
+    detect: str  # the instruction, {object} filled in
+    point: str | None  # None: the format has no points
+    boxes: Callable[..., list[grounding.Box]]
+    points: Callable[..., list[grounding.Point]] | None = None
+    absolute: bool = False  # coordinates are pixels of the image as the model saw it (after its resize)
+
+
+QWEN_DETECT = "Locate every {object} in the image and output the bbox coordinates in JSON format."
+QWEN_POINT = "Locate every {object} in the image and output the point coordinates in JSON format."
+
+FORMATS = {f.name: f for f in [
+    GroundingFormat("qwen2.5-vl", QWEN_DETECT, QWEN_POINT, grounding.qwen25_boxes, grounding.qwen25_points,
+                    absolute=True),
+    GroundingFormat("qwen3-vl", QWEN_DETECT, QWEN_POINT, grounding.qwen3_boxes, grounding.qwen3_points),
+    GroundingFormat("florence-2", "<OPEN_VOCABULARY_DETECTION>{object}", None, grounding.florence2_boxes),
+    GroundingFormat("paligemma", "detect {object}", None, grounding.paligemma_boxes),
+    GroundingFormat("internvl", "Please provide the bounding box coordinate of the region this sentence "
+                                "describes: <ref>{object}</ref>", None, grounding.internvl_boxes),
+]}
+
+# config.json model_type -> grounding format
+GROUNDING = {"qwen2_5_vl": "qwen2.5-vl", "qwen3_vl": "qwen3-vl", "qwen3_vl_moe": "qwen3-vl",
+             "florence2": "florence-2", "paligemma": "paligemma", "internvl": "internvl"}
+
+# Models that take task words rather than a chat conversation.
+STYLES: dict[str, Style] = {"paligemma": "paligemma", "florence2": "florence2"}
+
+
+def supported_formats() -> str:
+    """For error messages: each format with the model types that write it and what it can do."""
+    parts = []
+    for name, f in FORMATS.items():
+        types = ", ".join(t for t, n in GROUNDING.items() if n == name)
+        parts.append(f"{name} ({types}: detect{' + point' if f.point else ''})")
+    return "; ".join(parts)
+
+
+def grounding_format(model_type: str) -> GroundingFormat | None:
+    name = GROUNDING.get(model_type)
+    return FORMATS[name] if name else None
+
+
+def style(model_type: str) -> Style:
+    return STYLES.get(model_type, "chat")

@@ -1,0 +1,48 @@
+"""Generated tokens -> the typed values of one image's task columns.
+
+Captions and answers are decoded without special tokens. Detect / point text is decoded with
+them (Florence-2's <loc_N> and PaliGemma's <locNNNN> may be special tokens) and handed to the
+model's grounding parser. That text is always returned as `<name>_raw` too; the Parquet schema
+has the column (and keeps the value) only with output.raw_text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...tasks import Task, box_values, column_of, kind_of, point_values, raw_column, truncated_column
+from .architectures import GroundingFormat
+from .generation import Generated
+from .prompts import Prompt
+
+
+def _objects(kind: str, fmt: GroundingFormat, text: str, seen: tuple[int, int] | None) -> list[tuple[float, ...]]:
+    parse = fmt.boxes if kind == "detect" else fmt.points
+    if fmt.absolute:
+        return parse(text, *seen) if seen else []  # no size, no scale: nothing can be read
+    return parse(text)
+
+
+def column_values(tasks: list[Task], prompts: list[Prompt], raws: list[Generated], tokenizer,
+                  fmt: GroundingFormat | None) -> dict[str, Any]:
+    """`<name>_truncated`: a sequence ran into max_new_tokens, or wrote more than max_objects."""
+    out: dict[str, Any] = {}
+    for t, task in enumerate(tasks):
+        kind = kind_of(task)
+        mine = [(p, r) for p, r in zip(prompts, raws) if p.task == t]
+        truncated = any(not r.stopped for _, r in mine)
+        if kind in ("caption", "query"):
+            out[column_of(task)] = tokenizer.decode(list(mine[0][1].tokens), skip_special_tokens=True).strip()
+        else:
+            texts, found = [], []
+            for p, r in mine:
+                text = tokenizer.decode(list(r.tokens), skip_special_tokens=False)
+                objects = _objects(kind, fmt, text, r.seen)
+                truncated |= len(objects) > p.max_objects
+                texts.append({"label": p.label, "text": text})
+                found.append(objects[: p.max_objects])
+            values = box_values if kind == "detect" else point_values
+            out[column_of(task)] = values([p.label for p, _ in mine], found)
+            out[raw_column(task)] = texts
+        out[truncated_column(task)] = truncated
+    return out

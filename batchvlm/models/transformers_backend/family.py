@@ -1,0 +1,63 @@
+"""Any image-text-to-text model transformers ships, as a batchvlm family: the host side (config,
+processor, prompts, columns) without weights, then a static model whose labeler runs `generate`.
+
+The family's name is the checkpoint's `model_type` (qwen2_5_vl, paligemma, ...); its backend is
+"transformers". Both land in the provenance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ...job import EngineSpec
+from ...tasks import Task
+from ..family import ModelInfo
+from ..hub import resolve_device, resolve_dtype, weight_files, weights_sha256
+from . import architectures
+from .columns import column_values
+from .generation import Generated, StaticLabeler
+from .loading import HostSide, host_side, load_model
+from .preprocess import ImagePreprocessor
+from .prompts import Prompt, chat_renderer, prompts_for
+
+
+class TransformersFamily:
+    backend = "transformers"
+
+    def __init__(self, host: HostSide, model_name: str, revision: str | None):
+        self.host, self.model_name, self.revision = host, model_name, revision
+        self.name = host.model_type
+        self.format = architectures.grounding_format(host.model_type)
+
+    @classmethod
+    def open(cls, folder: Path, model_name: str, revision: str | None) -> TransformersFamily:
+        return cls(host_side(folder), model_name, revision)
+
+    def preprocessor(self) -> ImagePreprocessor:
+        return ImagePreprocessor(self.host.processor.image_processor)
+
+    def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[Prompt]:
+        return prompts_for(tasks, architectures.style(self.name), self.format, chat_renderer(self.host.processor),
+                           self.name, engine.max_new_tokens, engine.max_objects)
+
+    def columns(self, tasks: list[Task], seqs: list[Prompt], raws: list[Generated]) -> dict[str, Any]:
+        return column_values(tasks, seqs, raws, self.host.processor.tokenizer, self.format)
+
+    def load(self, dtype: str = "auto", device: str = "auto") -> StaticModel:
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        files = weight_files(self.host.folder)
+        info = ModelInfo(self.model_name, self.revision, str(self.host.folder), weights_sha256(files),
+                         str(dt).removeprefix("torch."), str(dev), self.name, self.backend)
+        return StaticModel(load_model(self.host, dt, dev), self.host.processor, info)
+
+
+class StaticModel:
+    """The loaded model; the run loop asks it for a labeler instead of driving it step by step."""
+
+    def __init__(self, model, processor, info: ModelInfo):
+        self.model, self.processor, self.info = model, processor, info
+
+    def labeler(self, seqs: list[Prompt], engine: EngineSpec) -> StaticLabeler:
+        return StaticLabeler(self.model, self.processor, seqs, engine)

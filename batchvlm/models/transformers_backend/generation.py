@@ -1,0 +1,109 @@
+"""Static batches through transformers' `generate`: the reference path for models without a
+native family.
+
+Images arrive one by one; every `engine.max_batch_size` of them (fewer at the end) form a batch,
+and each of the job's sequences (a caption, a query, one object of a detect / point task) runs
+as one `generate` call over the whole batch: the processor pads the prompts on the left, so
+every row's last prompt token sits at the end and the new tokens line up. Rows are independent
+(attention mask, per-row positions), which is why a batch gives the labels of batch-1 calls.
+
+Decoding is greedy unless the job samples (engine.temperature > 0). The checkpoint's other
+generation settings (stop tokens, repetition penalty, ...) are kept; its sampling settings and
+beam count are replaced by the job's. A sampled batch is seeded from the job seed, its first
+sample's key and the sequence: sampled labels are reproducible for the same batches, but unlike
+the native engine they depend on which images share a batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+
+from ...engine.labeler import WorkItem, sequence_seed
+from ...job import EngineSpec
+from .prompts import Prompt
+
+
+@dataclass(frozen=True)
+class Generated:
+    """The raw output of one sequence on one image."""
+
+    tokens: tuple[int, ...]  # new token ids, cut before the first stop token
+    stopped: bool  # a stop token ended it (else max_new_tokens did: the text may be cut short)
+    seen: tuple[int, int] | None  # (width, height) of the image as the model saw it, where known
+
+
+def _stop_ids(generation_config) -> set[int]:
+    eos = generation_config.eos_token_id
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+
+
+def _seen_sizes(enc, image_processor) -> list[tuple[int, int]] | None:
+    """Qwen-VL style processors report each image's patch grid: its size after the resize."""
+    grid = enc.get("image_grid_thw")
+    patch = getattr(image_processor, "patch_size", None)
+    if grid is None or not isinstance(patch, int):
+        return None
+    return [(int(w) * patch, int(h) * patch) for _, h, w in grid.tolist()]
+
+
+class StaticLabeler:
+    def __init__(self, model, processor, prompts: list[Prompt], settings: EngineSpec):
+        self.model, self.processor, self.prompts, self.settings = model, processor, prompts, settings
+        processor.tokenizer.padding_side = "left"
+        self.config = copy.deepcopy(model.generation_config)
+        self.config.num_beams = 1
+        self.sampling = settings.temperature > 0
+        if self.sampling:
+            self.config.do_sample, self.config.temperature, self.config.top_p = True, settings.temperature, settings.top_p
+            self.config.top_k = None
+        else:
+            self.config.do_sample, self.config.temperature, self.config.top_p, self.config.top_k = False, None, None, None
+        self.stop = _stop_ids(self.config)
+        bos = processor.tokenizer.bos_token
+        # A template that writes BOS itself must not get a second one from the tokenizer (what
+        # apply_chat_template does); other prompts keep the processor's own default.
+        self.text_kwargs = [{"add_special_tokens": False} if bos and p.text.startswith(bos) else {} for p in prompts]
+
+    def label(self, items: Iterable[WorkItem]) -> Iterator[tuple[Any, list[Generated]]]:
+        batch: list[WorkItem] = []
+        for item in items:
+            batch.append(item)
+            if len(batch) == self.settings.max_batch_size:
+                yield from self._batch(batch)
+                batch = []
+        if batch:
+            yield from self._batch(batch)
+
+    def _batch(self, batch: list[WorkItem]) -> Iterator[tuple[Any, list[Generated]]]:
+        images = [Image.fromarray(item.image.pixels) for item in batch]
+        per_seq = [self._generate(images, s, batch[0].key) for s in range(len(self.prompts))]
+        for j, item in enumerate(batch):
+            yield item.ticket, [out[j] for out in per_seq]
+
+    @torch.inference_mode()
+    def _generate(self, images: list[Image.Image], s: int, first_key: str) -> list[Generated]:
+        prompt = self.prompts[s]
+        enc = self.processor(images=[[im] for im in images], text=[prompt.text] * len(images), padding=True,
+                             return_tensors="pt", **self.text_kwargs[s])
+        seen = _seen_sizes(enc, self.processor.image_processor)
+        enc.pop("labels", None)  # PaliGemma's processor returns training labels too
+        enc = enc.to(self.model.device)
+        for k, v in enc.items():  # pixel values in the model's dtype; ids and masks stay integers
+            if torch.is_floating_point(v):
+                enc[k] = v.to(self.model.dtype)
+        if self.sampling:
+            torch.manual_seed(sequence_seed(self.settings.seed, first_key, s))
+        out = self.model.generate(**enc, generation_config=self.config, max_new_tokens=prompt.max_new_tokens)
+        # Decoder-only models return the prompt too; encoder-decoders start with the decoder's start token.
+        new = out[:, 1:] if self.model.config.is_encoder_decoder else out[:, enc["input_ids"].shape[1]:]
+        results = []
+        for j, row in enumerate(new.tolist()):
+            cut = next((k for k, t in enumerate(row) if t in self.stop), None)
+            results.append(Generated(tuple(row[:cut]), cut is not None, seen[j] if seen else None))
+        return results

@@ -1,0 +1,77 @@
+"""Tasks in words: the text each task's sequences hand the processor, beside the image.
+
+Chat models get one user turn (the image, then the instruction) through the processor's own
+chat template, ending with the assistant header; PaliGemma gets its task prefixes ("caption
+en", "answer en ...", "detect ..."; the processor adds the image tokens, BOS and the newline);
+Florence-2 gets its task tokens (the processor turns them into its instructions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...tasks import Task, args_of, kind_of
+from ..family import FamilyError
+from .architectures import GroundingFormat, Style, supported_formats
+
+CHAT_CAPTIONS = {"short": "Describe this image in one sentence.", "normal": "Describe this image.",
+                 "long": "Describe this image in detail."}
+PALIGEMMA_CAPTIONS = {"short": "caption en", "normal": "caption en", "long": "describe en"}
+FLORENCE2_CAPTIONS = {"short": "<CAPTION>", "normal": "<DETAILED_CAPTION>", "long": "<MORE_DETAILED_CAPTION>"}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    task: int  # index in the job's tasks
+    label: str | None  # the object of a detect / point sequence
+    text: str  # what the processor gets beside the image
+    max_new_tokens: int
+    max_objects: int | None = None  # detect / point: objects kept, in the order the model wrote them
+
+
+def _words(kind: str, args, obj: str | None, style: Style, fmt: GroundingFormat | None) -> str:
+    if kind == "caption":
+        return {"chat": CHAT_CAPTIONS, "paligemma": PALIGEMMA_CAPTIONS, "florence2": FLORENCE2_CAPTIONS}[style][args.length]
+    if kind == "query":
+        return f"answer en {args.question}" if style == "paligemma" else args.question
+    template = fmt.detect if kind == "detect" else fmt.point
+    return template.format(object=obj)
+
+
+def prompts_for(tasks: list[Task], style: Style, fmt: GroundingFormat | None, chat_template, model_type: str,
+                max_new_tokens: int, max_objects: int) -> list[Prompt]:
+    """Every sequence an image runs, in task order. `chat_template(words) -> text` renders one user
+    turn, or is None when the model has none. Raises FamilyError naming the task."""
+    out = []
+    for i, task in enumerate(tasks):
+        kind, args = kind_of(task), args_of(task)
+        if kind in ("detect", "point") and (fmt is None or (kind == "point" and fmt.point is None)):
+            known = f"its format, {fmt.name}, has no points" if fmt else "batchvlm knows no grounding format for it"
+            raise FamilyError(f"tasks.{i}.{kind}: model_type {model_type!r} through the transformers backend "
+                              f"cannot {kind} ({known}); supported formats: {supported_formats()}")
+        if style == "chat" and chat_template is None:
+            raise FamilyError(f"tasks.{i}.{kind}: the model has no chat template (chat_template.jinja / .json or in "
+                              "tokenizer_config.json), so batchvlm cannot put a task to it")
+        # A detect / point answer lists every object: its length is bounded by max_new_tokens too.
+        spatial = kind in ("detect", "point")
+        budget = None if spatial else args.max_new_tokens
+        for obj in (args.objects if spatial else [None]):
+            words = _words(kind, args, obj, style, fmt)
+            text = chat_template(words) if style == "chat" else words
+            out.append(Prompt(i, obj, text, budget or max_new_tokens,
+                              (args.max_objects or max_objects) if spatial else None))
+    return out
+
+
+def chat_renderer(processor):
+    """words -> the text of one user turn (image, then words) and the assistant header, through
+    the checkpoint's chat template (the processor's, else the tokenizer's); None without one."""
+    template = getattr(processor, "chat_template", None) or getattr(processor.tokenizer, "chat_template", None)
+    if not template:
+        return None
+
+    def render(words: str) -> str:
+        turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": words}]}]
+        return processor.apply_chat_template(turn, chat_template=template, add_generation_prompt=True, tokenize=False)
+
+    return render
