@@ -86,7 +86,8 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def write_checkpoint(dest: Path, seed: int = 0, min_pixels: int = 32 * 32, max_pixels: int = 256 * 256,
-                     shard_size: str = "40KB", **config) -> Path:
+                     shard_size: str = "40KB", mean: tuple[float, ...] = (0.5, 0.5, 0.5),
+                     std: tuple[float, ...] = (0.5, 0.5, 0.5), **config) -> Path:
     """A hub-layout folder: sharded safetensors + index, config, tokenizer, template, processor."""
     from transformers import Qwen3VLForConditionalGeneration
 
@@ -105,7 +106,7 @@ def write_checkpoint(dest: Path, seed: int = 0, min_pixels: int = 32 * 32, max_p
         "image_processor_type": "Qwen2VLImageProcessor", "size": {"shortest_edge": min_pixels,
                                                                  "longest_edge": max_pixels},
         "patch_size": cfg.vision_config.patch_size, "temporal_patch_size": 2, "merge_size": 2,
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_rescale": True,
+        "image_mean": list(mean), "image_std": list(std), "do_rescale": True,
         "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True}))
     (dest / "generation_config.json").write_text(json.dumps({
         "eos_token_id": [IDS["<|im_end|>"], IDS["<|endoftext|>"]], "pad_token_id": IDS["<|endoftext|>"]}))
