@@ -39,9 +39,25 @@ CHAT_TEMPLATE = (
 )
 
 
-def byte_tokenizer() -> Tokenizer:
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: ord(c)))}
-    tok = Tokenizer(models.BPE(vocab, [], fuse_unk=False))
+def byte_tokenizer(corpus: str | None = None, vocab: int = VOCAB) -> Tokenizer:
+    """Byte-level BPE: the 256 bytes, Qwen's special tokens at 256..., and (with a corpus) merges
+    learned from it filling the vocabulary up to `vocab` (so prompts have realistic lengths)."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=ord)
+    table = {ch: i for i, ch in enumerate(alphabet)} | {s: FIRST_SPECIAL + i for i, s in enumerate(SPECIALS)}
+    merges: list[tuple[str, str]] = []
+    if corpus:
+        from tokenizers import trainers
+
+        learner = Tokenizer(models.BPE())
+        learner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        learner.train_from_iterator([corpus], trainers.BpeTrainer(vocab_size=vocab - len(SPECIALS),
+                                                                  initial_alphabet=alphabet, show_progress=False))
+        for m in json.loads(learner.to_str())["model"]["merges"]:
+            a, b = m.split(" ") if isinstance(m, str) else m
+            if a + b not in table and len(table) < vocab:
+                table[a + b] = len(table)
+                merges.append((a, b))
+    tok = Tokenizer(models.BPE(table, merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
@@ -52,16 +68,16 @@ def byte_tokenizer() -> Tokenizer:
 def hf_config(text_dim: int = 32, heads: int = 4, kv_heads: int = 2, head_dim: int = 8, layers: int = 2,
               section: tuple[int, int, int] = (2, 1, 1), vision_dim: int = 32, vision_heads: int = 4,
               depth: int = 2, pos_embeddings: int = 16, deepstack: tuple[int, ...] = (0, 1), tie: bool = False,
-              patch: int = 16):
+              patch: int = 16, ff: int | None = None, vision_ff: int | None = None, vocab: int = VOCAB):
     from transformers import Qwen3VLConfig
 
     return Qwen3VLConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=text_dim, intermediate_size=2 * text_dim,
+        text_config=dict(vocab_size=vocab, hidden_size=text_dim, intermediate_size=ff or 2 * text_dim,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          head_dim=head_dim, max_position_embeddings=8192, tie_word_embeddings=tie,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                           "mrope_section": list(section), "mrope_interleaved": True}),
-        vision_config=dict(depth=depth, hidden_size=vision_dim, intermediate_size=2 * vision_dim,
+        vision_config=dict(depth=depth, hidden_size=vision_dim, intermediate_size=vision_ff or 2 * vision_dim,
                            num_heads=vision_heads, out_hidden_size=text_dim, num_position_embeddings=pos_embeddings,
                            deepstack_visual_indexes=list(deepstack), patch_size=patch),
         image_token_id=IDS["<|image_pad|>"], video_token_id=IDS["<|video_pad|>"],
@@ -85,7 +101,21 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(t)
 
 
-def write_checkpoint(dest: Path, seed: int = 0, min_pixels: int = 32 * 32, max_pixels: int = 256 * 256,
+def make_stops_likely(model: torch.nn.Module) -> None:
+    """Give <|im_end|> the output row, scaled by 1.1, of a token this model writes mid-answer
+    (the 16th token of a greedy text-only answer): <|im_end|> then wins wherever that token would,
+    by a 10% logit margin (no near tie), so some sequences end by themselves before the limit."""
+    tok = byte_tokenizer()
+    ids = torch.tensor([tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n").ids])
+    with torch.inference_mode():
+        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
+                             eos_token_id=IDS["<|im_end|>"], pad_token_id=IDS["<|endoftext|>"])
+    with torch.no_grad():
+        model.lm_head.weight[IDS["<|im_end|>"]] = 1.1 * model.lm_head.weight[gen[0, -1]]
+
+
+def write_checkpoint(dest: Path, seed: int = 0, likely_stops: bool = False, corpus: str | None = None,
+                     min_pixels: int = 32 * 32, max_pixels: int = 256 * 256,
                      shard_size: str = "40KB", mean: tuple[float, ...] = (0.5, 0.5, 0.5),
                      std: tuple[float, ...] = (0.5, 0.5, 0.5), **config) -> Path:
     """A hub-layout folder: sharded safetensors + index, config, tokenizer, template, processor."""
@@ -95,10 +125,12 @@ def write_checkpoint(dest: Path, seed: int = 0, min_pixels: int = 32 * 32, max_p
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(cfg)
     randomize(model, seed)
+    if likely_stops:
+        make_stops_likely(model)
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model.save_pretrained(dest, max_shard_size=shard_size)
-    byte_tokenizer().save(str(dest / "tokenizer.json"))
+    byte_tokenizer(corpus, cfg.text_config.vocab_size).save(str(dest / "tokenizer.json"))
     (dest / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "model_max_length": 8192, "clean_up_tokenization_spaces": False}))

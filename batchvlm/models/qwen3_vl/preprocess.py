@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 
 from .config import ConfigError, VisionConfig
@@ -80,21 +81,55 @@ class PixelSettings:
         return np.ascontiguousarray(x, dtype=np.float32)
 
 
+@dataclass
+class PreparedImage:
+    """One resized image and the shape of its image prefix (positions.py)."""
+
+    pixels: torch.Tensor  # uint8 [H, W, 3]; H, W multiples of patch * merge
+    grid: tuple[int, int]  # merged grid (rows, cols): one text token per cell
+    head_len: int  # template tokens before the image tokens
+
+    @property
+    def prefix_len(self) -> int:
+        """KV slots: head, image tokens, vision_end."""
+        return self.head_len + self.grid[0] * self.grid[1] + 1
+
+    @property
+    def next_pos(self) -> int:
+        return self.head_len + max(self.grid) + 1
+
+    @property
+    def cost(self) -> int:
+        """Vision work in units of 1024 patches (at least 1)."""
+        return max(1, self.grid[0] * self.grid[1] * 4 // 1024)
+
+
 @dataclass(frozen=True)
 class Preprocessor:
     """Picklable: runs in the loader workers before the weights are loaded."""
 
     settings: PixelSettings
     factor: int  # patch * merge: one text token per factor x factor pixels
+    merge: int
+    head_len: int
 
     @classmethod
-    def create(cls, vision: VisionConfig, settings: PixelSettings, min_pixels: int | None = None,
+    def create(cls, vision: VisionConfig, settings: PixelSettings, head_len: int = 0, min_pixels: int | None = None,
                max_pixels: int | None = None) -> Preprocessor:
         lo, hi = min_pixels or settings.min_pixels, max_pixels or settings.max_pixels
         if lo > hi:
             raise ConfigError(f"model.min_pixels {lo} > model.max_pixels {hi}")
         s = PixelSettings(lo, hi, settings.mean, settings.std, settings.rescale, settings.normalize)
-        return cls(s, vision.patch_size * vision.merge)
+        return cls(s, vision.patch_size * vision.merge, vision.merge, head_len)
+
+    def max_tokens(self) -> int:
+        """An upper bound of the image tokens of any image: the area bound, or what smart_resize's
+        rounding can exceed it by at the extreme aspect ratio (a side forced up to one factor when
+        shrinking; both sides rounded up when growing to min_pixels)."""
+        f, lo, hi = self.factor, self.settings.min_pixels, self.settings.max_pixels
+        shrunk_thin = math.isqrt(MAX_ASPECT * hi) // f + 1
+        grown = (math.isqrt(MAX_ASPECT * lo) + 2 * f) * (math.isqrt(lo // MAX_ASPECT) + 2 * f) // f**2
+        return max(hi // f**2, shrunk_thin, grown)
 
     def resized_size(self, width: int, height: int) -> tuple[int, int]:
         h, w = smart_resize(height, width, self.factor, self.settings.min_pixels, self.settings.max_pixels)
@@ -105,8 +140,13 @@ class Preprocessor:
         mode) as long as it stays at least this large."""
         return self.resized_size(width, height)
 
-    def __call__(self, image: Image.Image, width: int | None = None, height: int | None = None) -> np.ndarray:
+    def resize(self, image: Image.Image, width: int | None = None, height: int | None = None) -> np.ndarray:
         """RGB image -> uint8 [H, W, 3] at the resized size. `width` / `height`: the full size
         when `image` was decoded at reduced size (the resize target follows the full size)."""
         w, h = self.resized_size(width or image.width, height or image.height)
         return np.array(image.convert("RGB").resize((w, h), Image.Resampling.BICUBIC), dtype=np.uint8)
+
+    def __call__(self, image: Image.Image, width: int | None = None, height: int | None = None) -> PreparedImage:
+        pixels = self.resize(image, width, height)
+        f = self.factor
+        return PreparedImage(torch.from_numpy(pixels), (pixels.shape[0] // f, pixels.shape[1] // f), self.head_len)
