@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from .tasks import Strict, Task, column_of
+from .tasks import Strict, Task, column_of, raw_column_of
 
 RESERVED_COLUMNS = {"key", "source", "width", "height", "status", "error"}
 
@@ -88,6 +88,8 @@ class OutputSpec(Strict):
     dir: str = Field(description="Output folder (relative paths resolve against the job file).")
     compression: Literal["zstd", "snappy", "gzip", "none"] = "zstd"
     mode: Literal["resume", "overwrite"] = Field("resume", description="resume skips finished shards.")
+    raw_text: bool = Field(False, description="Add <name>_raw beside each detect / point column: the decoded "
+                                              "text of each object's sequence (list of {label, text}).")
 
 
 class RuntimeSpec(Strict):
@@ -131,6 +133,17 @@ class Job(Strict):
             seen.add(col)
         return tasks
 
+    @model_validator(mode="after")
+    def _raw_columns_free(self) -> Job:
+        if self.output.raw_text:
+            names = {column_of(t) for t in self.tasks}
+            for i, t in enumerate(self.tasks):
+                raw = raw_column_of(t)
+                if raw in names or raw in RESERVED_COLUMNS:
+                    raise ValueError(f"tasks.{i}: output.raw_text adds column {raw!r}, which another task or the "
+                                     "row already writes; rename one")
+        return self
+
     def label_fingerprint(self) -> str:
         """Hash of every setting that changes labels (not inputs, not speed knobs)."""
         e = self.engine
@@ -141,6 +154,7 @@ class Job(Strict):
             # which image of a sample is read, and the pixels the model sees
             "image_keys": self.input.image_keys,
             "loader": {"max_image_pixels": self.loader.max_image_pixels, "jpeg_draft": self.loader.jpeg_draft},
+            "raw_text": self.output.raw_text,  # changes the columns
         }
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -177,7 +191,8 @@ def _format_error(e: ValidationError) -> str:
             msgs.append(msg)
     rest = len(errors) - len(same)
     extra = f" (and {rest} more error{'s' * (rest > 1)})" if rest else ""
-    return f"{loc}: {'; or '.join(msgs)}{extra}"
+    where = "" if loc == "<root>" else f"{loc}: "  # checks across sections name their fields themselves
+    return f"{where}{'; or '.join(msgs)}{extra}"
 
 
 def parse_job(data: Any, base: Path, source: str = "job") -> Job:

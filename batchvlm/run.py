@@ -177,7 +177,7 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
         if rank.rank == 0 or not (out_dir / manifest.JOB_FILE).exists():
             manifest.write_job_record(out_dir, meta | {"label_fingerprint": job.label_fingerprint(),
                                                        "job_spec": job.model_dump(), "world_size": rank.world})
-        writer = WriterThread(out_dir, schema(job.tasks, meta), job.output.compression,
+        writer = WriterThread(out_dir, schema(job.tasks, meta, job.output.raw_text), job.output.compression,
                               on_written=stealing.claims.release if stealing else None)
         t_engine = time.time()
         if isinstance(model, StaticModel):

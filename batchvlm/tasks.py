@@ -82,6 +82,11 @@ def truncated_column(task: Task) -> str:
     return f"{column_of(task)}_truncated"
 
 
+def raw_column_of(task: Task) -> str | None:
+    """With `output.raw_text`: the column of a detect / point task's decoded text (None for others)."""
+    return f"{column_of(task)}_raw" if kind_of(task) in ("detect", "point") else None
+
+
 def _clamp(v: float) -> float:
     return min(1.0, max(0.0, v))
 

@@ -39,6 +39,8 @@ def test_relative_paths_resolve_against_the_job_folder(tmp_path):
     ({"model": {"device": "tpu"}}, "model.device: String should match pattern"),
     ({"runtime": {"gpus": 0}}, "runtime.gpus: a count of GPUs must be at least 1"),
     ({"runtime": {"gpus": [1, 1]}}, "runtime.gpus: GPU ids must be distinct"),
+    ({"tasks": [{"point": {"objects": ["a"]}}, {"caption": {"name": "point_raw"}}], "output": {"dir": "o", "raw_text": True}},
+     "job.yaml: tasks.0: output.raw_text adds column 'point_raw', which another task"),
 ])
 def test_bad_fields_are_named(tmp_path, change, message):
     with pytest.raises(JobError) as err:

@@ -21,12 +21,18 @@ class Point(BaseModel):
     y: float = Field(ge=0, le=1)
 
 
+class RawText(BaseModel):
+    label: str = Field(description="The object name that was asked for.")
+    text: str = Field(description="The decoded text of that object's sequence, before parsing.")
+
+
 class LabelRow(BaseModel):
     """One row per input sample. Task columns are named by the task's `name` (default: its kind):
     caption / query -> string; detect -> list of Box; point -> list of Point; null on error rows.
     Each task also has `<name>_truncated` (boolean): its label was cut short by a limit
     (engine.max_new_tokens / max_objects), so a caption may stop mid-sentence or objects may be
-    missing; null on error rows."""
+    missing; null on error rows. With output.raw_text, `<name>_raw` beside each detect / point
+    column -> list of RawText."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -40,9 +46,11 @@ class LabelRow(BaseModel):
 
 def json_schema() -> dict:
     schema = LabelRow.model_json_schema()
-    schema["$defs"] = schema.get("$defs", {}) | {"Box": Box.model_json_schema(), "Point": Point.model_json_schema()}
+    schema["$defs"] = schema.get("$defs", {}) | {"Box": Box.model_json_schema(), "Point": Point.model_json_schema(),
+                                                 "RawText": RawText.model_json_schema()}
     schema["additionalProperties"] = {"anyOf": [
         {"type": "string"}, {"type": "array", "items": {"$ref": "#/$defs/Box"}},
-        {"type": "array", "items": {"$ref": "#/$defs/Point"}}, {"type": "boolean"}, {"type": "null"}]}
+        {"type": "array", "items": {"$ref": "#/$defs/Point"}},
+        {"type": "array", "items": {"$ref": "#/$defs/RawText"}}, {"type": "boolean"}, {"type": "null"}]}
     schema["title"] = "batchvlm label row"
     return schema

@@ -20,15 +20,17 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..tasks import Task, column_of, kind_of, truncated_column
+from ..tasks import Task, column_of, kind_of, raw_column_of, truncated_column
 
 BOX = pa.struct([("label", pa.string()), ("x_min", pa.float32()), ("y_min", pa.float32()),
                  ("x_max", pa.float32()), ("y_max", pa.float32())])
 POINT = pa.struct([("label", pa.string()), ("x", pa.float32()), ("y", pa.float32())])
 TYPES = {"caption": pa.string(), "query": pa.string(), "detect": pa.list_(BOX), "point": pa.list_(POINT)}
+RAW_TEXT = pa.list_(pa.struct([("label", pa.string()), ("text", pa.string())]))
 
 
-def schema(tasks: list[Task], metadata: dict[str, Any]) -> pa.Schema:
+def schema(tasks: list[Task], metadata: dict[str, Any], raw_text: bool = False) -> pa.Schema:
+    """`raw_text`: a `<name>_raw` column after each detect / point column (output.raw_text)."""
     fields = [
         pa.field("key", pa.string(), nullable=False),
         pa.field("source", pa.string(), nullable=False),
@@ -36,8 +38,12 @@ def schema(tasks: list[Task], metadata: dict[str, Any]) -> pa.Schema:
         pa.field("height", pa.int32()),
         pa.field("status", pa.string(), nullable=False),
         pa.field("error", pa.string()),
-    ] + [pa.field(column_of(t), TYPES[kind_of(t)]) for t in tasks] + [
-        pa.field(truncated_column(t), pa.bool_()) for t in tasks]
+    ]
+    for t in tasks:
+        fields.append(pa.field(column_of(t), TYPES[kind_of(t)]))
+        if raw_text and (raw := raw_column_of(t)):
+            fields.append(pa.field(raw, RAW_TEXT))
+    fields += [pa.field(truncated_column(t), pa.bool_()) for t in tasks]
     return pa.schema(fields, metadata={"batchvlm": json.dumps(metadata)})
 
 
