@@ -23,7 +23,8 @@ from batchvlm.models.qwen3_vl.config import ConfigError
 from batchvlm.models.qwen3_vl.positions import next_position, prefix_positions
 from batchvlm.models.qwen3_vl.preprocess import PixelSettings, Preprocessor, smart_resize
 from batchvlm.models.qwen3_vl.text import DeepStack
-from batchvlm.models.qwen3_vl.weights import build_model, load_weights, read_config, weight_files
+from batchvlm.models.hub import weight_files
+from batchvlm.models.qwen3_vl.weights import build_model, load_weights, read_config
 
 transformers = pytest.importorskip("transformers")
 
