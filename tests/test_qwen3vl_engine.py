@@ -23,7 +23,7 @@ from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
 
 pytest.importorskip("transformers")
 
-MAX_NEW = 24
+MAX_NEW = 20
 TASKS = [CaptionTask(caption={"length": "short"}), QueryTask(query={"question": "What colour is the sky?"}),
          DetectTask(detect={"objects": ["cat", "red car"]}), PointTask(point={"objects": ["dog"]})]
 
@@ -35,7 +35,7 @@ def images() -> list[Image.Image]:
     def rgb(h: int, w: int) -> Image.Image:
         return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
 
-    return [rgb(50, 70), rgb(100, 40), rgb(64, 64), rgb(30, 200), rgb(160, 120), rgb(12, 20),
+    return [rgb(50, 70), rgb(100, 40), rgb(30, 200), rgb(160, 120), rgb(12, 20),
             Image.fromarray(rng.integers(0, 256, (75, 120), dtype=np.uint8), "L"),
             Image.fromarray(rng.integers(0, 256, (90, 60, 4), dtype=np.uint8), "RGBA")]
 
@@ -100,8 +100,8 @@ def prepared(setup):
     return out
 
 
-@pytest.mark.parametrize("batch,pipelined,n_images", [(1, False, 2), (7, True, 8), (7, False, 8), (64, True, 8),
-                                                     (64, False, 8)])
+@pytest.mark.parametrize("batch,pipelined,n_images", [(1, False, 2), (1, True, 1), (7, True, 7), (7, False, 7),
+                                                     (64, True, 7), (64, False, 7)])
 def test_engine_tokens_equal_transformers(setup, batch, pipelined, n_images):
     engine = Engine(setup["model"], setup["seqs"], EngineSpec(max_new_tokens=MAX_NEW, max_batch_size=batch,
                                                               pipelined=pipelined),
