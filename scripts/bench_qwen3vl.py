@@ -8,8 +8,8 @@
                         prefilled once and shared by its tasks, continuous batching, paged KV
 
 All greedy, same random-weight checkpoint (written by transformers itself), same chat
-template and image processing; the labels (token ids) of every runner must be identical
-(checked). Workload "mixed" = caption + query + 2 detect + 1 point per image.
+template and image processing; in float32 the labels (token ids) of every runner must be
+identical (checked; in bfloat16 the share of identical sequences is printed). Workload "mixed" = caption + query + 2 detect + 1 point per image.
 
     python scripts/bench_qwen3vl.py                                   # CPU, the mid-size config
     python scripts/bench_qwen3vl.py --config 2b --images 256 --batch 256 --hf-batch 64 \\
@@ -155,7 +155,8 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     folder = Path(tempfile.mkdtemp(prefix="bench-qwen3vl-"))
     t0 = time.perf_counter()
-    write_checkpoint(folder, seed=0, min_pixels=64 * 64, max_pixels=640 * 640, corpus=CORPUS, **CONFIGS[args.config])
+    write_checkpoint(folder, seed=0, min_pixels=64 * 64, max_pixels=640 * 640, corpus=CORPUS, dtype=dtype,
+                     **CONFIGS[args.config])
     print(f"# checkpoint written in {time.perf_counter() - t0:.1f} s: {folder}", file=sys.stderr)
     hf = Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=dtype).to(dev).eval()
     tok = AutoTokenizer.from_pretrained(folder)
@@ -197,9 +198,14 @@ def main() -> int:
             results[label] = {"images": n, "seconds": round(dt, 3), "images_per_s": round(n / dt, 3),
                               "tokens": sum(len(t) for img in outputs[label] for t in img)}
             print(json.dumps({label: results[label]}), file=sys.stderr, flush=True)
+    # float32: every runner's labels must be identical. bfloat16 rounds differently in different
+    # kernels, so there the share of identical sequences is reported instead.
     reference = outputs["batchvlm engine"]
+    agreement = {}
     for label, out in outputs.items():
-        if out != reference[: len(out)]:
+        pairs = [(a, b) for img_a, img_b in zip(out, reference) for a, b in zip(img_a, img_b)]
+        agreement[label] = sum(a == b for a, b in pairs) / len(pairs)
+        if args.dtype == "float32" and agreement[label] < 1:
             print(f"!! {label}: labels differ from the engine's", file=sys.stderr)
             return 1
     engine = results["batchvlm engine"]["images_per_s"]
@@ -208,10 +214,10 @@ def main() -> int:
         lines.append(f"| {label} | {r['images']} | {r['seconds']} | {r['images_per_s']} | "
                      f"{engine / r['images_per_s']:.2f}x |")
     print("\n".join(lines))
-    print("labels identical across runners: yes")
+    print("sequences identical to the engine's: " + ", ".join(f"{k} {v:.1%}" for k, v in agreement.items()))
     if args.json:
         args.json.write_text(json.dumps({"hardware": hw, "args": vars(args) | {"json": str(args.json)},
-                                         "results": results}, indent=1))
+                                         "results": results, "agreement": agreement}, indent=1))
     return 0
 
 

@@ -117,7 +117,8 @@ def make_stops_likely(model: torch.nn.Module) -> None:
 def write_checkpoint(dest: Path, seed: int = 0, likely_stops: bool = False, corpus: str | None = None,
                      min_pixels: int = 32 * 32, max_pixels: int = 256 * 256,
                      shard_size: str = "40KB", mean: tuple[float, ...] = (0.5, 0.5, 0.5),
-                     std: tuple[float, ...] = (0.5, 0.5, 0.5), **config) -> Path:
+                     std: tuple[float, ...] = (0.5, 0.5, 0.5), dtype: torch.dtype = torch.float32,
+                     **config) -> Path:
     """A hub-layout folder: sharded safetensors + index, config, tokenizer, template, processor."""
     from transformers import Qwen3VLForConditionalGeneration
 
@@ -129,7 +130,7 @@ def write_checkpoint(dest: Path, seed: int = 0, likely_stops: bool = False, corp
         make_stops_likely(model)
     if cfg.tie_word_embeddings:
         model.tie_weights()
-    model.save_pretrained(dest, max_shard_size=shard_size)
+    model.to(dtype).save_pretrained(dest, max_shard_size=shard_size)
     byte_tokenizer(corpus, cfg.text_config.vocab_size).save(str(dest / "tokenizer.json"))
     (dest / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>",

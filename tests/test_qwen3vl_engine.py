@@ -177,3 +177,13 @@ def test_columns_parse_the_json_the_model_writes(setup):
     raws[4] = RawOutput(tok.encode(many), [], [])
     cols = family.columns(TASKS, seqs, raws)
     assert len(cols["point"]) == 50 and cols["point_truncated"] and cols["_parse_failures"] == 1
+
+
+def test_bfloat16_runs(setup):
+    """The GPU default dtype, on CPU: every tower runs in bfloat16 (no float32 leaks into a
+    bfloat16 matmul); tokens may differ from float32's, lengths stay within the limit."""
+    model = setup["family"].load("bfloat16", "cpu")
+    seqs = setup["family"].sequences(TASKS, EngineSpec(max_new_tokens=3))
+    engine = Engine(model, seqs, EngineSpec(max_new_tokens=3), setup["family"].max_prefix_len())
+    done = list(engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared(setup)[:2])))
+    assert len(done) == 2 and all(len(s.output.tokens) <= 3 for im in done for s in im.seqs)

@@ -9,9 +9,9 @@ Per image: normalize through the preprocessor's lookup table, patchify, embed (t
 two identical temporal slots equals one linear map with the two slots' weights summed), add the
 learned position table bilinearly resampled (align_corners) to the image's patch grid, then
 `depth` LayerNorm blocks with 2-D rotary and full attention within the image, and the merger
-(LayerNorm, 2x2 concat, 2-layer MLP). DeepStack: the outputs of layers `deepstack_layers[k]` go
-through their own mergers (LayerNorm after the concat) and are added to the text hidden states
-at the image's tokens after text layer k.
+(LayerNorm, 2x2 concat, 2-layer MLP). DeepStack: the outputs of the layers in
+`deepstack_layers` go through their own mergers (LayerNorm after the concat); in layer order,
+the k-th is added to the text hidden states at the image's tokens after text layer k.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ class VisionTower(nn.Module):
             rows.append(r)
             cols.append(q)
             lengths.append(gh * gw)
-        x = self.patch_embed(torch.cat(embeds).to(dtype)) + torch.cat(pos)
+        x = self.patch_embed(torch.cat(embeds).to(dtype)) + torch.cat(pos).to(dtype)
         cos, sin = vision_cos_sin(torch.cat(rows), torch.cat(cols), self.inv_freq)
         layout = PaddedLayout(lengths, x.device)
         deepstack = []
