@@ -93,7 +93,7 @@ class Qwen3VLEngine:
 
     def forward(self, embeds_NC: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, cache: KVCache,
                 prefix: PrefixInputs | None = None) -> torch.Tensor:
-        plans = plan_groups(batch)
+        plans = plan_groups(batch, cache)
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return attend(q, k, v, cache.k[layer], cache.v[layer], batch, plans)
