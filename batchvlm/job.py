@@ -86,7 +86,8 @@ class InputSpec(Strict):
 class ModelSpec(Strict):
     name: str = Field("demo", description="'demo' (built in), a Hugging Face repo id, or a local model folder.")
     family: str = Field("auto", min_length=1,
-                        description="auto (from the model folder's config.json) or the family it must be: moondream.")
+                        description="auto (from the model folder's config.json) or the family it must be: moondream, "
+                                    "qwen3_vl.")
     revision: str | None = Field(None, description="Hub revision (tag, branch or commit); pin it for reproducible labels.")
     backend: Literal["auto", "native", "transformers"] = Field(
         "auto", description="native = batchvlm's own engine (a family that matches config.json); transformers = "
@@ -97,6 +98,11 @@ class ModelSpec(Strict):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N.")
     max_crops: int | None = Field(None, ge=1, le=64,
                                   description="Local crops per image (default: the model's). Fewer = faster vision.")
+    min_pixels: int | None = Field(None, ge=1, description="Qwen3-VL: images are resized to at least this many pixels "
+                                                           "(default: the checkpoint's preprocessor_config.json).")
+    max_pixels: int | None = Field(None, ge=1, description="Qwen3-VL: images are resized to at most this many pixels "
+                                                           "(default: the checkpoint's). Fewer pixels = fewer image "
+                                                           "tokens: faster vision and prefill, less KV memory.")
 
 
 class EngineSpec(Strict):

@@ -37,7 +37,7 @@ from .engine.engine import EngineLabeler
 from .engine.labeler import WorkItem
 from .job import Job
 from .models import registry
-from .models.family import StaticModel
+from .models.family import PARSE_FAILURES, StaticModel
 from .output import manifest
 from .output.claims import Claims
 from .output.layout import Layout
@@ -73,7 +73,8 @@ class ShardAssembly:
         stats = {"shard": self.ref.stem, "source": self.ref.url, "input": manifest.input_stat(self.ref),
                  "complete": complete, "rows": len(rows),
                  "ok": len(rows) - sum(errors.values()), "errors": sum(errors.values()),
-                 "error_kinds": dict(errors), "damaged": self.damaged, "seconds": round(seconds, 3),
+                 "error_kinds": dict(errors), "parse_failures": sum(r.get(PARSE_FAILURES, 0) for r in rows),
+                 "damaged": self.damaged, "seconds": round(seconds, 3),
                  "images_per_s": round(len(rows) / seconds, 2) if seconds > 0 else None,
                  "finished": now(), "batchvlm": __version__}
         return ShardOutput(self.ref.stem, rows, stats)

@@ -9,6 +9,8 @@
 #      (mixed and caption on the synthetic scenes, mixed on 1024x768 photos = 13 crops;
 #      batch 256 then 64; fixed output lengths; best of 3; GPU busy fraction), rows in order of
 #      importance, stopping cleanly before its time is up.
+#   5. with QWEN3VL=1: scripts/bench_qwen3vl.py on Qwen3-VL-2B shapes with random weights
+#      (batchvlm's engine vs transformers' batched generate, bfloat16; needs transformers).
 # Results land in $OUT (the device tool's output folder) or ./gpu-results.
 #
 # Before the device call, here:  scripts/gpu_wheels.sh; mkdir -p shared; cp -r ../shared/fixtures shared/
@@ -79,5 +81,12 @@ else
 fi
 timeout 260 $PY scripts/bench_engine.py "${bench_args[@]}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 bench=${PIPESTATUS[0]}
-echo "gpu_check: tests exit $tests, attention bench exit $attention, bench exit $bench"
-exit $(( tests != 0 || attention != 0 || bench != 0 ))
+qwen=0
+if [ "${QWEN3VL:-0}" = 1 ]; then  # opt-in: Qwen3-VL-2B shapes, random weights (writes a ~4.5 GB checkpoint)
+    timeout 420 $PY scripts/bench_qwen3vl.py --config 2b --dtype bfloat16 --images 256 --batch 256 \
+        --hf-batch 80 --max-new-tokens 32 --skip-one-at-a-time --json "$OUT/bench_qwen3vl.json" 2>&1 \
+        | tee "$OUT/bench_qwen3vl.log"
+    qwen=${PIPESTATUS[0]}
+fi
+echo "gpu_check: tests exit $tests, attention bench exit $attention, bench exit $bench, qwen3vl bench exit $qwen"
+exit $(( tests != 0 || attention != 0 || bench != 0 || qwen != 0 ))

@@ -123,7 +123,7 @@ def test_labels_equal_transformers_batch_1_generate(tmp_path, checkpoints, arch)
     r = run_cli(tmp_path, checkpoints[arch], TASKS[arch])
     assert r.returncode == 0, r.stderr
     assert f"({arch}, transformers, float32, cpu)" in r.stderr
-    table = pq.read_table(tmp_path / "out" / "_root.parquet")
+    table = pq.read_table(tmp_path / "out")  # the output folder itself is the dataset
     meta = json.loads(table.schema.metadata[b"batchvlm"])
     assert meta["model"]["backend"] == "transformers" and meta["model"]["family"] == arch
     rows = {row["key"]: row for row in table.to_pylist()}

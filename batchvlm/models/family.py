@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from .attention import AttentionBatch, KVCache
 
 
+PARSE_FAILURES = "_parse_failures"  # see Family.columns
+
+
 class ModelLoadError(RuntimeError):
     """The model cannot be found, read or built: one line for the user."""
 
@@ -120,7 +123,9 @@ class Family(Protocol):
         """An upper bound of any image's prefix length under this job's preprocessing."""
 
     def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[Any]) -> dict[str, Any]:
-        """One image's raw sequence outputs -> {column: value}."""
+        """One image's raw sequence outputs -> {column: value}. A family that parses text may add
+        PARSE_FAILURES: how many of the image's answers did not parse cleanly (the shard's stats
+        sum them; it is not a column)."""
 
     def load(self, dtype: str, device: str) -> EngineModel | StaticModel: ...
 

@@ -11,12 +11,14 @@ from ..job import ModelSpec
 from .family import Family, ModelLoadError
 from .hub import read_json, resolve_dir
 from .moondream.family import Moondream
+from .qwen3_vl.family import Qwen3VL
 
 DEMO_DIR = Path(__file__).parent / "demo"
 
 # model_type -> opener(folder, spec, resolved revision)
 FAMILIES: dict[str, Callable[[Path, ModelSpec, str | None], Family]] = {
     "moondream1": lambda folder, spec, rev: Moondream.open(folder, spec.name, rev, spec.max_crops),
+    "qwen3_vl": Qwen3VL.open,
 }
 # What any family reads of a hub repo (tokenizer.model: sentencepiece; *.tiktoken: tiktoken
 # tokenizers). Never *.bin / *.pt (pickles) or *.py (remote code).

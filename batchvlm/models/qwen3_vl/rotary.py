@@ -1,0 +1,55 @@
+"""Rotary embeddings of both towers: rotate-half over the whole head, angles in float32.
+
+Vision (2-D): a patch at (row, col) gets angles row * f_i in the first quarter of the head's
+frequencies and col * f_i in the second, f_i = theta^(-4i / head_dim), i < head_dim / 4.
+
+Text (interleaved multimodal): a token has three positions (t, h, w); text tokens have
+t = h = w. Frequency j of the head_dim / 2 frequencies is driven by
+    h  if j % 3 == 1 and j < 3 * mrope_section[1]
+    w  if j % 3 == 2 and j < 3 * mrope_section[2]
+    t  otherwise,
+so low and high frequencies are shared by all three axes instead of t taking the low block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_rotary(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, computed in float32, returned in x's dtype."""
+    x = x_NHD.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos_ND[:, None] + rotated * sin_ND[:, None]).to(x_NHD.dtype)
+
+
+def inverse_frequencies(dim: int, theta: float) -> torch.Tensor:
+    """[dim / 2] float32: theta^(-2i / dim)."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+
+def mrope_axes(head_dim: int, section: tuple[int, int, int]) -> torch.Tensor:
+    """[head_dim / 2] long: which of (t, h, w) drives each frequency (see the module docstring)."""
+    j = torch.arange(head_dim // 2)
+    axes = torch.zeros_like(j)
+    axes[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    axes[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return axes
+
+
+def text_cos_sin(positions_3N: torch.Tensor, inv_freq: torch.Tensor, axes: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [3, N] (t, h, w) -> cos, sin [N, head_dim] (float32)."""
+    pos_NF = positions_3N.float().t()[:, axes]  # [N, head_dim / 2]: each frequency's own axis
+    angles = pos_NF * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def vision_cos_sin(rows_N: torch.Tensor, cols_N: torch.Tensor, inv_freq: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Patch rows / cols [N] -> cos, sin [N, head_dim] (float32); inv_freq has head_dim / 4."""
+    angles = torch.cat([rows_N.float()[:, None] * inv_freq, cols_N.float()[:, None] * inv_freq], dim=-1)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()

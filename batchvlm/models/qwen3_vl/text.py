@@ -1,0 +1,110 @@
+"""The Qwen3 text model over a flat batch of tokens, with attention supplied by the caller.
+
+Blocks: RMSNorm -> q/k/v (GQA) with RMSNorm per head on q and k -> interleaved multimodal
+rotary -> attention -> o_proj, residual; RMSNorm -> SwiGLU MLP, residual. The attention is a
+callable (layer index, q, k, v) -> output, so the same weights run under the engine's paged KV
+cache or under a plain dense cache.
+
+DeepStack: while an image prefix is prefilled, the vision tower's extra features are added to
+the hidden states of the image's tokens after text layers 0, 1, ... (one feature set per
+layer). Other forwards (prompts, decode steps) carry no DeepStack input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import TextConfig
+from .rotary import apply_rotary, inverse_frequencies, mrope_axes, text_cos_sin
+
+# (layer, q [N, H, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, H, D]
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class DeepStack:
+    rows: torch.Tensor  # [M] long: flat rows of the forward that are image tokens
+    features: list[torch.Tensor]  # [M, C] per text layer 0, 1, ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, c: TextConfig):
+        super().__init__()
+        self.q_proj = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=c.attention_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_eps)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: TextConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.dim, c.ff_dim, bias=False)
+        self.up_proj = nn.Linear(c.dim, c.ff_dim, bias=False)
+        self.down_proj = nn.Linear(c.ff_dim, c.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: TextConfig):
+        super().__init__()
+        self.self_attn = SelfAttention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.dim, c.rms_eps)
+        self.post_attention_layernorm = RMSNorm(c.dim, c.rms_eps)
+
+
+class TextModel(nn.Module):
+    def __init__(self, c: TextConfig):
+        super().__init__()
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.dim)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layers))
+        self.norm = RMSNorm(c.dim, c.rms_eps)
+        self.register_buffer("inv_freq", inverse_frequencies(c.head_dim, c.rope_theta), persistent=False)
+        self.register_buffer("axes", mrope_axes(c.head_dim, c.mrope_section), persistent=False)
+
+    def reset_buffers(self) -> None:
+        dev = self.embed_tokens.weight.device
+        self.inv_freq = inverse_frequencies(self.config.head_dim, self.config.rope_theta).to(dev)
+        self.axes = mrope_axes(self.config.head_dim, self.config.mrope_section).to(dev)
+
+    def forward(self, embeds_NC: torch.Tensor, positions_3N: torch.Tensor, attend: Attend,
+                deepstack: DeepStack | None = None) -> torch.Tensor:
+        """Flat tokens of many sequences -> final-normed hidden states [N, C]."""
+        c = self.config
+        N = embeds_NC.shape[0]
+        cos, sin = text_cos_sin(positions_3N, self.inv_freq, self.axes)
+        x = embeds_NC
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = apply_rotary(a.q_norm(a.q_proj(h).view(N, c.n_heads, c.head_dim)), cos, sin)
+            k = apply_rotary(a.k_norm(a.k_proj(h).view(N, c.n_kv_heads, c.head_dim)), cos, sin)
+            v = a.v_proj(h).view(N, c.n_kv_heads, c.head_dim)
+            x = x + a.o_proj(attend(i, q, k, v).reshape(N, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if deepstack is not None and i < len(deepstack.features):
+                x = x.index_add(0, deepstack.rows, deepstack.features[i].to(x.dtype))
+        return self.norm(x)
