@@ -56,6 +56,10 @@ def test_repo_id_and_folder_load_the_same_model(tmp_path, monkeypatch):
     commit = "0123456789abcdef0123456789abcdef01234567"
     _fake_hub(cache, "someone/tiny-moondream", folder, commit, "2025-06-21")
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    # huggingface_hub reads the variable once, at import (another test module may have imported it)
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
     from_hub = LoadedMoondream("someone/tiny-moondream", revision="2025-06-21")

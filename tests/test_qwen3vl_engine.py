@@ -143,7 +143,7 @@ def test_cli_on_a_sharded_hub_folder(setup, tmp_path):
         assert [(d["label"], pytest.approx(tuple(v for k, v in d.items() if k != "label"))) for d in row["detect"]] \
             == boxes
         assert len(row["point"]) == len(qwen3_points(texts[4]))
-    stats = json.loads(next((tmp_path / "out").glob("*.stats.json")).read_text())
+    stats = json.loads(next((tmp_path / "out" / "__batchvlm__").glob("*.stats.json")).read_text())
     assert stats["parse_failures"] == sum(not parses_cleanly(r["text"], "bbox_2d", 4) for row in rows.values()
                                           for r in row["detect_raw"]) + \
         sum(not parses_cleanly(r["text"], "point_2d", 2) for row in rows.values() for r in row["point_raw"])

@@ -221,7 +221,7 @@ def test_sampling_follows_the_job_seed(checkpoints):
     from batchvlm.models.registry import open_family
     from batchvlm.tasks import CaptionTask
 
-    family = open_family(ModelSpec(name=str(checkpoints["qwen3_vl"])))
+    family = open_family(ModelSpec(name=str(checkpoints["qwen3_vl"]), backend="transformers"))
     model = family.load("float32", "cpu")
     ims = images(Path(checkpoints["qwen3_vl"]).parent / "sampling-imgs")
     items = [WorkItem(k, family.preprocessor()(im), k) for k, im in ims.items()]
@@ -234,3 +234,4 @@ def test_sampling_follows_the_job_seed(checkpoints):
     greedy = captions()
     sampled = captions(temperature=1.0, seed=3)
     assert sampled == captions(temperature=1.0, seed=3) and sampled != greedy
+
