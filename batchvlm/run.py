@@ -31,6 +31,7 @@ from typing import Any
 from . import __version__
 from .data.loader import Sample, ShardEnd, Stealing, load
 from .data.sources import ShardRef, list_shards
+from .device import for_device
 from .dist import Rank, my_shards
 from .engine.engine import EngineLabeler
 from .engine.labeler import WorkItem
@@ -39,8 +40,11 @@ from .models import registry
 from .models.family import StaticModel
 from .output import manifest
 from .output.claims import Claims
+from .output.lock import RunLock
+from .output.placement import check_apart_from_inputs, check_writable
+from .output.rows import error_kind
 from .output.writer import ShardOutput, WriterThread, schema
-from .progress import Progress
+from .progress import Progress, shard_sizes
 
 
 def log(message: str) -> None:
@@ -66,7 +70,7 @@ class ShardAssembly:
 
     def output(self, complete: bool) -> ShardOutput:
         rows = [self.rows[i] for i in sorted(self.rows)]
-        errors = Counter(r["error"].split(":")[0] for r in rows if r["error"])
+        errors = Counter(error_kind(r["error"]) for r in rows if r["error"])
         seconds = time.time() - self.started
         stats = {"shard": self.ref.stem, "source": self.ref.url, "complete": complete, "rows": len(rows),
                  "ok": len(rows) - sum(errors.values()), "errors": sum(errors.values()),
@@ -80,7 +84,8 @@ class ShardAssembly:
 class RunSummary:
     shards_total: int
     shards_done_before: int
-    shards_written: list[str] = field(default_factory=list)
+    shards_written: list[str] = field(default_factory=list)  # complete: their done marker is down
+    shards_partial: list[str] = field(default_factory=list)  # cut short by --limit: redone next run
     shards_failed: list[str] = field(default_factory=list)
     images: int = 0
     errors: int = 0
@@ -89,8 +94,10 @@ class RunSummary:
 
     def line(self, out_dir: str) -> str:
         rate = self.images / self.seconds if self.seconds > 0 else 0.0
-        parts = [f"{len(self.shards_written)} shard(s) written", f"{self.shards_done_before} already done",
-                 f"{self.images} images", f"{self.errors} errors", f"{rate:.1f} images/s"]
+        parts = [f"{len(self.shards_written)} shard(s) written", f"{self.shards_done_before} already done"]
+        if self.shards_partial:
+            parts.append(f"{len(self.shards_partial)} partial (cut short by --limit; redone by the next run)")
+        parts += [f"{self.images} images", f"{self.errors} errors", f"{rate:.1f} images/s"]
         if self.shards_failed:
             parts.append(f"{len(self.shards_failed)} FAILED ({', '.join(self.shards_failed[:3])})")
         if self.stopped_by_signal:
@@ -121,34 +128,36 @@ def row_for(ref: ShardRef, s: Sample, columns: dict[str, Any] | None, error: str
     return row | (columns or {})
 
 
-def _device_for(job: Job, rank: Rank) -> Job:
-    """Under torchrun / srun each local process takes its own GPU."""
-    if job.model.device != "auto":
-        return job
-    import torch
-
-    if not torch.cuda.is_available():
-        return job
-    device = f"cuda:{rank.local % torch.cuda.device_count()}"
-    return job.model_copy(update={"model": job.model.model_copy(update={"device": device})})
-
-
 def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: Rank | None = None,
             progress: bool = True, stop: StopFlag | None = None) -> RunSummary:
-    t0 = time.time()
     rank = rank or Rank(0, 1, 0)
-    stop = stop or StopFlag()
+    lock = None if job.runtime.work_stealing else RunLock(Path(job.output.dir), rank.rank, rank.world)
+    job = for_device(job, rank)
     out_dir = Path(job.output.dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     shards = list_shards(job.input)
-    manifest.check_not_input(out_dir, shards)
+    check_writable(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    check_apart_from_inputs(out_dir, job.input, [(s.stem, s.url) for s in shards])
+    if lock:
+        lock.acquire()  # before anything is cleared or labelled; released when the process ends
+    try:
+        return _run(job, shards, limit, overwrite, rank, progress, stop or StopFlag())
+    finally:
+        if lock:
+            lock.release()
+
+
+def _run(job: Job, shards: list[ShardRef], limit: int | None, overwrite: bool, rank: Rank, progress: bool,
+         stop: StopFlag) -> RunSummary:
+    t0 = time.time()
+    out_dir = Path(job.output.dir)
     if overwrite or job.output.mode == "overwrite":
         if rank.world > 1:
             raise manifest.OutputConflict("--overwrite with several ranks would let one rank delete another's "
                                           "output; clear the output folder once before launching")
         manifest.clear_outputs(out_dir)
     else:
-        manifest.check_settings(out_dir, job.label_fingerprint())
+        manifest.check_settings(out_dir, job.label_fingerprint(), job.label_settings())
     manifest.sweep_temporaries(out_dir)
     stealing = None
     if job.runtime.work_stealing:
@@ -162,7 +171,6 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
         summary.seconds = time.time() - t0
         return summary
 
-    job = _device_for(job, rank)
     family = registry.open_family(job.model)
     seqs = family.sequences(job.tasks, job.engine)
     stream = load(pending, job.input, job.loader, family.preprocessor(), stealing)  # workers decode while the model loads
@@ -176,6 +184,7 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
                 "tasks": [t.model_dump() for t in job.tasks], "engine": job.engine.model_dump(), "started": now()}
         if rank.rank == 0 or not (out_dir / manifest.JOB_FILE).exists():
             manifest.write_job_record(out_dir, meta | {"label_fingerprint": job.label_fingerprint(),
+                                                       "label_settings": job.label_settings(),
                                                        "job_spec": job.model_dump(), "world_size": rank.world})
         writer = WriterThread(out_dir, schema(job.tasks, meta), job.output.compression,
                               on_written=stealing.claims.release if stealing else None)
@@ -185,7 +194,7 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
         else:
             labeler = EngineLabeler(model, seqs, job.engine, family.max_prefix_len())
             e = labeler.engine
-            how = (f"{e.stats['kv_blocks']} KV blocks of {job.engine.block_size}, "
+            how = (f"batch {e.settings.max_batch_size}, {e.stats['kv_blocks']} KV blocks of {job.engine.block_size}, "
                    f"{'pipelined' if e.pipelined else 'synchronous'}")
         log(f"batchvlm: rank {rank.rank}/{rank.world}: {len(pending)} shard(s) to label; model {info.name} "
             f"({info.family}, {info.backend}, {info.dtype}, {info.device}) loaded in {t_load:.1f} s; labeler ready in "
@@ -195,11 +204,15 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
         beat_stop = threading.Event()
         if stealing:
             stealing.claims.keep_alive(claimed, beat_stop)
-        bar = Progress(job.name, len(pending), enabled=progress)
+        # with work stealing this rank's share is not known in advance: no total
+        sizes = None if stealing else shard_sizes(out_dir, mine, pending)
+        bar = Progress(job.name, len(pending), sizes, enabled=progress)
         taken = 0
 
         def finish(i: int) -> None:
-            writer.put(assemblies.pop(i).output(complete=True))
+            a = assemblies.pop(i)
+            bar.shard_size(i, len(a.rows))
+            writer.put(a.output(complete=True))
 
         def add_row(i: int, index: int, row: dict[str, Any]) -> None:
             a = assemblies[i]
@@ -220,6 +233,7 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
                         a = assemblies[item.shard]
                         a.expected, a.damaged, a.failed = item.n_samples, item.damaged, item.failed
                         if a.failed:  # recorded (not done) so `status` shows it; the next run retries it
+                            bar.shard_size(item.shard, len(a.rows))
                             log(f"batchvlm: shard {a.ref.stem} failed: {a.failed}")
                             summary.shards_failed.append(a.ref.stem)
                             manifest.record_failure(out_dir, a.ref.stem, a.ref.url, a.failed)
@@ -247,14 +261,17 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
                 for a in assemblies.values():
                     if a.rows and not a.failed:
                         writer.put(a.output(complete=False))
+                        summary.shards_partial.append(a.ref.stem)
         finally:
-            writer.close()
-            bar.close()
-            beat_stop.set()
-            if stealing:
-                for stem in claimed - set(writer.written):
-                    stealing.claims.release(stem)
-        summary.shards_written = list(writer.written)
+            try:
+                writer.close()
+            finally:  # the bar's last line is the true final state, also after a failed write
+                bar.close(len(writer.written) - len(summary.shards_partial))
+                beat_stop.set()
+                if stealing:
+                    for stem in claimed - set(writer.written):
+                        stealing.claims.release(stem)
+        summary.shards_written = [s for s in writer.written if s not in summary.shards_partial]
         if stealing and not stop.event.is_set() and limit is None:
             held = [s.stem for s in pending if s.stem not in writer.written and not manifest.is_done(out_dir, s.stem)
                     and s.stem not in summary.shards_failed]

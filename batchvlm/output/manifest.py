@@ -13,15 +13,16 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..job import is_url
 from .writer import atomic_write_bytes
 
-if TYPE_CHECKING:
-    from ..data.sources import ShardRef
-
 JOB_FILE = "_job.json"
+
+
+def lock_path(out_dir: Path, rank: int, world: int) -> Path:
+    """The run lock of one rank (output/lock.py)."""
+    return out_dir / f"_run-{rank}-of-{world}.lock"
 
 
 class OutputConflict(RuntimeError):
@@ -80,28 +81,32 @@ def written_by_us(path: Path) -> bool:
         return False
 
 
+def is_our_stats(path: Path) -> bool:
+    """A stats file batchvlm wrote (a done marker or a failure record) names its own shard."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and d.get("shard") == path.name.removesuffix(".stats.json") and "complete" in d
+
+
 def clear_outputs(out_dir: Path) -> None:
     """--overwrite: remove everything batchvlm wrote here (and nothing else)."""
     for p in out_dir.glob("*.parquet"):
         if written_by_us(p):
             p.unlink(missing_ok=True)
-    for pattern in ("*.stats.json", "*.tmp-*", "*.claim", "*.claim.takeover-*", JOB_FILE):
+    for p in out_dir.glob("*.stats.json"):
+        if is_our_stats(p):
+            p.unlink(missing_ok=True)
+    for pattern in ("*.tmp-*", "*.claim", "*.claim.takeover-*", JOB_FILE):
         for p in out_dir.glob(pattern):
             p.unlink(missing_ok=True)
-
-
-def check_not_input(out_dir: Path, shards: list[ShardRef]) -> None:
-    """Refuse an output folder where a shard's output file would replace an input file."""
-    for ref in shards:
-        out = out_dir / f"{ref.stem}.parquet"
-        if not is_url(ref.url) and out.exists() and out.samefile(ref.url):
-            raise OutputConflict(f"output.dir: {out_dir} holds the input {ref.url}; labels would replace it. "
-                                 "Choose another output folder")
 
 
 @dataclass
 class PriorJob:
     fingerprint: str
+    settings: dict[str, Any] | None  # label_settings() of the job that wrote the folder
     weights_sha256: str | None
 
 
@@ -110,15 +115,33 @@ def read_prior(out_dir: Path) -> PriorJob | None:
         d = json.loads((out_dir / JOB_FILE).read_text())
     except (OSError, ValueError):
         return None
-    return PriorJob(d.get("label_fingerprint", ""), (d.get("model") or {}).get("weights_sha256"))
+    return PriorJob(d.get("label_fingerprint", ""), d.get("label_settings"),
+                    (d.get("model") or {}).get("weights_sha256"))
 
 
-def check_settings(out_dir: Path, fingerprint: str) -> None:
+def _first_difference(before: Any, now: Any, path: str = "") -> tuple[str, Any, Any] | None:
+    if isinstance(before, dict) and isinstance(now, dict):
+        for k in sorted(set(before) | set(now), key=str):
+            if found := _first_difference(before.get(k), now.get(k), f"{path}.{k}" if path else str(k)):
+                return found
+        return None
+    if isinstance(before, list) and isinstance(now, list) and len(before) == len(now):
+        for i, (a, b) in enumerate(zip(before, now)):
+            if found := _first_difference(a, b, f"{path}.{i}"):
+                return found
+        return None
+    return None if before == now else (path, before, now)
+
+
+def check_settings(out_dir: Path, fingerprint: str, settings: dict[str, Any]) -> None:
     prior = read_prior(out_dir)
-    if prior and prior.fingerprint != fingerprint:
-        raise OutputConflict(
-            f"{out_dir} holds labels made with other settings (model, tasks or sampling changed); "
-            "use --overwrite to start over, or another output.dir")
+    if not prior or prior.fingerprint == fingerprint:
+        return
+    diff = _first_difference(prior.settings, settings) if prior.settings is not None else None
+    what = (f"{diff[0]} was {json.dumps(diff[1])}, is now {json.dumps(diff[2])}" if diff
+            else "model, tasks or sampling changed")
+    raise OutputConflict(f"{out_dir} holds labels made with other settings ({what}); "
+                         "use --overwrite to start over, or another output.dir")
 
 
 def check_weights(out_dir: Path, sha256: str) -> None:

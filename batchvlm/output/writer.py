@@ -8,11 +8,14 @@ shard is never rewritten by a resumed run.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import queue
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,13 +58,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class OutputWriteError(RuntimeError):
+    """Output could not be written (disk full, folder gone read-only): one line for the user."""
+
+
+@contextmanager
+def _removing_on_error(tmp: Path) -> Iterator[None]:
+    """A failed write leaves no temporary behind (a full disk stays no fuller than it was)."""
+    try:
+        yield
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = tmp_path(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with _removing_on_error(tmp):
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     _fsync_dir(path.parent)
 
 
@@ -71,10 +89,11 @@ def write_shard(out_dir: Path, stem: str, rows: list[dict[str, Any]], sch: pa.Sc
     tmp = tmp_path(final)
     meta = json.loads(sch.metadata[b"batchvlm"]) | {"shard": stem, "finished": stats.get("finished")}
     table = pa.Table.from_pylist(rows, schema=sch.with_metadata({"batchvlm": json.dumps(meta)}))
-    pq.write_table(table, tmp, compression=None if compression == "none" else compression)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    with _removing_on_error(tmp):
+        pq.write_table(table, tmp, compression=None if compression == "none" else compression)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
     _fsync_dir(out_dir)
     atomic_write_bytes(out_dir / f"{stem}.stats.json", json.dumps(stats, indent=1).encode())
 
@@ -111,8 +130,15 @@ class WriterThread:
                 self._error = e
 
     def _check(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"writing output failed: {self._error}") from self._error
+        e = self._error
+        if e is None:
+            return
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise OutputWriteError(f"output.dir: no space left on {self.out_dir}; free some space (finished "
+                                   "shards are kept, a re-run continues) or choose another output.dir") from e
+        if isinstance(e, OSError):
+            raise OutputWriteError(f"output.dir: cannot write in {self.out_dir}: {e.strerror or e}") from e
+        raise OutputWriteError(f"writing output failed: {type(e).__name__}: {e}") from e
 
     def put(self, item: ShardOutput) -> None:
         self._check()
