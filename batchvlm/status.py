@@ -1,31 +1,40 @@
-"""Progress of a job, read from its output folder alone (any number of ranks wrote it)."""
+"""Progress of a job, read from its output folder alone (any number of ranks wrote it).
+
+Where the inputs cannot be listed (gone, or not mounted here), the shards are those the
+folder has stats for, and how many are pending is unknown: said, not failed on.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from .data.sources import list_shards
+from .data.sources import SourceError, list_shards
 from .job import Job
-from .output.manifest import read_stats
+from .output.manifest import is_our_stats, read_stats
 
 
 def collect(job: Job) -> dict[str, Any]:
     """Shards done / partial (cut short by --limit or a stop) / failed (unreadable) / pending."""
     out = Path(job.output.dir)
-    shards = list_shards(job.input)
+    try:
+        stems, inputs_missing = [s.stem for s in list_shards(job.input)], None
+    except SourceError as e:
+        stems = sorted(p.name.removesuffix(".stats.json") for p in out.glob("*.stats.json") if is_our_stats(p))
+        inputs_missing = str(e)
     done, partial, failed, rows, errors = [], [], [], 0, 0
-    for s in shards:
-        stats = read_stats(out, s.stem)
+    for stem in stems:
+        stats = read_stats(out, stem)
         if stats is None:
             continue
         if stats.get("failed"):
-            failed.append(f"{s.stem}: {stats['failed']}")
-        elif (out / f"{s.stem}.parquet").exists():
-            (done if stats.get("complete") else partial).append(s.stem)
+            failed.append(f"{stem}: {stats['failed']}")
+        elif (out / f"{stem}.parquet").exists():
+            (done if stats.get("complete") else partial).append(stem)
             if stats.get("complete"):
                 rows += stats.get("rows", 0)
                 errors += stats.get("errors", 0)
-    return {"job": job.name, "output": str(out), "shards": len(shards), "done": len(done), "partial": len(partial),
-            "failed": len(failed), "pending": len(shards) - len(done) - len(partial) - len(failed), "rows": rows,
-            "errors": errors, "partial_shards": partial, "failed_shards": failed}
+    pending = None if inputs_missing else len(stems) - len(done) - len(partial) - len(failed)
+    return {"job": job.name, "output": str(out), "shards": None if inputs_missing else len(stems),
+            "done": len(done), "partial": len(partial), "failed": len(failed), "pending": pending, "rows": rows,
+            "errors": errors, "partial_shards": partial, "failed_shards": failed, "inputs_missing": inputs_missing}

@@ -41,6 +41,7 @@ class Encoded:
     data: bytes | None
     error: str | None = None
     path: str | None = None  # where the image bytes came from, for folder and path columns
+    name: str | None = None  # the image's file name in the input (tar member, file), where it has one
 
 
 @dataclass
@@ -98,13 +99,79 @@ def list_shards(inp: InputSpec) -> list[ShardRef]:
             raise SourceError(f"input.{'shards' if inp.shards else 'parquet'}: not found: {missing[0]}"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
         shards = [ShardRef(_stem(u), u, kind) for u in urls]
-    stems = [s.stem for s in shards]
-    dupes = sorted({s for s in stems if stems.count(s) > 1})
-    if dupes:
-        raise SourceError(f"input: two shards would write the same output {dupes[0]!r}.parquet")
+    by_stem: dict[str, list[str]] = {}
+    for s in shards:
+        by_stem.setdefault(s.stem, []).append(s.url)
+    if dupes := sorted(stem for stem, urls in by_stem.items() if len(urls) > 1):
+        field = "folder" if inp.folder else "shards" if inp.shards else "parquet"
+        a, b = by_stem[dupes[0]][:2]
+        raise SourceError(f"input.{field}: {a} and {b} would both write {dupes[0]}.parquet" + _own_output(a, b))
     if not shards:
         raise SourceError("input: no shards found")
     return sorted(shards, key=lambda s: s.stem)
+
+
+def _own_output(*urls: str) -> str:
+    """Why two shards share a name when one of them is a file batchvlm wrote."""
+    from ..output.manifest import written_by_us
+
+    ours = [u for u in urls if u.endswith(".parquet") and not is_url(u) and written_by_us(Path(u))]
+    if not ours:
+        return "; rename one"
+    return (f"; {ours[0]} is batchvlm's own output: the pattern matches the output folder "
+            f"{os.path.dirname(ours[0])}. Narrow the pattern or move output.dir")
+
+
+PARQUET_IMAGE_TYPES = "image bytes (binary), a path (string), or a {bytes, path} struct"
+
+
+def check_parquet_columns(url: str, schema, inp: InputSpec) -> None:
+    """The image column exists and holds something an image can come from."""
+    import pyarrow as pa
+
+    names = schema.names
+    if inp.image_column not in names:
+        raise SourceError(f"input.image_column: {url} has no column {inp.image_column!r} (has {names})")
+    if inp.key_column and inp.key_column not in names:
+        raise SourceError(f"input.key_column: {url} has no column {inp.key_column!r} (has {names})")
+    t = schema.field(inp.image_column).type
+    ok = (pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_string(t)
+          or pa.types.is_large_string(t) or pa.types.is_null(t)
+          or (pa.types.is_struct(t) and {"bytes", "path"} & {t.field(i).name for i in range(t.num_fields)}))
+    if not ok:
+        raise SourceError(f"input.image_column: column {inp.image_column!r} of {url} is {t}; expected "
+                          f"{PARQUET_IMAGE_TYPES}")
+
+
+def check_first_parquet(shards: list[ShardRef], inp: InputSpec) -> None:
+    """validate / --dry-run: read the schema of the first Parquet input (its footer only)."""
+    import pyarrow.parquet as pq
+
+    first = next((s for s in shards if s.kind == "parquet"), None)
+    if first is None:
+        return
+    try:
+        with fsspec.open(first.url, "rb") as f:
+            schema = pq.ParquetFile(f).schema_arrow
+    except (OSError, ValueError) as e:
+        raise SourceError(f"input.parquet: cannot read {first.url}: {e}") from None
+    check_parquet_columns(first.url, schema, inp)
+
+
+def count_samples(shard: ShardRef) -> int | None:
+    """Samples in a shard where the container says so cheaply (a Parquet footer, a folder
+    listing); None for tar shards (a stream has no index) and unreadable ones."""
+    try:
+        if shard.kind == "parquet":
+            import pyarrow.parquet as pq
+
+            with fsspec.open(shard.url, "rb") as f:
+                return pq.ParquetFile(f).metadata.num_rows
+        if shard.kind == "folder":
+            return len(_folder_images(Path(shard.url)))
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def read_shard(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | ShardDamaged]:
@@ -112,12 +179,16 @@ def read_shard(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | ShardDamag
     yield from reader(shard, inp)
 
 
-def _pick_image(sample: dict, image_keys: list[str]) -> tuple[bytes | None, str | None]:
+def _pick_image(key: str, sample: dict, image_keys: list[str]) -> Encoded:
     for ext in image_keys:
         if ext in sample:
-            return sample[ext], None
+            return Encoded(key, sample[ext], name=f"{key}.{ext}")
     present = sorted(k for k in sample if not k.startswith("__"))
-    return None, f"no image in sample (has: {', '.join(present) or 'nothing'})"
+    return Encoded(key, None, f"no image in sample (has: {', '.join(present) or 'nothing'})")
+
+
+# webdataset's metadata members (`__meta__.json`, `dir/__info__.txt`, `__x__/...`) are no samples
+_METADATA = re.compile(r"(^|/)__[^/]*__(\.[^/]*)?($|/)")
 
 
 def _tar_members(f) -> Iterator[tuple[str, str, bytes]]:
@@ -129,7 +200,7 @@ def _tar_members(f) -> Iterator[tuple[str, str, bytes]]:
     tar = tarfile.open(fileobj=f, mode="r|*")
     for info in tar:
         key, ext = base_plus_ext(info.name)
-        if info.isreg() and key is not None and not re.match(r"__[^/]*__($|/)", info.name):
+        if info.isreg() and key is not None and not _METADATA.search(info.name):
             yield key, ext.lower(), tar.extractfile(info).read()
         tar.members = []  # a stream holds no index: memory stays flat on huge shards
     # Stream mode ends quietly at a header it cannot read (bad checksum, cut short, missing).
@@ -150,30 +221,33 @@ def _read_tar(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | ShardDamage
         try:
             for k, ext, data in _tar_members(f):
                 if k != key and key is not None:
-                    yield Encoded(key, *_pick_image(sample, image_keys))
+                    yield _pick_image(key, sample, image_keys)
                     sample = {}
                 key = k
                 sample.setdefault(ext, data)  # a.jpg and a.JPG: the first wins
         except (tarfile.TarError, EOFError) as e:
             damaged = ShardDamaged(f"damaged tar: {e}")
         if key is not None:  # the last sample (before a break: its members so far were read whole)
-            yield Encoded(key, *_pick_image(sample, image_keys))
+            yield _pick_image(key, sample, image_keys)
         if damaged:
             yield damaged
 
 
+def _folder_images(root: Path) -> list[str]:
+    return sorted(f for f in os.listdir(root) if Path(f).suffix.lower() in FOLDER_EXTS
+                  and ((root / f).is_file() or (root / f).is_symlink()))  # a broken link: an error row
+
+
 def _read_folder(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded]:
     root = Path(shard.url)
-    names = sorted(f for f in os.listdir(root) if Path(f).suffix.lower() in FOLDER_EXTS
-                   and ((root / f).is_file() or (root / f).is_symlink()))  # a broken link: an error row
-    for name in names:
+    for name in _folder_images(root):
         path = root / name
         try:
             data = path.read_bytes()
         except OSError as e:
-            yield Encoded(name, None, f"read: {e.strerror}", str(path))
+            yield Encoded(name, None, f"read: {e.strerror}", str(path), name)
             continue
-        yield Encoded(name, data, None, str(path))
+        yield Encoded(name, data, None, str(path), name)
 
 
 def _read_parquet(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded]:
@@ -181,11 +255,7 @@ def _read_parquet(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded]:
 
     with fsspec.open(shard.url, "rb") as f:
         pf = pq.ParquetFile(f)
-        names = pf.schema_arrow.names
-        if inp.image_column not in names:
-            raise SourceError(f"input.image_column: {shard.url} has no column {inp.image_column!r} (has {names})")
-        if inp.key_column and inp.key_column not in names:
-            raise SourceError(f"input.key_column: {shard.url} has no column {inp.key_column!r}")
+        check_parquet_columns(shard.url, pf.schema_arrow, inp)
         columns = [inp.image_column] + ([inp.key_column] if inp.key_column else [])
         row = 0
         base = shard.url.rsplit("/", 1)[0]
@@ -203,8 +273,9 @@ def _read_parquet(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded]:
                     yield Encoded(key, value)
                 else:
                     path = value if is_url(value) or os.path.isabs(value) else f"{base}/{value}"
+                    name = path.rstrip("/").rsplit("/", 1)[-1]
                     try:
                         with fsspec.open(path, "rb") as img:
-                            yield Encoded(key, img.read(), None, path)
+                            yield Encoded(key, img.read(), None, path, name)
                     except OSError as e:
-                        yield Encoded(key, None, f"read {value}: {e.strerror or e}", path)
+                        yield Encoded(key, None, f"read: {value}: {e.strerror or e}", path, name)

@@ -1,19 +1,24 @@
-"""Reading a finished output folder back: its job, its rows, and the images they came from."""
+"""Reading a finished output folder back: its job, its rows, and the images they came from.
+
+An output folder stays readable when its inputs do not: `status`, `preview` and `export`
+work from the folder alone. The job record keeps absolute paths; a project moved as a whole
+(inputs and outputs together) is found again relative to where the folder is now, and a shard
+whose input is gone is still listed (from its stats), only its images cannot be read.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-from PIL import Image
 
-from ..data.decode import decode
-from ..data.sources import Encoded, ShardRef, list_shards, read_shard
-from ..job import Job
+from ..data.sources import Encoded, ShardRef, SourceError, list_shards, read_shard
+from ..job import InputSpec, Job, is_url
 from ..tasks import column_of, kind_of
 from .manifest import JOB_FILE, read_stats
 
@@ -22,20 +27,55 @@ class OutputError(ValueError):
     pass
 
 
+def _moved(path: str, recorded_out: Path, actual_out: Path) -> str:
+    """`path` as it lies relative to the output folder, after the folder moved."""
+    if is_url(path) or recorded_out == actual_out:
+        return path
+    return os.path.normpath(actual_out / os.path.relpath(path, recorded_out))
+
+
+def _relocated_input(inp: InputSpec, recorded_out: Path, actual_out: Path) -> InputSpec:
+    """The inputs where they are found: as recorded, or moved along with the output folder."""
+    try:
+        list_shards(inp)
+        return inp
+    except SourceError:
+        pass
+    updates = {f: [_moved(p, recorded_out, actual_out) for p in getattr(inp, f)]
+               for f in ("shards", "parquet") if getattr(inp, f)}
+    if inp.folder:
+        updates["folder"] = _moved(inp.folder, recorded_out, actual_out)
+    moved = inp.model_copy(update=updates)
+    try:
+        list_shards(moved)
+        return moved
+    except SourceError:
+        return inp  # gone: shards are listed from their stats, images cannot be read
+
+
+def _kind(inp: InputSpec) -> str:
+    return "folder" if inp.folder else "tar" if inp.shards else "parquet"
+
+
 @dataclass
 class Output:
     dir: Path
-    job: Job
+    job: Job  # as recorded, with output.dir (and the inputs, if they moved with it) where they are now
     record: dict[str, Any]
+    recorded_dir: Path  # where the folder was when it was written
 
     @classmethod
     def open(cls, out_dir: str | Path) -> Output:
         out = Path(out_dir)
         try:
             record = json.loads((out / JOB_FILE).read_text())
-        except (OSError, ValueError):
+            job = Job.model_validate(record["job_spec"])
+        except (OSError, ValueError, KeyError, TypeError):
             raise OutputError(f"{out}: not a batchvlm output folder (no readable {JOB_FILE})") from None
-        return cls(out, Job.model_validate(record["job_spec"]), record)
+        recorded, actual = Path(job.output.dir), out.resolve()
+        inp = _relocated_input(job.input, recorded, actual)
+        job = job.model_copy(update={"input": inp, "output": job.output.model_copy(update={"dir": str(actual)})})
+        return cls(out, job, record, recorded)
 
     def columns(self, kind: str) -> list[str]:
         return [column_of(t) for t in self.job.tasks if kind_of(t) == kind]
@@ -48,19 +88,24 @@ class Output:
                 names += [o for o in getattr(t, kind_of(t)).objects if o not in names]
         return names
 
+    def input_shards(self) -> list[ShardRef] | None:
+        """The job's input shards, or None when the inputs cannot be listed (gone)."""
+        try:
+            return list_shards(self.job.input)
+        except SourceError:
+            return None
+
     def shards(self, partial: bool = False) -> list[ShardRef]:
         """Finished shards, in shard order (their Parquet and done marker exist); with `partial`
-        also those a --limit run cut short."""
+        also those a --limit run cut short. Listed from the stats where the inputs are gone."""
+        listed = {s.stem: s for s in self.input_shards() or []}
         done = []
         for p in sorted(self.dir.glob("*.parquet")):
             stats = read_stats(self.dir, p.stem)
             if stats and (stats.get("complete") or (partial and "rows" in stats)):
-                done.append(p.stem)
-        by_stem = {s.stem: s for s in list_shards(self.job.input)}
-        missing = [s for s in done if s not in by_stem]
-        if missing:
-            raise OutputError(f"{self.dir}: input shard for {missing[0]!r} is gone; cannot read its images")
-        return [by_stem[s] for s in done]
+                source = _moved(str(stats.get("source", "")), self.recorded_dir, self.dir.resolve())
+                done.append(listed.get(p.stem) or ShardRef(p.stem, source, _kind(self.job.input)))
+        return done
 
     def rows(self, limit: int | None = None, partial: bool = False) -> Iterator[tuple[ShardRef, dict[str, Any]]]:
         n = 0
@@ -71,10 +116,12 @@ class Output:
                 yield shard, row
                 n += 1
 
-    def images(self, shard: ShardRef, keys: set[str]) -> Iterator[tuple[str, Image.Image, str]]:
-        """(key, image after EXIF orientation, original format) for `keys` of one shard."""
-        for enc in read_shard(shard, self.job.input):
-            if isinstance(enc, Encoded) and enc.key in keys and enc.data:
-                d = decode(enc.data, self.job.loader.max_image_pixels)
-                if d.image is not None:
-                    yield enc.key, d.image, d.format or "JPEG"
+    def encoded(self, shard: ShardRef, keys: set[str]) -> Iterator[Encoded]:
+        """The input bytes of `keys` of one shard; OutputError when the input is gone."""
+        try:
+            for enc in read_shard(shard, self.job.input):
+                if isinstance(enc, Encoded) and enc.key in keys and enc.data:
+                    yield enc
+        except (OSError, SourceError) as e:
+            raise OutputError(f"{shard.stem}: cannot read its input {shard.url} ({getattr(e, 'strerror', None) or e})"
+                              ) from None
