@@ -7,6 +7,7 @@ with `--debug` (also passed to the worker processes `run` starts).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -20,7 +21,7 @@ from .job import Job, JobError, load_job
 from .models.family import FamilyError, ModelLoadError
 from .output import manifest
 from .output.placement import check_apart_from_inputs, check_writable
-from .output.writer import OutputWriteError
+from .output.writer import OutputWriteError, write_failure
 
 DEBUG_ENV = "BATCHVLM_DEBUG"
 
@@ -96,6 +97,10 @@ def run(
         fail(str(e))
     except OutputWriteError as e:
         fail(str(e), 1)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EROFS):  # the job record, a stats file: the output again
+            fail(str(write_failure(e, Path(job.output.dir))), 1)
+        raise
     typer.echo(summary.line(job.output.dir), err=True)
     if summary.stopped_by_signal:
         raise typer.Exit(EXIT_STOPPED)

@@ -62,6 +62,16 @@ class OutputWriteError(RuntimeError):
     """Output could not be written (disk full, folder gone read-only): one line for the user."""
 
 
+def write_failure(e: BaseException, out_dir: Path) -> OutputWriteError:
+    """One line for a failed write of the output, saying what to do."""
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return OutputWriteError(f"output.dir: no space left on {out_dir}; free some space (finished shards "
+                                "are kept, a re-run continues) or choose another output.dir")
+    if isinstance(e, OSError):
+        return OutputWriteError(f"output.dir: cannot write in {out_dir}: {e.strerror or e}")
+    return OutputWriteError(f"writing output failed: {type(e).__name__}: {e}")
+
+
 @contextmanager
 def _removing_on_error(tmp: Path) -> Iterator[None]:
     """A failed write leaves no temporary behind (a full disk stays no fuller than it was)."""
@@ -130,15 +140,8 @@ class WriterThread:
                 self._error = e
 
     def _check(self) -> None:
-        e = self._error
-        if e is None:
-            return
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            raise OutputWriteError(f"output.dir: no space left on {self.out_dir}; free some space (finished "
-                                   "shards are kept, a re-run continues) or choose another output.dir") from e
-        if isinstance(e, OSError):
-            raise OutputWriteError(f"output.dir: cannot write in {self.out_dir}: {e.strerror or e}") from e
-        raise OutputWriteError(f"writing output failed: {type(e).__name__}: {e}") from e
+        if self._error is not None:
+            raise write_failure(self._error, self.out_dir) from self._error
 
     def put(self, item: ShardOutput) -> None:
         self._check()
