@@ -31,7 +31,7 @@ RESERVED_COLUMNS = {"key", "source", "width", "height", "status", "error"}
 DEFAULT_MAX_BATCH_SIZE = {"cpu": 64, "cuda": 256}
 MAX_BATCH_SIZE = 16384  # beyond any device's KV cache at Moondream's 730-token image prefix
 
-NonEmpty = Annotated[str, Field(min_length=1, pattern=r"\S")]
+NonEmpty = Annotated[str, Field(min_length=1, pattern=r"^[^\x00]*\S[^\x00]*$")]  # and no NUL: no path holds one
 
 
 class JobError(ValueError):
@@ -63,7 +63,7 @@ class InputSpec(Strict):
 
 
 class ModelSpec(Strict):
-    name: str = Field("demo", description="'demo' (built in), a Hugging Face repo id, or a local model folder.")
+    name: NonEmpty = Field("demo", description="'demo' (built in), a Hugging Face repo id, or a local model folder.")
     family: NonEmpty = Field("auto",
                              description="auto (from the model folder's config.json) or the family it must be: moondream.")
     revision: NonEmpty | None = Field(
@@ -193,7 +193,8 @@ def _clean_loc(loc: tuple) -> str:
         s = str(x)
         if "[" in s or s in _TYPE_LABELS or s.startswith("constrained-") or (parts and parts[-1] == s):
             continue
-        parts.append(s)
+        # a hostile key ("a: b", "x.y", a newline) is quoted, so the message stays one line
+        parts.append(s if s.isprintable() and s.strip() == s and not any(c in s for c in ".: ") else json.dumps(s))
     return ".".join(parts) or "<root>"
 
 
