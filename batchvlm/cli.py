@@ -139,11 +139,14 @@ def validate(job_file: Path = JOB_ARG) -> None:
     job = _load(job_file)
     try:
         job, shards = _check(job)
+        if job.output.mode == "resume" and Path(job.output.dir).is_dir():
+            manifest.check_settings(Path(job.output.dir), job.label_fingerprint(), job.label_settings())
     except USER_ERRORS as e:
         fail(str(e))
     except ValueError as e:  # an inconsistent rank environment
         fail(str(e))
-    typer.echo(f"{job_file}: ok ({len(shards)} shard(s), {len(job.tasks)} task(s))")
+    typer.echo(f"{job_file}: ok ({len(shards)} shard(s), {len(job.tasks)} task(s), {job.model.device}, "
+               f"{job.model.dtype})")
 
 
 @app.command()
