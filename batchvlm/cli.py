@@ -109,17 +109,22 @@ def run(
 
 
 def _check(job: Job) -> tuple[Job, list[ShardRef]]:
-    """Everything that can be checked before any work starts, loading no weights:
+    """Everything that can be checked before any work starts, loading no weights: inputs,
+    output folder, device, and the model's host side (config and tokenizer; every task's
+    prompt rendered and measured against the context).
     -> the job as it runs on this machine (device, dtype), and its shards."""
     from .device import for_device
     from .dist import resolve_rank
+    from .models.registry import open_family
 
     shards = list_shards(job.input)
     check_first_parquet(shards, job.input)
     out = Path(job.output.dir)
     check_writable(out)
     check_apart_from_inputs(out, job.input, [(s.stem, s.url) for s in shards])
-    return for_device(job, resolve_rank()), shards
+    job = for_device(job, resolve_rank())
+    open_family(job.model, weights=False).sequences(job.tasks, job.engine)
+    return job, shards
 
 
 def _plan(job: Job, overwrite: bool) -> None:

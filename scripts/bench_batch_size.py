@@ -22,6 +22,7 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 SHAPED = {  # Moondream 2's structure, narrower: what a CPU sweep can afford
     "vision": {"enc_n_layers": 27, "crop_size": 378, "enc_patch_size": 14, "enc_dim": 192, "enc_ff_dim": 768,
@@ -39,8 +40,10 @@ def one(batch: int, images: int, full: bool, device: str, max_new_tokens: int) -
     from batchvlm.engine.engine import Engine
     from batchvlm.engine.labeler import WorkItem
     from batchvlm.job import EngineSpec
+    from batchvlm.models.family import ModelInfo
+    from batchvlm.models.hub import resolve_device, resolve_dtype
     from batchvlm.models.moondream.config import MoondreamConfig
-    from batchvlm.models.moondream.family import ModelInfo, Moondream, resolve_device, resolve_dtype
+    from batchvlm.models.moondream.family import Moondream, MoondreamEngine
     from batchvlm.models.moondream.weights import build_model
     from batchvlm.shapes.world import SPEC, draw_scene
     from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
@@ -59,14 +62,18 @@ def one(batch: int, images: int, full: bool, device: str, max_new_tokens: int) -
         model.text.lm_head.bias[config.tokenizer.eos_id] = -1e4  # fixed lengths: the same work at every size
     tok = Tokenizer(models.WordLevel({"[unk]": 0} | {w: i + 1 for i, w in enumerate("abcdefghij")}, unk_token="[unk]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    md = Moondream(model, tok, ModelInfo("shaped", None, "", "random", str(dtype), str(dev)))
+    family = Moondream(config, tok, Path(), "shaped", None)
+    engine_model = MoondreamEngine(model, ModelInfo("shaped", None, "", "random", str(dtype), str(dev), "moondream",
+                                                    "native"))
     tasks = [CaptionTask(caption={"length": "normal"}), QueryTask(query={"question": "a b c"}),
              DetectTask(detect={"objects": ["a", "b"]}), PointTask(point={"objects": ["c"]})]
-    seqs = md.sequences(tasks, max_new_tokens, 4)
+    spec = EngineSpec(max_batch_size=batch, max_new_tokens=max_new_tokens, max_objects=4)
+    seqs = family.sequences(tasks, spec)
+    spec = spec.model_copy(update={"max_images_in_flight": max(8, 2 * batch // len(seqs))})
     rng = random.Random(1)
-    prepared = [md.preprocessor(draw_scene(rng, SPEC)[0]) for _ in range(images)]
-    spec = EngineSpec(max_batch_size=batch, max_images_in_flight=max(8, 2 * batch // len(seqs)))
-    engine = Engine(md, seqs, spec)
+    pre = family.preprocessor()
+    prepared = [pre(draw_scene(rng, SPEC)[0]) for _ in range(images)]
+    engine = Engine(engine_model, seqs, spec, family.max_prefix_len())
     before = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     for _ in engine.run([WorkItem(i, p, str(i)) for i, p in enumerate(prepared)]):
