@@ -238,3 +238,12 @@ def test_export_names_follow_the_inputs(tmp_path):
     data = yaml.safe_load((tmp_path / "yolo" / "data.yaml").read_text())
     assert "train" not in data and not (tmp_path / "yolo" / "images").exists()
     assert (tmp_path / "yolo" / "labels" / "_root" / "img_000.txt").exists()
+
+
+def test_model_mistakes_are_found_by_validate_and_dry_run(tmp_path):
+    long = tar_job(tmp_path, tasks=[{"query": {"question": "what is this " * 200}}])
+    for args in (("validate", long), ("run", long, "--dry-run")):
+        one_line_error(cli(*args), "tasks.0", "context")
+    unknown = tar_job(tmp_path, model={"name": "nobody/nothing"})  # offline (conftest): not in the cache
+    one_line_error(cli("validate", unknown), "model.name", "nobody/nothing")
+    assert not (tmp_path / "out").exists()  # nothing was created for a job that cannot run
