@@ -1,7 +1,13 @@
-"""batchvlm command line. Every knob lives in the job file; flags here are operational only."""
+"""batchvlm command line. Every knob lives in the job file; flags here are operational only.
+
+Every failure a user can cause is one line, `batchvlm: error: <field or file>: <cause>; <fix>`,
+exit code 2 for a job that cannot run as written, 1 for a run that failed; a traceback only
+with `--debug` (also passed to the worker processes `run` starts).
+"""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -9,18 +15,39 @@ from pathlib import Path
 
 import typer
 
+from . import __version__
 from .data.shardlist import plan
-from .data.sources import SourceError, list_files
+from .data.sources import ShardRef, SourceError, check_first_parquet, list_files
 from .job import Job, JobError, load_job
 from .models.family import FamilyError, ModelLoadError
 from .output import manifest
 from .output.layout import Layout
+from .output.placement import check_apart_from_inputs, check_writable
+from .output.writer import OutputWriteError, write_failure
+
+DEBUG_ENV = "BATCHVLM_DEBUG"
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode=None,  # plain click help: no `<bool>` metavars on flags
                   help="Label image datasets with vision-language models: shards in, Parquet labels out.")
 
 JOB_ARG = typer.Argument(..., help="The job file (YAML).")
 USER_ERRORS = (JobError, SourceError, ModelLoadError, FamilyError, manifest.OutputConflict)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"batchvlm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    debug: bool = typer.Option(False, "--debug", help="Show the traceback of a failure."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    if debug:
+        os.environ[DEBUG_ENV] = "1"
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -70,6 +97,12 @@ def run(
         fail(str(e))
     except ValueError as e:  # an inconsistent rank environment
         fail(str(e))
+    except OutputWriteError as e:
+        fail(str(e), 1)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EROFS):  # the job record, a stats file: the output again
+            fail(str(write_failure(e, Path(job.output.dir))), 1)
+        raise
     typer.echo(summary.line(job.output.dir), err=True)
     if summary.stopped_by_signal:
         raise typer.Exit(EXIT_STOPPED)
@@ -77,15 +110,35 @@ def run(
         raise typer.Exit(1)
 
 
+def _check(job: Job, layout: Layout | None = None) -> tuple[Job, list[ShardRef]]:
+    """Everything that can be checked before any work starts, loading no weights: inputs,
+    output folder, device, and the model's host side (config and tokenizer; every task's
+    prompt rendered and measured against the context). `layout`: plan against its frozen
+    shard list. -> the job as it runs on this machine (device, dtype), and its shards."""
+    from .device import for_device
+    from .dist import resolve_rank
+    from .models.registry import open_family
+
+    out = Path(job.output.dir)
+    if job.input.kind == "parquet":
+        manifest.check_not_input(Layout(out), list_files(job.input))
+    shards = plan(job.input, layout)
+    check_first_parquet(shards, job.input)
+    check_writable(out)
+    check_apart_from_inputs(out, job.input, [(s.stem, s.url) for s in shards])
+    job = for_device(job, resolve_rank())
+    open_family(job.model, weights=False).sequences(job.tasks, job.engine)
+    return job, shards
+
+
 def _plan(job: Job, overwrite: bool) -> None:
     layout = Layout(Path(job.output.dir))
-    if job.input.kind == "parquet":
-        manifest.check_not_input(layout, list_files(job.input))
     if not overwrite:
         layout.check()
-        manifest.check_settings(layout, job.label_fingerprint())
-    shards = plan(job.input, None if overwrite else layout)
+    job, shards = _check(job, None if overwrite else layout)
     out = layout.dir
+    if not overwrite and out.is_dir():
+        manifest.check_settings(layout, job.label_fingerprint(), job.label_settings())
     done = [] if overwrite else [s for s in shards if manifest.is_done(layout, s)]
     typer.echo(f"job {job.name}: {len(shards)} shard(s), {len(done)} done, {len(shards) - len(done)} to label")
     typer.echo(f"model {job.model.name} (revision {job.model.revision or 'default'}), "
@@ -94,13 +147,20 @@ def _plan(job: Job, overwrite: bool) -> None:
 
 @app.command()
 def validate(job_file: Path = JOB_ARG) -> None:
-    """Check JOB_FILE and its inputs without loading a model."""
+    """Check JOB_FILE, its inputs and its output folder without loading a model."""
     job = _load(job_file)
     try:
-        shards = plan(job.input)
-    except SourceError as e:
+        job, shards = _check(job)
+        layout = Layout(Path(job.output.dir))
+        if job.output.mode == "resume" and layout.dir.is_dir():
+            layout.check()
+            manifest.check_settings(layout, job.label_fingerprint(), job.label_settings())
+    except USER_ERRORS as e:
         fail(str(e))
-    typer.echo(f"{job_file}: ok ({len(shards)} shard(s), {len(job.tasks)} task(s))")
+    except ValueError as e:  # an inconsistent rank environment
+        fail(str(e))
+    typer.echo(f"{job_file}: ok ({len(shards)} shard(s), {len(job.tasks)} task(s), {job.model.device}, "
+               f"{job.model.dtype})")
 
 
 @app.command()
@@ -120,9 +180,11 @@ def status(
     if as_json:
         typer.echo(json.dumps(report, indent=1))
         return
-    typer.echo(f"{job.name}: {report['done']}/{report['shards']} shards done, {report['partial']} partial, "
-               f"{report['failed']} failed, {report['pending']} pending, {report['damaged']} damaged; "
-               f"{report['rows']} rows, {report['errors']} errors")
+    typer.echo(f"{job.name}: {report['done']}/{report['shards'] or '?'} shards done, {report['partial']} partial, "
+               f"{report['failed']} failed, {report['pending'] if report['pending'] is not None else '?'} pending, "
+               f"{report['damaged']} damaged; {report['rows']} rows, {report['errors']} errors")
+    if report["inputs_missing"]:
+        typer.echo(f"  inputs not found ({report['inputs_missing']}): pending shards unknown")
     for line in report["damaged_shards"][:10]:
         typer.echo(f"  damaged: {line}")
     for name in report["partial_shards"][:10]:
@@ -174,7 +236,17 @@ def export_cmd(
 
 
 def main() -> None:
-    app(prog_name="batchvlm")
+    """The console entry point: an unexpected failure is one line unless --debug. (Usage
+    errors, --help and exits are click's: they end in SystemExit, which passes.)"""
+    try:
+        app(prog_name="batchvlm")
+    except Exception as e:  # noqa: BLE001 - the one place a bug becomes one line
+        if os.environ.get(DEBUG_ENV):
+            raise
+        where = f" ({e.filename})" if isinstance(e, OSError) and e.filename else ""
+        typer.echo(f"batchvlm: error: {type(e).__name__}: {e}{where} (run with --debug for the traceback)",
+                   err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

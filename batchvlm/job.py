@@ -2,15 +2,21 @@
 
 `load_job(path)` reads YAML and returns a `Job`, or raises `JobError` with one line naming the
 field path and what was expected. Relative local paths resolve against the job file's folder.
-`schemas/job.schema.json` is generated from these models (`batchvlm validate --schema`).
+`schemas/job.schema.json` is generated from these models (`scripts/gen_schemas.py`).
+
+Validation is strict where YAML could silently mean something else: a boolean is never a number
+(`max_batch_size: true`), a number or date is never a string unless it is a revision, floats
+are finite, every number is bounded, and a key given twice is an error.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
+import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -18,6 +24,14 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 from .tasks import Strict, Task, column_of, raw_column, truncated_column
 
 RESERVED_COLUMNS = {"key", "source", "width", "height", "status", "error"}
+
+# Concurrent sequences when engine.max_batch_size is not given, by device type. Measured with
+# scripts/bench_batch_size.py (README, "Batch size"): on CPU, larger batches only add
+# allocation churn; on CUDA, the engine needs a wide batch to fill the device.
+DEFAULT_MAX_BATCH_SIZE = {"cpu": 64, "cuda": 256}
+MAX_BATCH_SIZE = 16384  # beyond any device's KV cache at Moondream's 730-token image prefix
+
+NonEmpty = Annotated[str, Field(min_length=1, pattern=r"^[^\x00]*\S[^\x00]*$")]  # and no NUL: no path holds one
 
 
 class JobError(ValueError):
@@ -29,25 +43,26 @@ def is_url(path: str) -> bool:
 
 
 class InputSpec(Strict):
-    shards: str | list[str] | None = Field(
+    shards: NonEmpty | list[NonEmpty] | None = Field(
         None, description="Webdataset tar shards: paths or fsspec URLs, with {000..009} brace expansion and globs.")
-    folder: str | None = Field(None, description="A directory tree of images; each directory is split into shards "
-                                                 "of at most shard_size images.")
-    parquet: str | list[str] | None = Field(
+    folder: NonEmpty | None = Field(None, description="A directory tree of images; each directory is split into "
+                                                      "shards of at most shard_size images.")
+    parquet: NonEmpty | list[NonEmpty] | None = Field(
         None, description="Parquet files (brace expansion, globs); a file of more than shard_size rows is split "
                           "into row ranges.")
-    image_column: str = Field("image", description="Parquet: column with image bytes or a path to the image.")
-    key_column: str | None = Field(None, description="Parquet: column with a sample key (default: row number).")
-    image_keys: list[str] = Field(["jpg", "jpeg", "png", "webp"],
-                                  description="Webdataset: file extensions that hold the image, by priority "
-                                              "(a folder reads every common image type).")
-    shard_size: int = Field(10_000, ge=1, description="Folder and Parquet input: images per shard (the unit of "
+    image_column: NonEmpty = Field("image", description="Parquet: column with image bytes or a path to the image.")
+    key_column: NonEmpty | None = Field(None, description="Parquet: column with a sample key (default: row number).")
+    image_keys: list[NonEmpty] = Field(["jpg", "jpeg", "png", "webp"], min_length=1,
+                                       description="Webdataset: file extensions that hold the image, by priority "
+                                                   "(a folder reads every common image type).")
+    shard_size: int = Field(10_000, ge=1, le=100_000_000,
+                            description="Folder and Parquet input: images per shard (the unit of "
                             "output, resume and memory). The first run freezes which images each shard holds; "
                             "images added later go into new shards. Tars stay one shard each.")
-    keep: list[str] = Field([], description="Input metadata passed through as output columns. Parquet: columns of "
-                            "the input table (types kept). Tar / folder: sidecar extensions (json, txt, ...: the "
-                            "file beside the image, as a string; null when missing); folder: also `path`, the "
-                            "image's path relative to input.folder.")
+    keep: list[NonEmpty] = Field([], description="Input metadata passed through as output columns. Parquet: columns "
+                                 "of the input table (types kept). Tar / folder: sidecar extensions (json, txt, ...: "
+                                 "the file beside the image, as a string; null when missing); folder: also `path`, "
+                                 "the image's path relative to input.folder.")
     allow_damaged: bool = Field(False, description="A damaged tar (cut short, not a tar) keeps the samples before "
                                 "the break either way; true = the run still exits 0.")
 
@@ -84,11 +99,12 @@ class InputSpec(Strict):
 
 
 class ModelSpec(Strict):
-    name: str = Field("demo", description="'demo' (built in), a Hugging Face repo id, or a local model folder.")
-    family: str = Field("auto", min_length=1,
-                        description="auto (from the model folder's config.json) or the family it must be: moondream, "
-                                    "qwen3_vl.")
-    revision: str | None = Field(None, description="Hub revision (tag, branch or commit); pin it for reproducible labels.")
+    name: NonEmpty = Field("demo", description="'demo' (built in), a Hugging Face repo id, or a local model folder.")
+    family: NonEmpty = Field("auto",
+                             description="auto (from the model folder's config.json) or the family it must be: "
+                                         "moondream, qwen3_vl.")
+    revision: NonEmpty | None = Field(
+        None, description="Hub revision (tag, branch or commit); pin it for reproducible labels.")
     backend: Literal["auto", "native", "transformers"] = Field(
         "auto", description="native = batchvlm's own engine (a family that matches config.json); transformers = "
         "static batches through transformers' generate (pip install 'batchvlm[transformers]'); auto = native where "
@@ -104,33 +120,46 @@ class ModelSpec(Strict):
                                                            "(default: the checkpoint's). Fewer pixels = fewer image "
                                                            "tokens: faster vision and prefill, less KV memory.")
 
+    @field_validator("revision", mode="before")
+    @classmethod
+    def _date_revision(cls, v: Any) -> Any:
+        """`revision: 2025-06-21` is a tag, though YAML reads a date."""
+        return v.isoformat() if isinstance(v, datetime.date) else v
+
 
 class EngineSpec(Strict):
-    max_batch_size: int = Field(256, ge=1, description="Sequences decoded concurrently.")
-    max_new_tokens: int = Field(128, ge=1, description="Token limit of captions and answers.")
-    max_objects: int = Field(50, ge=1, description="Limit of points / boxes per object name.")
-    temperature: float = Field(0.0, ge=0.0, description="0 = greedy (reproducible labels).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling for temperature > 0.")
-    seed: int = Field(0, description="Sampling seed; each sample draws from (seed, key, task) alone.")
+    max_batch_size: int | None = Field(
+        None, ge=1, le=MAX_BATCH_SIZE,
+        description="Sequences decoded concurrently (default: "
+                    + ", ".join(f"{n} on {d.upper()}" for d, n in DEFAULT_MAX_BATCH_SIZE.items()) + ").")
+    max_new_tokens: int = Field(128, ge=1, le=32768, description="Token limit of captions and answers.")
+    max_objects: int = Field(50, ge=1, le=1000, description="Limit of points / boxes per object name.")
+    temperature: float = Field(0.0, ge=0.0, le=10.0, allow_inf_nan=False, description="0 = greedy (reproducible labels).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling for temperature > 0.")
+    seed: int = Field(0, ge=0, lt=2**63, description="Sampling seed; each sample draws from (seed, key, task) alone.")
     pipelined: bool | Literal["auto"] = Field(
         "auto", description="auto = pipelined where the device runs asynchronously (CUDA), synchronous on CPU "
         "(nothing to overlap there); false = synchronous steps, for ablation and debugging.")
     cuda_graphs: bool = Field(True, description="Capture decode steps in CUDA graphs (CUDA only).")
-    block_size: int = Field(16, ge=1, description="KV-cache block size in tokens.")
-    kv_memory_fraction: float = Field(0.85, gt=0.0, le=0.98,
+    block_size: int = Field(16, ge=1, le=1024, description="KV-cache block size in tokens.")
+    kv_memory_fraction: float = Field(0.85, gt=0.0, le=0.98, allow_inf_nan=False,
                                       description="Share of free accelerator memory for the KV cache.")
-    max_images_in_flight: int = Field(64, ge=1, description="Images encoded but not yet fully labelled.")
+    max_images_in_flight: int = Field(64, ge=1, le=MAX_BATCH_SIZE, description="Images encoded but not yet fully labelled.")
+
+    def batch_size_for(self, device_type: str) -> int:
+        return self.max_batch_size or DEFAULT_MAX_BATCH_SIZE.get(device_type, DEFAULT_MAX_BATCH_SIZE["cuda"])
 
 
 class LoaderSpec(Strict):
-    workers: int = Field(4, ge=0, description="CPU processes that decode and crop images (0 = in the main process).")
-    prefetch: int = Field(8, ge=1, description="Decoded images buffered per worker.")
-    max_image_pixels: int = Field(100_000_000, ge=1, description="Larger images become error rows.")
+    workers: int = Field(4, ge=0, le=256,
+                         description="CPU processes that decode and crop images (0 = in the main process).")
+    prefetch: int = Field(8, ge=1, le=1024, description="Decoded images buffered per worker.")
+    max_image_pixels: int = Field(100_000_000, ge=1, le=1_000_000_000, description="Larger images become error rows.")
     jpeg_draft: bool = Field(True, description="Decode JPEGs at reduced size when the model needs fewer pixels.")
 
 
 class OutputSpec(Strict):
-    dir: str = Field(description="Output folder (relative paths resolve against the job file).")
+    dir: NonEmpty = Field(description="Output folder (relative paths resolve against the job file).")
     compression: Literal["zstd", "snappy", "gzip", "none"] = "zstd"
     mode: Literal["resume", "overwrite"] = Field("resume", description="resume skips finished shards.")
     raw_text: bool = Field(False, description="Add <name>_raw beside each detect / point column: the decoded "
@@ -138,7 +167,7 @@ class OutputSpec(Strict):
 
 
 class RuntimeSpec(Strict):
-    gpus: Literal["all"] | int | list[int] = Field(
+    gpus: Literal["all"] | Annotated[int, Field(le=1024)] | list[Annotated[int, Field(le=1023)]] = Field(
         "all", description="GPUs of this node to use, one worker process each: all, a count (>= 1), or "
         "distinct ids.")
 
@@ -150,13 +179,13 @@ class RuntimeSpec(Strict):
         if isinstance(v, list) and (not v or min(v) < 0 or len(set(v)) != len(v)):
             raise ValueError("GPU ids must be distinct numbers >= 0, at least one")
         return v
-    workers_per_node: int = Field(1, ge=1, description="Worker processes on a machine without GPUs.")
+    workers_per_node: int = Field(1, ge=1, le=1024, description="Worker processes on a machine without GPUs.")
     work_stealing: bool = Field(False, description="Claim shards with atomic files in the output folder "
                                                    "(shared filesystems; for uneven shards).")
 
 
 class Job(Strict):
-    name: str = Field(min_length=1)
+    name: NonEmpty
     input: InputSpec
     model: ModelSpec = ModelSpec()
     tasks: list[Task] = Field(min_length=1)
@@ -193,10 +222,11 @@ class Job(Strict):
                                      "row already writes; rename one")
         return self
 
-    def label_fingerprint(self) -> str:
-        """Hash of every setting that changes labels (not inputs, not speed knobs)."""
+    def label_settings(self) -> dict[str, Any]:
+        """Every setting that changes labels (not inputs, not speed knobs). `model.dtype` must
+        be resolved for the device first (run.py): `auto` means different precisions."""
         e = self.engine
-        relevant = {
+        return {
             "model": self.model.model_dump(exclude={"device", "family"}),  # the weights hash pins the family
             "tasks": [t.model_dump() for t in self.tasks],
             "engine": {k: getattr(e, k) for k in ("max_new_tokens", "max_objects", "temperature", "top_p", "seed")},
@@ -205,14 +235,16 @@ class Job(Strict):
             "loader": {"max_image_pixels": self.loader.max_image_pixels, "jpeg_draft": self.loader.jpeg_draft},
             "raw_text": self.output.raw_text,  # changes the columns
         }
-        return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+    def label_fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.label_settings(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _resolve(base: Path, p: str) -> str:
     if is_url(p):
         return p
-    path = Path(p).expanduser()
-    return str(path if path.is_absolute() else (base / path))
+    # normpath: `jobs/../data/x.tar` is `data/x.tar` in the source column and in messages
+    return os.path.normpath(base / Path(p).expanduser())  # an absolute path replaces base
 
 
 _TYPE_LABELS = ("int", "str", "float", "bool", "none")
@@ -223,10 +255,24 @@ def _clean_loc(loc: tuple) -> str:
     parts = []
     for x in loc:
         s = str(x)
-        if "[" in s or s in _TYPE_LABELS or (parts and parts[-1] == s):
+        if "[" in s or s in _TYPE_LABELS or s.startswith("constrained-") or (parts and parts[-1] == s):
             continue
-        parts.append(s)
+        # a hostile key ("a: b", "x.y", a newline) is quoted, so the message stays one line
+        parts.append(s if s.isprintable() and s.strip() == s and not any(c in s for c in ".: ") else json.dumps(s))
     return ".".join(parts) or "<root>"
+
+
+_YAML_TYPES = ((bool, "a boolean"), (int, "a number"), (float, "a number"), (datetime.date, "a date"))
+
+
+def _hint(err: dict[str, Any]) -> str:
+    """What YAML made of an unquoted value of the wrong type (`true`, `1e3`, `2025-06-21`)."""
+    value = err.get("input")
+    kind = next((name for t, name in _YAML_TYPES if isinstance(value, t)), None)
+    if kind is None or not err["type"].endswith("_type"):
+        return ""
+    shown = str(value).lower() if isinstance(value, bool) else value
+    return f" (YAML read {shown} as {kind}" + (f"; quote it: '{shown}')" if err["type"] == "string_type" else ")")
 
 
 def _format_error(e: ValidationError) -> str:
@@ -236,6 +282,7 @@ def _format_error(e: ValidationError) -> str:
     msgs = []
     for err in same:
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        msg += _hint(err)
         if msg not in msgs:
             msgs.append(msg)
     rest = len(errors) - len(same)
@@ -248,7 +295,7 @@ def parse_job(data: Any, base: Path, source: str = "job") -> Job:
     if not isinstance(data, dict):
         raise JobError(f"{source}: expected a mapping at the top level")
     try:
-        job = Job.model_validate(data)
+        job = Job.model_validate(data, strict=True)  # YAML gives real types: `true` is no count
     except ValidationError as e:
         raise JobError(f"{source}: {_format_error(e)}") from None
     inp = job.input
@@ -265,10 +312,42 @@ def parse_job(data: Any, base: Path, source: str = "job") -> Job:
     })
 
 
+def _duplicate_key(node: yaml.Node, path: str = "") -> str | None:
+    """`field.path: key given twice (lines a and b)` for the first key a mapping repeats."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for key, value in node.value:
+            name = key.value if isinstance(key, yaml.ScalarNode) else None
+            here = f"{path}.{name}" if path else str(name)
+            if name is not None and name in seen:
+                return f"{here}: key given twice (lines {seen[name] + 1} and {key.start_mark.line + 1})"
+            seen[name] = key.start_mark.line
+            if found := _duplicate_key(value, here):
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            if found := _duplicate_key(item, f"{path}.{i}"):
+                return found
+    return None
+
+
+def _read_yaml(text: str, source: str) -> Any:
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if duplicate := _duplicate_key(node):
+            raise JobError(f"{source}: {duplicate}")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def load_job(path: str | Path) -> Job:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = _read_yaml(path.read_text(), str(path))
     except OSError as e:
         raise JobError(f"{path}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError as e:

@@ -69,6 +69,7 @@ def spawn(job_file: Path, envs: list[dict[str, str]], limit: int | None, name: s
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     bar = tqdm(unit="img", desc=f"{name} x{len(procs)}", dynamic_ncols=True, file=sys.stderr)
     errors = 0
+    totals: dict[int, int] = {}  # worker's stdout fd -> its images to label, once it knows
     try:
         sel = selectors.DefaultSelector()
         for p in procs:
@@ -86,6 +87,10 @@ def spawn(job_file: Path, envs: list[dict[str, str]], limit: int | None, name: s
                 except ValueError:
                     sys.stdout.write(line)
                     continue
+                if msg.get("total") is not None:
+                    totals[key.fileobj.fileno()] = msg["total"]
+                    if len(totals) == len(procs):
+                        bar.total = sum(totals.values())
                 bar.update(msg.get("images", 0))
                 errors += msg.get("errors", 0)
                 bar.set_postfix(errors=errors, refresh=False)

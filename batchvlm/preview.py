@@ -14,7 +14,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .output.reader import Output
+from .data.decode import decode
+from .output.reader import Output, OutputError
 
 THUMB = 320  # longest thumbnail side, pixels
 BOX_COLOUR, POINT_COLOUR = "#ff00ff", "#00e5ff"
@@ -105,11 +106,16 @@ def render(out_dir: Path, n: int) -> str:
     for shard, row in rows:
         if row["status"] == "ok":
             wanted[shard.stem].add(row["key"])
-    thumbs = {}
+    thumbs, gone = {}, []
     for shard in output.shards(partial=True):
         if shard.stem in wanted:
-            for key, image, _ in output.images(shard, wanted[shard.stem]):
-                thumbs[(shard.stem, key)] = _thumb(image)
+            try:
+                for enc in output.encoded(shard, wanted[shard.stem]):
+                    d = decode(enc.data, output.job.loader.max_image_pixels)
+                    if d.image is not None:
+                        thumbs[(shard.stem, enc.key)] = _thumb(d.image)
+            except OutputError:  # the labels are still worth a look without their images
+                gone.append(shard.url)
     e = html.escape
     cards = []
     for shard, row in rows:
@@ -131,6 +137,8 @@ def render(out_dir: Path, n: int) -> str:
                      + "".join(body) + "</div>")
     model = output.record.get("model") or {}
     meta = f"{len(rows)} rows · model {e(str(model.get('name')))} · {e(str(out_dir))}"
+    if gone:
+        meta += f" · no images: input {e(gone[0])} not found" + (f" (and {len(gone) - 1} more)" if len(gone) > 1 else "")
     label_boxes = " ".join(f'<label><input type="checkbox" class="label" value="{e(lab)}" checked> {e(lab)}</label>'
                            for lab in output.labels())
     return PAGE.format(title=e(output.job.name), meta=meta, cards="\n".join(cards), label_boxes=label_boxes,

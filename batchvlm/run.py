@@ -32,6 +32,7 @@ from . import __version__
 from .data.loader import Sample, ShardEnd, Stealing, load
 from .data.shardlist import plan
 from .data.sources import ShardRef, keep_fields, list_files
+from .device import for_device
 from .dist import Rank, my_shards
 from .engine.engine import EngineLabeler
 from .engine.labeler import WorkItem
@@ -41,8 +42,11 @@ from .models.family import PARSE_FAILURES, StaticModel
 from .output import manifest
 from .output.claims import Claims
 from .output.layout import Layout
+from .output.lock import RunLock
+from .output.placement import check_apart_from_inputs, check_writable
+from .output.rows import error_kind
 from .output.writer import ShardOutput, WriterThread, schema
-from .progress import Progress
+from .progress import Progress, shard_sizes
 
 
 def log(message: str) -> None:
@@ -68,7 +72,7 @@ class ShardAssembly:
 
     def output(self, complete: bool) -> ShardOutput:
         rows = [self.rows[i] for i in sorted(self.rows)]
-        errors = Counter(r["error"].split(":")[0] for r in rows if r["error"])
+        errors = Counter(error_kind(r["error"]) for r in rows if r["error"])
         seconds = time.time() - self.started
         stats = {"shard": self.ref.stem, "source": self.ref.url, "input": manifest.input_stat(self.ref),
                  "complete": complete, "rows": len(rows),
@@ -84,7 +88,8 @@ class ShardAssembly:
 class RunSummary:
     shards_total: int
     shards_done_before: int
-    shards_written: list[str] = field(default_factory=list)
+    shards_written: list[str] = field(default_factory=list)  # complete: their done marker is down
+    shards_partial: list[str] = field(default_factory=list)  # cut short by --limit: redone next run
     shards_failed: list[str] = field(default_factory=list)
     shards_damaged: list[str] = field(default_factory=list)  # "<stem>: N samples kept", done now or before
     images: int = 0
@@ -94,8 +99,10 @@ class RunSummary:
 
     def line(self, out_dir: str) -> str:
         rate = self.images / self.seconds if self.seconds > 0 else 0.0
-        parts = [f"{len(self.shards_written)} shard(s) written", f"{self.shards_done_before} already done",
-                 f"{self.images} images", f"{self.errors} errors", f"{rate:.1f} images/s"]
+        parts = [f"{len(self.shards_written)} shard(s) written", f"{self.shards_done_before} already done"]
+        if self.shards_partial:
+            parts.append(f"{len(self.shards_partial)} partial (cut short by --limit; redone by the next run)")
+        parts += [f"{self.images} images", f"{self.errors} errors", f"{rate:.1f} images/s"]
         if self.shards_failed:
             parts.append(f"{len(self.shards_failed)} FAILED ({', '.join(self.shards_failed[:3])})")
         if self.shards_damaged:
@@ -129,26 +136,30 @@ def row_for(ref: ShardRef, s: Sample, columns: dict[str, Any] | None, error: str
 
 
 
-def _device_for(job: Job, rank: Rank) -> Job:
-    """Under torchrun / srun each local process takes its own GPU."""
-    if job.model.device != "auto":
-        return job
-    import torch
-
-    if not torch.cuda.is_available():
-        return job
-    device = f"cuda:{rank.local % torch.cuda.device_count()}"
-    return job.model_copy(update={"model": job.model.model_copy(update={"device": device})})
-
-
 def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: Rank | None = None,
             progress: bool = True, stop: StopFlag | None = None) -> RunSummary:
-    t0 = time.time()
     rank = rank or Rank(0, 1, 0)
-    stop = stop or StopFlag()
+    job = for_device(job, rank)  # dtype resolved before any settings are compared
     layout = Layout(Path(job.output.dir))
+    check_writable(layout.dir)
+    check_apart_from_inputs(layout.dir, job.input, [])
     if job.input.kind == "parquet":
         manifest.check_not_input(layout, list_files(job.input))
+    if not (overwrite or job.output.mode == "overwrite"):
+        layout.check()  # a folder of the first layout is refused before anything is written in it
+    lock = None if job.runtime.work_stealing else RunLock(layout, rank.rank, rank.world)
+    if lock:
+        lock.acquire()  # in __batchvlm__/; before anything is cleared or labelled; released when the process ends
+    try:
+        return _run(job, layout, limit, overwrite, rank, progress, stop or StopFlag())
+    finally:
+        if lock:
+            lock.release()
+
+
+def _run(job: Job, layout: Layout, limit: int | None, overwrite: bool, rank: Rank, progress: bool,
+         stop: StopFlag) -> RunSummary:
+    t0 = time.time()
     if overwrite or job.output.mode == "overwrite":
         if rank.world > 1:
             raise manifest.OutputConflict("--overwrite with several ranks would let one rank delete another's "
@@ -156,7 +167,7 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
         manifest.clear_outputs(layout)
     else:
         layout.check()
-        manifest.check_settings(layout, job.label_fingerprint())
+        manifest.check_settings(layout, job.label_fingerprint(), job.label_settings())
     layout.meta.mkdir(parents=True, exist_ok=True)
     manifest.sweep_temporaries(layout)
     shards = plan(job.input, layout, freeze=True)
@@ -179,7 +190,6 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
         summary.seconds = time.time() - t0
         return summary
 
-    job = _device_for(job, rank)
     family = registry.open_family(job.model)
     seqs = family.sequences(job.tasks, job.engine)
     stream = load(pending, job.input, job.loader, family.preprocessor(), stealing)  # workers decode while the model loads
@@ -193,6 +203,7 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
                 "tasks": [t.model_dump() for t in job.tasks], "engine": job.engine.model_dump(), "started": now()}
         if rank.rank == 0 or not layout.job_file.exists():
             manifest.write_job_record(layout, meta | {"label_fingerprint": job.label_fingerprint(),
+                                                       "label_settings": job.label_settings(),
                                                        "job_spec": job.model_dump(), "world_size": rank.world})
         writer = WriterThread(layout, schema(job.tasks, meta, keep_fields(job.input, shards), job.output.raw_text),
                               job.output.compression,
@@ -203,8 +214,8 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
         else:
             labeler = EngineLabeler(model, seqs, job.engine, family.max_prefix_len(), log)
             e = labeler.engine
-            how = (f"{e.stats['kv_blocks']} KV blocks of {job.engine.block_size}, {e.stats['rows']} rows, "
-                   f"{'pipelined' if e.pipelined else 'synchronous'}"
+            how = (f"batch {e.settings.max_batch_size}, {e.stats['kv_blocks']} KV blocks of {job.engine.block_size}, "
+                   f"{e.stats['rows']} rows, {'pipelined' if e.pipelined else 'synchronous'}"
                    + (f", CUDA graphs captured in {e.stats['graph_capture_s']:.1f} s" if e.runner.graphs else ""))
         log(f"batchvlm: rank {rank.rank}/{rank.world}: {len(pending)} shard(s) to label; model {info.name} "
             f"({info.family}, {info.backend}, {info.dtype}, {info.device}) loaded in {t_load:.1f} s; labeler ready in "
@@ -214,7 +225,9 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
         beat_stop = threading.Event()
         if stealing:
             stealing.claims.keep_alive(claimed, beat_stop)
-        bar = Progress(job.name, len(pending), enabled=progress)
+        # with work stealing this rank's share is not known in advance: no total
+        sizes = None if stealing else shard_sizes(layout, mine, pending)
+        bar = Progress(job.name, len(pending), sizes, enabled=progress)
         taken = 0
 
         def finish(i: int) -> None:
@@ -222,6 +235,7 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
             if a.damaged:
                 log(f"batchvlm: shard {a.ref.stem} is damaged ({a.damaged}); {len(a.rows)} sample(s) kept")
                 summary.shards_damaged.append(manifest.damaged_note(a.ref.stem, len(a.rows)))
+            bar.shard_size(i, len(a.rows))
             writer.put(a.output(complete=True))
 
         def add_row(i: int, index: int, row: dict[str, Any]) -> None:
@@ -243,6 +257,7 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
                         a = assemblies[item.shard]
                         a.expected, a.damaged, a.failed = item.n_samples, item.damaged, item.failed
                         if a.failed:  # recorded (not done) so `status` shows it; the next run retries it
+                            bar.shard_size(item.shard, len(a.rows))
                             log(f"batchvlm: shard {a.ref.stem} failed: {a.failed}")
                             summary.shards_failed.append(a.ref.stem)
                             manifest.record_failure(layout, a.ref, a.failed)
@@ -270,14 +285,17 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
                 for a in assemblies.values():
                     if a.rows and not a.failed:
                         writer.put(a.output(complete=False))
+                        summary.shards_partial.append(a.ref.stem)
         finally:
-            writer.close()
-            bar.close()
-            beat_stop.set()
-            if stealing:
-                for stem in claimed - set(writer.written):
-                    stealing.claims.release(stem)
-        summary.shards_written = list(writer.written)
+            try:
+                writer.close()
+            finally:  # the bar's last line is the true final state, also after a failed write
+                bar.close(len(writer.written) - len(summary.shards_partial))
+                beat_stop.set()
+                if stealing:
+                    for stem in claimed - set(writer.written):
+                        stealing.claims.release(stem)
+        summary.shards_written = [s for s in writer.written if s not in summary.shards_partial]
         if isinstance(labeler, EngineLabeler):
             log(f"batchvlm: rank {rank.rank}/{rank.world}: engine: {labeler.engine.summary()}")
         if stealing and not stop.event.is_set() and limit is None:

@@ -1,4 +1,8 @@
-"""Progress of a job, read from its output folder alone (any number of ranks wrote it)."""
+"""Progress of a job, read from its output folder alone (any number of ranks wrote it).
+
+Where the inputs cannot be listed (gone, or not mounted here), the shards are those the
+folder has stats for, and how many are pending is unknown: said, not failed on.
+"""
 
 from __future__ import annotations
 
@@ -6,33 +10,57 @@ from pathlib import Path
 from typing import Any
 
 from .data.shardlist import plan
+from .data.sources import SourceError
 from .job import Job
 from .output.layout import Layout
-from .output.manifest import damaged_note, done_stats, read_stats
+from .output.manifest import damaged_note, done_stats, is_our_stats, read_stats
 
 
 def collect(job: Job) -> dict[str, Any]:
     """Shards done / partial (cut short by --limit or a stop) / failed (unreadable) / pending, and
     which of the done ones are damaged (a tar that broke: the samples before the break were kept).
-    A shard whose input file changed since it was labelled is pending again."""
+    A shard whose input file changed since it was labelled is pending again. Where the inputs
+    cannot be found (moved, deleted), the shards are those with stats and `pending` is unknown."""
     layout = Layout(Path(job.output.dir))
     layout.check()
-    shards = plan(job.input, layout)
+    try:
+        shards, inputs_missing = plan(job.input, layout), None
+    except SourceError as e:
+        shards, inputs_missing = None, str(e)
     done, partial, failed, damaged, rows, errors = [], [], [], [], 0, 0
-    for s in shards:
-        if (stats := done_stats(layout, s)) is not None:
-            done.append(s.stem)
-            rows += stats.get("rows", 0)
-            errors += stats.get("errors", 0)
-            if stats.get("damaged"):
-                damaged.append(f"{damaged_note(s.stem, stats.get('rows', 0))} ({stats['damaged']})")
-        elif (stats := read_stats(layout, s.stem)) is not None:
+
+    def count(stem: str, stats: dict[str, Any]) -> None:
+        nonlocal rows, errors
+        done.append(stem)
+        rows += stats.get("rows", 0)
+        errors += stats.get("errors", 0)
+        if stats.get("damaged"):
+            damaged.append(f"{damaged_note(stem, stats.get('rows', 0))} ({stats['damaged']})")
+
+    if shards is not None:
+        stems = [s.stem for s in shards]
+        for s in shards:
+            if (stats := done_stats(layout, s)) is not None:
+                count(s.stem, stats)
+            elif (stats := read_stats(layout, s.stem)) is not None:
+                if stats.get("failed"):
+                    failed.append(f"{s.stem}: {stats['failed']}")
+                elif not stats.get("complete") and layout.parquet(s.stem).exists():
+                    partial.append(s.stem)
+    else:
+        stems = sorted(p.name.removesuffix(".stats.json") for p in layout.meta.glob("*.stats.json")
+                       if is_our_stats(p))
+        for stem in stems:
+            stats = read_stats(layout, stem) or {}
             if stats.get("failed"):
-                failed.append(f"{s.stem}: {stats['failed']}")
-            elif not stats.get("complete") and layout.parquet(s.stem).exists():
-                partial.append(s.stem)
-    return {"job": job.name, "output": str(layout.dir), "shards": len(shards), "done": len(done),
-            "partial": len(partial), "failed": len(failed),
-            "pending": len(shards) - len(done) - len(partial) - len(failed), "damaged": len(damaged),
-            "rows": rows, "errors": errors, "partial_shards": partial, "failed_shards": failed,
-            "damaged_shards": damaged}
+                failed.append(f"{stem}: {stats['failed']}")
+            elif layout.parquet(stem).exists():
+                if stats.get("complete"):
+                    count(stem, stats)
+                else:
+                    partial.append(stem)
+    pending = None if inputs_missing else len(stems) - len(done) - len(partial) - len(failed)
+    return {"job": job.name, "output": str(layout.dir), "shards": None if inputs_missing else len(stems),
+            "done": len(done), "partial": len(partial), "failed": len(failed), "pending": pending,
+            "damaged": len(damaged), "rows": rows, "errors": errors, "partial_shards": partial,
+            "failed_shards": failed, "damaged_shards": damaged, "inputs_missing": inputs_missing}

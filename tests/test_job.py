@@ -41,6 +41,18 @@ def test_relative_paths_resolve_against_the_job_folder(tmp_path):
     ({"runtime": {"gpus": [1, 1]}}, "runtime.gpus: GPU ids must be distinct"),
     ({"tasks": [{"point": {"objects": ["a"]}}, {"caption": {"name": "point_raw"}}], "output": {"dir": "o", "raw_text": True}},
      "job.yaml: tasks.0: output.raw_text adds column 'point_raw', which another task"),
+    # senseless values YAML happily produces
+    ({"engine": {"temperature": float("inf")}}, "engine.temperature: Input should be a finite number"),
+    ({"engine": {"temperature": float("nan")}}, "engine.temperature: Input should be a finite number"),
+    ({"engine": {"max_batch_size": True}}, "engine.max_batch_size: Input should be a valid integer (YAML read true"),
+    ({"engine": {"max_batch_size": 1e20}}, "engine.max_batch_size: Input should be a valid integer (YAML read 1e+20"),
+    ({"engine": {"max_batch_size": 1000000}}, "engine.max_batch_size: Input should be less than or equal to"),
+    ({"input": {"shards": "a.tar", "image_keys": []}}, "input.image_keys: List should have at least 1 item"),
+    ({"output": {"dir": ""}}, "output.dir: String should have at least 1 character"),
+    ({"output": {"dir": "  "}}, "output.dir: String should match pattern"),
+    ({"runtime": {"gpus": True}}, "runtime.gpus: Input should be 'all'"),
+    ({"name": 2025}, "name: Input should be a valid string (YAML read 2025 as a number; quote it: '2025')"),
+    ({"loader": {"workers": 1e9}}, "loader.workers: Input should be a valid integer"),
 ])
 def test_bad_fields_are_named(tmp_path, change, message):
     with pytest.raises(JobError) as err:
@@ -77,3 +89,22 @@ def test_a_job_file_that_is_not_text_or_not_a_file(tmp_path):
         load_job(bad)
     with pytest.raises(JobError, match="cannot read"):
         load_job(tmp_path)
+
+
+def test_a_date_revision_is_the_tag_it_looks_like(tmp_path):
+    # exactly as the README writes it: YAML reads 2025-06-21 as a date
+    path = _write(tmp_path, yaml.safe_dump(GOOD) + "model: {name: vikhyatk/moondream2, revision: 2025-06-21}\n")
+    assert load_job(path).model.revision == "2025-06-21"
+
+
+def test_a_key_given_twice_is_an_error(tmp_path):
+    text = "name: j\ninput: {shards: x.tar}\ntasks: [caption: {}]\noutput: {dir: out}\nengine:\n" \
+           "  max_batch_size: 8\n  max_new_tokens: 4\n  max_batch_size: 16\n"
+    with pytest.raises(JobError, match=r"engine\.max_batch_size: key given twice \(lines 6 and 8\)"):
+        load_job(_write(tmp_path, text))
+
+
+def test_relative_inputs_are_normalised(tmp_path):
+    (tmp_path / "jobs").mkdir()
+    job = load_job(_write(tmp_path / "jobs", GOOD | {"input": {"shards": "../data/./x.tar"}}))
+    assert job.input.shards == [str(tmp_path / "data" / "x.tar")]

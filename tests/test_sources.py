@@ -1,6 +1,9 @@
 """Shard listing and image decoding details."""
 
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from helpers import encode_image, write_tar
@@ -131,3 +134,22 @@ def test_transparent_pixels_become_white(mode, key):
     d = decode(encode_image(im, "PNG", transparency=key), 10**8)
     rgb = np.asarray(d.image)
     assert tuple(rgb[3, 3]) == (255, 255, 255) and tuple(rgb[0, 0]) != (255, 255, 255)
+
+
+def test_a_large_sixteen_bit_png_decodes_in_bounded_memory():
+    """A 16-bit PNG of 4000x4000 (100 KB on disk, under the pixel limit) must not take
+    float64 temporaries: measured as the decode's peak RSS in a fresh process."""
+    script = """
+import io, resource
+from PIL import Image
+from batchvlm.data.decode import decode
+buf = io.BytesIO(); Image.new("I;16", (4000, 4000), 40000).save(buf, "PNG", compress_level=1)
+data = buf.getvalue()
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+d = decode(data, 10**9)
+assert d.error is None and d.image.getpixel((0, 0)) == (155, 155, 155), (d.error, d.image.getpixel((0, 0)))
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024 / 4000 / 4000)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert float(r.stdout) < 10, f"{float(r.stdout):.1f} bytes per pixel"  # 8-bit RGB itself is 3

@@ -29,11 +29,26 @@ class Decoded:
     format: str | None = None  # PIL's name of the encoding (JPEG, PNG, ...)
 
 
+_ROWS = 256  # rows scaled at a time: the float temporaries of a wide image stay small
+
+
+def _to_grey8(im: Image.Image) -> Image.Image:
+    """16-bit / 32-bit / float pixels -> 8-bit grey, in the input's own dtype plus a band of
+    rows at a time: a 100-megapixel 16-bit PNG must not become 800 MB of float64."""
+    a = np.asarray(im)  # uint16 / int32 / float32
+    sixteen = im.mode.startswith("I;16")
+    scale = 1.0 / 257.0 if sixteen else 255.0 / max(1.0, float(a.max()))
+    out = np.empty(a.shape, dtype=np.uint8)
+    for r in range(0, a.shape[0], _ROWS):
+        band = np.multiply(a[r : r + _ROWS], scale, dtype=np.float32)
+        np.clip(band, 0, 255, out=band)
+        out[r : r + _ROWS] = band
+    return Image.fromarray(out, "L")
+
+
 def _to_rgb(im: Image.Image) -> Image.Image:
     if im.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
-        a = np.asarray(im, dtype=np.float64)
-        top = 65535.0 if im.mode.startswith("I;16") else max(1.0, float(a.max()))
-        im = Image.fromarray(np.clip(a * (255.0 / top), 0, 255).astype(np.uint8), "L")
+        im = _to_grey8(im)
     if im.mode in ("P", "L", "RGB") and "transparency" in im.info:  # palette or PNG tRNS colour key
         im = im.convert("RGBA")
     if im.mode in ("RGBA", "LA", "PA", "RGBa", "La"):

@@ -55,6 +55,8 @@ class Encoded:
     data: bytes | None
     error: str | None = None
     meta: dict[str, Any] | None = None  # the `input.keep` values of the sample
+    path: str | None = None  # where the image bytes came from, for folder and path columns
+    name: str | None = None  # the image's file name in the input (tar member, file), where it has one
 
 
 @dataclass
@@ -185,17 +187,79 @@ def keep_fields(inp: InputSpec, shards: list[ShardRef]) -> list[pa.Field]:
     return [pa.field(name, sch.field(name).type) for name in inp.keep]
 
 
+def _own_output(*urls: str) -> str:
+    """Why two shards share a name when one of them is a file batchvlm wrote."""
+    from ..output.manifest import written_by_us
+
+    ours = [u for u in urls if u.endswith(".parquet") and not is_url(u) and written_by_us(Path(u))]
+    if not ours:
+        return "; rename one"
+    return (f"; {ours[0]} is batchvlm's own output: the pattern matches the output folder "
+            f"{os.path.dirname(ours[0])}. Narrow the pattern or move output.dir")
+
+
+PARQUET_IMAGE_TYPES = "image bytes (binary), a path (string), or a {bytes, path} struct"
+
+
+def check_parquet_columns(url: str, schema, inp: InputSpec) -> None:
+    """The image column exists and holds something an image can come from."""
+    import pyarrow as pa
+
+    check_columns(schema.names, inp, url)
+    t = schema.field(inp.image_column).type
+    ok = (pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_string(t)
+          or pa.types.is_large_string(t) or pa.types.is_null(t)
+          or (pa.types.is_struct(t) and {"bytes", "path"} & {t.field(i).name for i in range(t.num_fields)}))
+    if not ok:
+        raise SourceError(f"input.image_column: column {inp.image_column!r} of {url} is {t}; expected "
+                          f"{PARQUET_IMAGE_TYPES}")
+
+
+def check_first_parquet(shards: list[ShardRef], inp: InputSpec) -> None:
+    """validate / --dry-run: read the schema of the first Parquet input (its footer only)."""
+    import pyarrow.parquet as pq
+
+    first = next((s for s in shards if s.kind == "parquet"), None)
+    if first is None:
+        return
+    try:
+        with fsspec.open(first.url, "rb") as f:
+            schema = pq.ParquetFile(f).schema_arrow
+    except (OSError, ValueError) as e:
+        raise SourceError(f"input.parquet: cannot read {first.url}: {e}") from None
+    check_parquet_columns(first.url, schema, inp)
+
+
+def count_samples(shard: ShardRef) -> int | None:
+    """Samples in a shard where the container says so cheaply (a Parquet footer, a folder
+    listing); None for tar shards (a stream has no index) and unreadable ones."""
+    try:
+        if shard.kind == "parquet":
+            if shard.rows is not None:  # the row range the shard holds
+                return shard.rows[1] - shard.rows[0]
+            return None
+        if shard.kind == "folder":
+            return len(shard.files) if shard.files is not None else None
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def read_shard(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | ShardDamaged]:
     reader = {"tar": _read_tar, "folder": _read_folder, "parquet": _read_parquet}[shard.kind]
     yield from reader(shard, inp)
 
 
-def _pick_image(sample: dict, image_keys: list[str]) -> tuple[bytes | None, str | None]:
+def _pick_image(key: str, sample: dict, image_keys: list[str]) -> Encoded:
     for ext in image_keys:
         if ext in sample:
-            return sample[ext], None
+            return Encoded(key, sample[ext], name=f"{key}.{ext}")
     present = sorted(k for k in sample if not k.startswith("__"))
-    return None, f"no image in sample (has: {', '.join(present) or 'nothing'})"
+    return Encoded(key, None, f"no image in sample (has: {', '.join(present) or 'nothing'})")
+
+
+# webdataset's metadata members (`__meta__.json`, `dir/__info__.txt`, `__x__/...`) are no samples
+_METADATA = re.compile(r"(^|/)__[^/]*__(\.[^/]*)?($|/)")
 
 
 def _tar_members(f) -> Iterator[tuple[str, str, bytes]]:
@@ -207,7 +271,7 @@ def _tar_members(f) -> Iterator[tuple[str, str, bytes]]:
     tar = tarfile.open(fileobj=f, mode="r|*")
     for info in tar:
         key, ext = base_plus_ext(info.name)
-        if info.isreg() and key is not None and not re.match(r"__[^/]*__($|/)", info.name):
+        if info.isreg() and key is not None and not _METADATA.search(info.name):
             yield key, ext.lower(), tar.extractfile(info).read()
         tar.members = []  # a stream holds no index: memory stays flat on huge shards
     # Stream mode ends quietly at a header it cannot read (bad checksum, cut short, missing).
@@ -226,9 +290,10 @@ def _text(data: bytes | None) -> str | None:
 
 
 def _tar_sample(key: str, sample: dict[str, bytes], inp: InputSpec, image_keys: list[str]) -> Encoded:
-    data, error = _pick_image(sample, image_keys)
-    meta = {ext: _text(sample.get(ext.lower())) for ext in inp.keep} if inp.keep else None
-    return Encoded(key, data, error, meta)
+    enc = _pick_image(key, sample, image_keys)
+    if inp.keep:
+        enc.meta = {ext: _text(sample.get(ext.lower())) for ext in inp.keep}
+    return enc
 
 
 def _read_tar(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | ShardDamaged]:
@@ -272,7 +337,7 @@ def _read_folder(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded]:
             if "path" in inp.keep:
                 meta["path"] = os.path.relpath(path, inp.folder)
         data = _read_or_none(path)
-        yield Encoded(name, data, None if data is not None else "read: file not found", meta)
+        yield Encoded(name, data, None if data is not None else "read: file not found", meta, str(path), name)
 
 
 def _row_groups(pf, start: int, end: int) -> tuple[list[int], int]:
@@ -294,7 +359,7 @@ def _read_parquet(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded]:
         pf = pq.ParquetFile(f)  # a placeholder's file raises here again if it is still unreadable
         if shard.rows is None:
             raise SourceError(f"{shard.url} became readable after the shards were planned; the next run labels it")
-        check_columns(pf.schema_arrow.names, inp, shard.url)
+        check_parquet_columns(shard.url, pf.schema_arrow, inp)
         start, end = shard.rows
         groups, row = _row_groups(pf, start, end)
         if not groups:
@@ -325,8 +390,11 @@ def _parquet_batch(batch, first_row: int, inp: InputSpec, base: str) -> Iterator
             yield Encoded(key, value, None, meta)
         else:
             path = value if is_url(value) or os.path.isabs(value) else f"{base}/{value}"
+            name = path.rstrip("/").rsplit("/", 1)[-1]
             try:
                 with fsspec.open(path, "rb") as img:
-                    yield Encoded(key, img.read(), None, meta)
+                    yield Encoded(key, img.read(), None, meta, path, name)
             except FileNotFoundError:
-                yield Encoded(key, None, f"read {value}: file not found", meta)
+                yield Encoded(key, None, f"read {value}: file not found", meta, path, name)
+            except OSError as e:
+                yield Encoded(key, None, f"read {value}: {e.strerror or e}", meta, path, name)

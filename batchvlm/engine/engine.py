@@ -42,6 +42,8 @@ MAX_VISION_COST = 128  # vision work (crops, patches / 1024) per batch: bounds i
 class Engine:
     def __init__(self, model: EngineModel, seqs: list[TaskSequence], settings: EngineSpec, max_prefix_len: int,
                  log: Callable[[str], None] = print_stderr):
+        # the device's default batch size where the job gives none
+        settings = settings.model_copy(update={"max_batch_size": settings.batch_size_for(model.device.type)})
         self.model, self.seqs, self.settings, self.max_prefix_len = model, seqs, settings, max_prefix_len
         self.log = log
         self.sampling = any(s.spec.temperature > 0 for s in seqs)

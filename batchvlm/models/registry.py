@@ -20,17 +20,20 @@ FAMILIES: dict[str, Callable[[Path, ModelSpec, str | None], Family]] = {
     "moondream1": lambda folder, spec, rev: Moondream.open(folder, spec.name, rev, spec.max_crops),
     "qwen3_vl": Qwen3VL.open,
 }
-# What any family reads of a hub repo (tokenizer.model: sentencepiece; *.tiktoken: tiktoken
-# tokenizers). Never *.bin / *.pt (pickles) or *.py (remote code).
-HUB_FILES = ["*.json", "*.jinja", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
+# What a family's host side reads of a hub repo: config, tokenizer (tokenizer.model: sentencepiece;
+# *.tiktoken: tiktoken tokenizers), templates: everything but the weights. Never *.bin / *.pt
+# (pickles) or *.py (remote code).
+HOST_FILES = ["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+HUB_FILES = HOST_FILES + ["*.safetensors"]  # what any family reads of a hub repo
 
 
-def open_family(spec: ModelSpec) -> Family:
-    """The family of `spec`'s model, from its folder (downloading a hub snapshot if needed)."""
+def open_family(spec: ModelSpec, weights: bool = True) -> Family:
+    """The family of `spec`'s model, from its folder (downloading a hub snapshot if needed;
+    `weights=False`: only the small files its host side reads, for validate / --dry-run)."""
     if spec.name == "demo":
         folder, revision = DEMO_DIR, None
     else:
-        folder, revision = resolve_dir(spec.name, spec.revision, HUB_FILES)
+        folder, revision = resolve_dir(spec.name, spec.revision, HUB_FILES if weights else HOST_FILES)
     model_type = read_json(folder / "config.json").get("model_type", "moondream1")
     native = FAMILIES.get(model_type)
     if native is None and spec.backend == "native":

@@ -5,6 +5,7 @@
         job.json                 the resolved job, provenance and the label fingerprint
         shards.json              the frozen shard list: which files / row ranges each shard holds
         shards.lock              held while a rank extends the shard list
+        run-<rank>-of-<world>.lock  held by the run of one rank (output/lock.py)
         <shard>.stats.json       rows, errors, timings; written last: the done marker
         <shard>.claim            work-stealing leases
         *.tmp-<host>-<pid>       files being written (a shard's Parquet is renamed up into <dir>)
@@ -48,6 +49,13 @@ class Layout:
     @property
     def shard_lock(self) -> Path:
         return self.meta / "shards.lock"
+
+    def run_lock(self, rank: int, world: int) -> Path:
+        return self.meta / f"run-{rank}-of-{world}.lock"
+
+    @staticmethod
+    def is_run_lock(path: Path) -> bool:
+        return path.name.startswith("run-") and path.name.endswith(".lock") and "-of-" in path.name
 
     def parquet(self, stem: str) -> Path:
         return self.dir / f"{stem}.parquet"

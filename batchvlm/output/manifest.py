@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 __all__ = ["OutputConflict"]
 
 
+def lock_path(layout: Layout, rank: int, world: int) -> Path:
+    """The run lock of one rank (output/lock.py), inside the metadata folder."""
+    return layout.run_lock(rank, world)
+
+
 def read_stats(layout: Layout, stem: str) -> dict[str, Any] | None:
     try:
         return json.loads(layout.stats(stem).read_text())
@@ -102,12 +107,30 @@ def _our_old_stats(path: Path) -> bool:
         return False
 
 
+def is_our_stats(path: Path) -> bool:
+    """A stats file batchvlm wrote (a done marker or a failure record) names its own shard."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and d.get("shard") == path.name.removesuffix(".stats.json") and "complete" in d
+
+
 def clear_outputs(layout: Layout) -> None:
-    """--overwrite: remove everything batchvlm wrote here (and nothing else), in either layout."""
+    """--overwrite: remove everything batchvlm wrote here (and nothing else), in either layout.
+    The run locks in the metadata folder stay: this run holds its own (unlinking a held lock
+    would let a second run take a fresh one)."""
     for p in layout.dir.glob("*.parquet"):
         if written_by_us(p):
             p.unlink(missing_ok=True)
-    shutil.rmtree(layout.meta, ignore_errors=True)
+    if layout.meta.is_dir():
+        for p in layout.meta.iterdir():
+            if layout.is_run_lock(p):
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
     for p in layout.dir.glob("*.stats.json"):  # the first layout's done markers
         if _our_old_stats(p):
             p.unlink(missing_ok=True)
@@ -123,6 +146,9 @@ def check_not_input(layout: Layout, parquet_inputs: list[str]) -> None:
         return
     for url in parquet_inputs:
         if not is_url(url) and Path(url).parent.samefile(layout.dir):
+            if written_by_us(Path(url)):
+                raise OutputConflict(f"input.parquet: {url} is batchvlm's own output: the pattern matches the "
+                                     f"output folder {layout.dir}. Narrow the pattern or move output.dir")
             raise OutputConflict(f"output.dir: {layout.dir} holds the input {url}; labels would replace it or "
                                  "mix with it. Choose another output folder")
 
@@ -130,6 +156,7 @@ def check_not_input(layout: Layout, parquet_inputs: list[str]) -> None:
 @dataclass
 class PriorJob:
     fingerprint: str
+    settings: dict[str, Any] | None  # label_settings() of the job that wrote the folder
     weights_sha256: str | None
 
 
@@ -138,15 +165,34 @@ def read_prior(layout: Layout) -> PriorJob | None:
         d = json.loads(layout.job_file.read_text())
     except (OSError, ValueError):
         return None
-    return PriorJob(d.get("label_fingerprint", ""), (d.get("model") or {}).get("weights_sha256"))
+    return PriorJob(d.get("label_fingerprint", ""), d.get("label_settings"),
+                    (d.get("model") or {}).get("weights_sha256"))
 
 
-def check_settings(layout: Layout, fingerprint: str) -> None:
+def _first_difference(before: Any, now: Any, path: str = "") -> tuple[str, Any, Any] | None:
+    if isinstance(before, dict) and isinstance(now, dict):
+        for k in sorted(set(before) | set(now), key=str):
+            if found := _first_difference(before.get(k), now.get(k), f"{path}.{k}" if path else str(k)):
+                return found
+        return None
+    if isinstance(before, list) and isinstance(now, list) and len(before) == len(now):
+        for i, (a, b) in enumerate(zip(before, now)):
+            if found := _first_difference(a, b, f"{path}.{i}"):
+                return found
+        return None
+    return None if before == now else (path, before, now)
+
+
+def check_settings(layout: Layout, fingerprint: str, settings: dict[str, Any] | None = None) -> None:
     prior = read_prior(layout)
-    if prior and prior.fingerprint != fingerprint:
-        raise OutputConflict(
-            f"{layout.dir} holds labels made with other settings (model, tasks, sampling or which images a "
-            "shard holds changed); use --overwrite to start over, or another output.dir")
+    if not prior or prior.fingerprint == fingerprint:
+        return
+    diff = (_first_difference(prior.settings, settings)
+            if prior.settings is not None and settings is not None else None)
+    what = (f"{diff[0]} was {json.dumps(diff[1])}, is now {json.dumps(diff[2])}" if diff
+            else "model, tasks, sampling or which images a shard holds changed")
+    raise OutputConflict(f"{layout.dir} holds labels made with other settings ({what}); "
+                         "use --overwrite to start over, or another output.dir")
 
 
 def check_weights(layout: Layout, sha256: str) -> None:

@@ -1,20 +1,25 @@
-"""Reading a finished output folder back: its job, its rows, and the images they came from."""
+"""Reading a finished output folder back: its job, its rows, and the images they came from.
+
+An output folder stays readable when its inputs do not: `status`, `preview` and `export`
+work from the folder alone. The job record keeps absolute paths; a project moved as a whole
+(inputs and outputs together) is found again relative to where the folder is now, and a shard
+whose input is gone is still listed (from its stats), only its images cannot be read.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-from PIL import Image
 
-from ..data.decode import decode
 from ..data.shardlist import plan
-from ..data.sources import Encoded, ShardRef, read_shard
-from ..job import Job
+from ..data.sources import Encoded, ShardRef, SourceError, read_shard
+from ..job import InputSpec, Job, is_url
 from ..tasks import column_of, kind_of
 from .layout import Layout, OutputConflict
 from .manifest import read_stats
@@ -24,11 +29,42 @@ class OutputError(ValueError):
     pass
 
 
+def _moved(path: str, recorded_out: Path, actual_out: Path) -> str:
+    """`path` as it lies relative to the output folder, after the folder moved."""
+    if is_url(path) or recorded_out == actual_out:
+        return path
+    return os.path.normpath(actual_out / os.path.relpath(path, recorded_out))
+
+
+def _relocated_input(inp: InputSpec, recorded_out: Path, actual_out: Path) -> InputSpec:
+    """The inputs where they are found: as recorded, or moved along with the output folder."""
+    try:
+        plan(inp)
+        return inp
+    except SourceError:
+        pass
+    updates = {f: [_moved(p, recorded_out, actual_out) for p in getattr(inp, f)]
+               for f in ("shards", "parquet") if getattr(inp, f)}
+    if inp.folder:
+        updates["folder"] = _moved(inp.folder, recorded_out, actual_out)
+    moved = inp.model_copy(update=updates)
+    try:
+        plan(moved)
+        return moved
+    except SourceError:
+        return inp  # gone: shards are listed from their stats, images cannot be read
+
+
+def _kind(inp: InputSpec) -> str:
+    return "folder" if inp.folder else "tar" if inp.shards else "parquet"
+
+
 @dataclass
 class Output:
     layout: Layout
-    job: Job
+    job: Job  # as recorded, with output.dir (and the inputs, if they moved with it) where they are now
     record: dict[str, Any]
+    recorded_dir: Path  # where the folder was when it was written
 
     @classmethod
     def open(cls, out_dir: str | Path) -> Output:
@@ -36,12 +72,20 @@ class Output:
         try:
             layout.check()
             record = json.loads(layout.job_file.read_text())
+            job = Job.model_validate(record["job_spec"])
         except OutputConflict as e:
             raise OutputError(str(e)) from None
-        except (OSError, ValueError):
+        except (OSError, ValueError, KeyError, TypeError):
             raise OutputError(f"{layout.dir}: not a batchvlm output folder (no readable "
                               f"{layout.job_file.relative_to(layout.dir)})") from None
-        return cls(layout, Job.model_validate(record["job_spec"]), record)
+        recorded, actual = Path(job.output.dir), layout.dir.resolve()
+        inp = _relocated_input(job.input, recorded, actual)
+        job = job.model_copy(update={"input": inp, "output": job.output.model_copy(update={"dir": str(actual)})})
+        return cls(layout, job, record, recorded)
+
+    @property
+    def dir(self) -> Path:
+        return self.layout.dir
 
     def columns(self, kind: str) -> list[str]:
         return [column_of(t) for t in self.job.tasks if kind_of(t) == kind]
@@ -54,15 +98,30 @@ class Output:
                 names += [o for o in getattr(t, kind_of(t)).objects if o not in names]
         return names
 
+    def input_shards(self) -> list[ShardRef] | None:
+        """The job's input shards, or None when the inputs cannot be listed (gone)."""
+        try:
+            return plan(self.job.input, self.layout)
+        except SourceError:
+            return None
+
     def shards(self, partial: bool = False) -> list[ShardRef]:
         """Finished shards, in shard order (their Parquet and done marker exist); with `partial`
-        also those a --limit run cut short."""
+        also those a --limit run cut short. Listed from the stats where the inputs are gone."""
         done = []
-        for shard in plan(self.job.input, self.layout):
-            stats = read_stats(self.layout, shard.stem)
-            if stats and self.layout.parquet(shard.stem).exists() and (
-                    stats.get("complete") or (partial and "rows" in stats)):
-                done.append(shard)
+        listed = self.input_shards()
+        if listed is not None:
+            for shard in listed:
+                stats = read_stats(self.layout, shard.stem)
+                if stats and self.layout.parquet(shard.stem).exists() and (
+                        stats.get("complete") or (partial and "rows" in stats)):
+                    done.append(shard)
+            return done
+        for p in sorted(self.dir.glob("*.parquet")):  # the inputs are gone: listed from the stats
+            stats = read_stats(self.layout, p.stem)
+            if stats and (stats.get("complete") or (partial and "rows" in stats)):
+                source = _moved(str(stats.get("source", "")), self.recorded_dir, self.dir.resolve())
+                done.append(ShardRef(p.stem, source, _kind(self.job.input)))
         return done
 
     def rows(self, limit: int | None = None, partial: bool = False) -> Iterator[tuple[ShardRef, dict[str, Any]]]:
@@ -74,10 +133,12 @@ class Output:
                 yield shard, row
                 n += 1
 
-    def images(self, shard: ShardRef, keys: set[str]) -> Iterator[tuple[str, Image.Image, str]]:
-        """(key, image after EXIF orientation, original format) for `keys` of one shard."""
-        for enc in read_shard(shard, self.job.input):
-            if isinstance(enc, Encoded) and enc.key in keys and enc.data:
-                d = decode(enc.data, self.job.loader.max_image_pixels)
-                if d.image is not None:
-                    yield enc.key, d.image, d.format or "JPEG"
+    def encoded(self, shard: ShardRef, keys: set[str]) -> Iterator[Encoded]:
+        """The input bytes of `keys` of one shard; OutputError when the input is gone."""
+        try:
+            for enc in read_shard(shard, self.job.input):
+                if isinstance(enc, Encoded) and enc.key in keys and enc.data:
+                    yield enc
+        except (OSError, SourceError) as e:
+            raise OutputError(f"{shard.stem}: cannot read its input {shard.url} ({getattr(e, 'strerror', None) or e})"
+                              ) from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -46,6 +47,12 @@ class LabelRow(BaseModel):
     height: int | None
     status: Literal["ok", "error"]
     error: str | None = Field(description="What went wrong (decode, too large, ...); null when ok.")
+
+
+def error_kind(error: str) -> str:
+    """The kind of an error message (`decode: ...`, `no image in sample (has: txt)`): the
+    words before the first ':' or '(', for the stats' error counts."""
+    return re.split(r"[:(]", error, maxsplit=1)[0].strip() or error
 
 
 def json_schema() -> dict:

@@ -10,11 +10,14 @@ is replaced by the rename, so readers see the old file or the new one, never a m
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import queue
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,13 +70,38 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class OutputWriteError(RuntimeError):
+    """Output could not be written (disk full, folder gone read-only): one line for the user."""
+
+
+def write_failure(e: BaseException, out_dir: Path) -> OutputWriteError:
+    """One line for a failed write of the output, saying what to do."""
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return OutputWriteError(f"output.dir: no space left on {out_dir}; free some space (finished shards "
+                                "are kept, a re-run continues) or choose another output.dir")
+    if isinstance(e, OSError):
+        return OutputWriteError(f"output.dir: cannot write in {out_dir}: {e.strerror or e}")
+    return OutputWriteError(f"writing output failed: {type(e).__name__}: {e}")
+
+
+@contextmanager
+def _removing_on_error(tmp: Path) -> Iterator[None]:
+    """A failed write leaves no temporary behind (a full disk stays no fuller than it was)."""
+    try:
+        yield
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = tmp_path(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with _removing_on_error(tmp):
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     _fsync_dir(path.parent)
 
 
@@ -83,10 +111,11 @@ def write_shard(layout: Layout, stem: str, rows: list[dict[str, Any]], sch: pa.S
     tmp = tmp_path(final, layout.meta)  # same filesystem: the rename is atomic
     meta = json.loads(sch.metadata[b"batchvlm"]) | {"shard": stem, "finished": stats.get("finished")}
     table = pa.Table.from_pylist(rows, schema=sch.with_metadata({"batchvlm": json.dumps(meta)}))
-    pq.write_table(table, tmp, compression=None if compression == "none" else compression)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    with _removing_on_error(tmp):
+        pq.write_table(table, tmp, compression=None if compression == "none" else compression)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
     _fsync_dir(layout.dir)
     atomic_write_bytes(layout.stats(stem), json.dumps(stats, indent=1).encode())
 
@@ -126,7 +155,7 @@ class WriterThread:
 
     def _check(self) -> None:
         if self._error is not None:
-            raise RuntimeError(f"writing output failed: {self._error}") from self._error
+            raise write_failure(self._error, self.layout.dir) from self._error
 
     def put(self, item: ShardOutput) -> None:
         self._check()
