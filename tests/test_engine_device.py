@@ -133,7 +133,7 @@ def test_cpu_kv_cache_is_bounded_by_available_memory(tiny, monkeypatch):
     unbounded = Engine(md.engine, seqs, EngineSpec(max_batch_size=64), md.P)
     assert unbounded.stats["rows"] == 64
     monkeypatch.setattr(engine_mod, "available_bytes", lambda device: 40 * per_block)
-    bounded = Engine(md.engine, seqs, EngineSpec(max_batch_size=1_000_000, kv_memory_fraction=0.5), md.P)
+    bounded = Engine(md.engine, seqs, EngineSpec(max_batch_size=16384, kv_memory_fraction=0.5), md.P)
     assert bounded.stats["kv_blocks"] == 20
     assert bounded.runner.cache.n_blocks == 20
     assert 1 <= bounded.stats["rows"] < 20  # rows follow the blocks, not max_batch_size
