@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .tasks import Strict, Task, column_of, raw_column, truncated_column
+from .tasks import Strict, Task, column_of, columns_of, raw_column
 
 RESERVED_COLUMNS = {"key", "source", "width", "height", "status", "error"}
 
@@ -204,17 +204,18 @@ class Job(Strict):
             col = column_of(t)
             if col in RESERVED_COLUMNS:
                 raise ValueError(f"task name {col!r} is a reserved column")
-            if clash := kept.intersection((col, truncated_column(t))):
+            if clash := kept.intersection(columns_of(t)):
                 raise ValueError(f"column {clash.pop()!r} is also in input.keep; give the task a distinct name")
-            if col in seen:
-                raise ValueError(f"two tasks write column {col!r}; give one a distinct name")
-            seen.add(col)
+            for c in columns_of(t):
+                if c in seen:
+                    raise ValueError(f"two tasks write column {c!r}; give one a distinct name")
+                seen.add(c)
         return tasks
 
     @model_validator(mode="after")
     def _raw_columns_free(self) -> Job:
         if self.output.raw_text:
-            names = {column_of(t) for t in self.tasks}
+            names = {c for t in self.tasks for c in columns_of(t)}
             for i, t in enumerate(self.tasks):
                 raw = raw_column(t)
                 if raw in names or raw in RESERVED_COLUMNS:
@@ -228,7 +229,7 @@ class Job(Strict):
         e = self.engine
         return {
             "model": self.model.model_dump(exclude={"device", "family"}),  # the weights hash pins the family
-            "tasks": [t.model_dump() for t in self.tasks],
+            "tasks": [t.model_dump(by_alias=True) for t in self.tasks],
             "engine": {k: getattr(e, k) for k in ("max_new_tokens", "max_objects", "temperature", "top_p", "seed")},
             # which image a row holds, and the pixels the model sees
             "input": self.input.fingerprint_fields(),

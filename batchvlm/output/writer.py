@@ -25,20 +25,23 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..tasks import Task, column_of, kind_of, raw_column, truncated_column
+from ..tasks import Task, column_of, kind_of, raw_column, scores_column, truncated_column
 from .layout import Layout
 
 BOX = pa.struct([("label", pa.string()), ("x_min", pa.float32()), ("y_min", pa.float32()),
                  ("x_max", pa.float32()), ("y_max", pa.float32())])
 POINT = pa.struct([("label", pa.string()), ("x", pa.float32()), ("y", pa.float32())])
-TYPES = {"caption": pa.string(), "query": pa.string(), "detect": pa.list_(BOX), "point": pa.list_(POINT)}
+SCORES = pa.list_(pa.struct([("label", pa.string()), ("prob", pa.float32())]))
+TYPES = {"caption": pa.string(), "query": pa.string(), "detect": pa.list_(BOX), "point": pa.list_(POINT),
+         "classify": pa.string(), "json": pa.string()}
 RAW_TEXT = pa.list_(pa.struct([("label", pa.string()), ("text", pa.string())]))
 
 
 def schema(tasks: list[Task], metadata: dict[str, Any], kept: list[pa.Field] | None = None,
            raw_text: bool = False) -> pa.Schema:
-    """The label columns, the task columns (with `raw_text`, a `<name>_raw` column after each
-    detect / point column: output.raw_text), the truncation flags, then the `input.keep`
+    """The label columns, the task columns (a classify column followed by its `<name>_scores`;
+    with `raw_text`, a `<name>_raw` column after each detect / point column: output.raw_text),
+    the truncation flags, then the `input.keep`
     columns (`kept`)."""
     fields = [
         pa.field("key", pa.string(), nullable=False),
@@ -50,9 +53,11 @@ def schema(tasks: list[Task], metadata: dict[str, Any], kept: list[pa.Field] | N
     ]
     for t in tasks:
         fields.append(pa.field(column_of(t), TYPES[kind_of(t)]))
+        if scores := scores_column(t):
+            fields.append(pa.field(scores, SCORES))
         if raw_text and (raw := raw_column(t)):
             fields.append(pa.field(raw, RAW_TEXT))
-    fields += [pa.field(truncated_column(t), pa.bool_()) for t in tasks] + (kept or [])
+    fields += [pa.field(c, pa.bool_()) for t in tasks if (c := truncated_column(t))] + (kept or [])
     return pa.schema(fields, metadata={"batchvlm": json.dumps(metadata)})
 
 
