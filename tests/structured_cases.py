@@ -1,9 +1,9 @@
 """Five JSON schemas of the kinds labelling jobs ask for, each with a valid answer and one that
-breaks exactly what the schema adds (shared by the json tests and scripts/bench_grammar.py)."""
+breaks exactly what the schema adds. Strings are bounded: a random model's free string never ends (shared by the json tests and scripts/bench_grammar.py)."""
 
 NESTED = {"type": "object", "properties": {
-    "object": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                                "colour": {"type": "string"}},
+    "object": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                "colour": {"type": "string", "maxLength": 6}},
                "required": ["name", "colour"], "additionalProperties": False}},
     "required": ["object"], "additionalProperties": False}
 ENUMS = {"type": "object", "properties": {"scene": {"enum": ["indoor", "outdoor", "studio"]},
@@ -15,8 +15,9 @@ BOUNDS = {"type": "object", "properties": {"count": {"type": "integer", "minimum
 ARRAYS = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
                                                     "minItems": 1, "maxItems": 3}},
           "required": ["tags"], "additionalProperties": False}
-REQUIRED = {"type": "object", "properties": {"title": {"type": "string"}, "people": {"type": "boolean"},
-                                             "year": {"anyOf": [{"type": "integer"}, {"type": "null"}]}},
+REQUIRED = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 12}, "people": {"type": "boolean"},
+                                             "year": {"anyOf": [{"type": "integer", "minimum": 1900, "maximum": 2100},
+                                                                {"type": "null"}]}},
             "required": ["title", "people", "year"], "additionalProperties": False}
 
 SCHEMAS = {
