@@ -81,3 +81,12 @@ def test_choice_values_are_a_softmax_in_choice_order():
     assert sum(c["prob"] for c in cell) == pytest.approx(1.0, abs=1e-12)
     assert cell[1]["prob"] == cell[2]["prob"] and cell[0]["prob"] < cell[1]["prob"]
     assert choice_values(["only"], [-300.0]) == ("only", [{"label": "only", "prob": 1.0}])
+
+
+def test_the_native_engines_refuse_structured_tasks_at_validation():
+    from batchvlm.models.family import FamilyError
+    from batchvlm.models.registry import open_family
+
+    job = _job({"caption": {}}, {"classify": {"question": "How many shapes are there?", "choices": ["one", "two"]}})
+    with pytest.raises(FamilyError, match=r"^tasks\.1\.classify: the native Moondream engine does not run classify"):
+        open_family(job.model, weights=False).sequences(job.tasks, job.engine)

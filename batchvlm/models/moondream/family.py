@@ -62,6 +62,10 @@ class Moondream:
         return self.config.prefix_len
 
     def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[TaskSequence]:
+        for t, task in enumerate(tasks):
+            if kind_of(task) in ("classify", "json"):
+                raise FamilyError(f"tasks.{t}.{kind_of(task)}: the native Moondream engine does not run "
+                                  f"{kind_of(task)} tasks yet")
         seqs = [TaskSequence(t, label, spec) for t, task in enumerate(tasks)
                 for label, spec in self._task_sequences(task, engine)]
         P, n_ctx = self.config.prefix_len, self.config.text.max_context

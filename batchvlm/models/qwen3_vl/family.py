@@ -108,6 +108,9 @@ class Qwen3VL:
         seqs = []
         for t, task in enumerate(tasks):
             kind, a = kind_of(task), args_of(task)
+            if kind in ("classify", "json"):
+                raise FamilyError(f"tasks.{t}.{kind}: the native Qwen3-VL engine does not run {kind} tasks yet; "
+                                  "model.backend: transformers does")
             if kind in ("caption", "query"):
                 text = CAPTIONS[a.length] if kind == "caption" else a.question
                 pairs = [(None, text, a.max_new_tokens or engine.max_new_tokens)]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...tasks import Task, box_values, column_of, kind_of, point_values, raw_column, truncated_column
+from ...tasks import (Task, args_of, box_values, choice_values, column_of, kind_of, point_values, raw_column,
+                      scores_column, truncated_column)
 from .architectures import GroundingFormat
 from .generation import Generated
 from .prompts import Prompt
@@ -31,7 +32,10 @@ def column_values(tasks: list[Task], prompts: list[Prompt], raws: list[Generated
         kind = kind_of(task)
         mine = [(p, r) for p, r in zip(prompts, raws) if p.task == t]
         truncated = any(not r.stopped for _, r in mine)
-        if kind in ("caption", "query"):
+        if kind == "classify":
+            out[column_of(task)], out[scores_column(task)] = choice_values(args_of(task).choices, list(mine[0][1].scores))
+            continue
+        if kind in ("caption", "query", "json"):
             out[column_of(task)] = tokenizer.decode(list(mine[0][1].tokens), skip_special_tokens=True).strip()
         else:
             texts, found = [], []
