@@ -2,9 +2,10 @@
 on the host, and the mask step applied on the device before the (batch-invariant) sampler.
 
 The library is xgrammar (`pip install 'batchvlm[structured]'`), chosen by measurement against
-llguidance (scripts/bench_grammar.py, README "Structured outputs"): on a 151,643-token byte-level
-BPE its masks take ~3-5 us per row at batch 64 (llguidance ~50-180), which is what a decode step
-waits for; its compile is slower (0.02-2.6 s per schema) but happens once per job.
+llguidance (scripts/bench_grammar.py, README "classify and json"): on a 151,643-token byte-level
+BPE its masks take 2-4 us per row at batch 64 for four of the five test schemas (llguidance
+105-215), which is what a step's sampler may wait for; its compile is slower (7 ms-2.2 s per
+schema against 1-10 ms) but happens once per job.
 
 A mask is a bitmask of `W = ceil(V / 32)` int32 words per row: bit `v % 32` of word `v // 32` set
 = token v allowed. Rows without a grammar get all bits set (nothing masked), so one mask step
@@ -144,7 +145,7 @@ class RowGrammars:
             if m is not None and not m.is_terminated():
                 if not m.accept_token(t):
                     raise RuntimeError(f"row {r}: token {t} broke the grammar (its mask allowed it: a bug)")
-                self.utf8[r] = max(0, int(self.vocab.utf8_next_VS[t, self.utf8[r]]))  # a stop token: -1
+                self.utf8[r] = int(self.vocab.utf8_next_VS[t, self.utf8[r]])  # >= 0: the mask allowed t
 
     def fill(self, rows: list[int], out_BW: torch.Tensor) -> None:
         """Masks of `rows` into `out_BW[:len(rows)]` (a CPU int32 tensor). A row whose answer has
