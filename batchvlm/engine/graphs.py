@@ -19,6 +19,7 @@ import torch
 
 from ..models.attention import AttentionBatch
 from ..models.decoding import Decision
+from ..cache.spans import StateSpans
 from .plan import StepPlan
 from .staging import Slot, rows_by_image
 
@@ -75,7 +76,8 @@ class DecodeGraphs:
         def body() -> Decision:
             embeds, own_pos, groups, write_slots = [], [], [], []
             r.decode_group(*(static[k] for k in FIELDS), 0, embeds, own_pos, write_slots, groups)
-            batch = AttentionBatch(write_slots[0], groups, r.bs)
+            states = StateSpans([], [], [], [], static["rows"], 0) if r.recurrent else None
+            batch = AttentionBatch(write_slots[0], groups, r.bs, 0, states)
             hidden = r.model.forward(embeds[0], r.model.own_positions(own_pos[0]), batch, r.cache)
             return r.decide(static["rows"], hidden, None)
 

@@ -26,11 +26,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..models.attention import PAD, AttentionBatch, KVCache, PrefixGroup, SharedPrefix, TaskGroup, slot_of
+from ..cache.tensors import EngineCache
+from ..models.attention import PAD, AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
 from ..models.decoding import Decision, RowState
+from ..cache.spans import ZERO, StateSpans
 from ..models.family import EngineModel, Prepared
 from .graphs import DecodeGraphs
-from .plan import NEED_COORD, NEED_SIZE, NEED_TOKEN, PREFILL_TOKENS_PER_STEP, StepPlan
+from ..models.decoding import N_HEADS
+from .plan import PREFILL_TOKENS_PER_STEP, StepPlan
 from .split import split_plan, units
 from .staging import Emissions, InFlight, Slot, rows_by_image
 
@@ -50,7 +53,7 @@ class HostEvent:
 
 
 class Runner:
-    def __init__(self, model: EngineModel, cache: KVCache, n_rows: int, n_image_slots: int, max_prefix_len: int,
+    def __init__(self, model: EngineModel, cache: EngineCache, n_rows: int, n_image_slots: int, max_prefix_len: int,
                  max_own_blocks: int, max_prompt: int, seqs_per_image: int, cuda_graphs: bool, sampling: bool):
         self.model = model
         self.cache = cache
@@ -58,6 +61,7 @@ class Runner:
         self.bs = cache.block_size
         self.n_rows = n_rows
         self.sampling = sampling
+        self.recurrent = bool(cache.recurrent)
         R = n_rows + 1  # the last row is scratch for padding
         self.state_int = {f: torch.zeros(R, dtype=torch.long, device=dev) for f in STATE_INT}
         self.state_float = {f: torch.zeros(R, dtype=torch.float32, device=dev) for f in STATE_FLOAT}
@@ -70,8 +74,8 @@ class Runner:
         nbp = -(-max_prefix_len // self.bs)
         # Staging ints of the largest step: per row, per image slot (its padded prefix row
         # included) and per prefill token (at most one step's budget, or one whole image).
-        capacity = (64 + n_rows * (28 + 2 * max_own_blocks + 5 * max_prompt + 2 * nbp + seqs_per_image)
-                    + n_image_slots * (3 + nbp + max_prefix_len) + 2 * max(PREFILL_TOKENS_PER_STEP, max_prefix_len))
+        capacity = (64 + n_rows * (32 + 2 * max_own_blocks + 5 * max_prompt + 2 * nbp + seqs_per_image)
+                    + n_image_slots * (3 + nbp + 2 * max_prefix_len) + 2 * max(PREFILL_TOKENS_PER_STEP, max_prefix_len))
         self.slots = [Slot(dev, capacity, n_rows), Slot(dev, capacity, n_rows)]
         self._next_slot = 0
         cuda = dev.type == "cuda"
@@ -80,7 +84,6 @@ class Runner:
         self.vision_stream = torch.cuda.Stream(dev) if cuda else None
         self.vision_events: list[torch.cuda.Event | HostEvent | None] = [None] * n_image_slots
         self.graph_steps = 0  # steps that replayed a graph (or ran its fixed-shape body)
-        self.oom_rows: list[int] = []  # rows of each step that ran out of memory (then split)
         self.graphs = DecodeGraphs(self, nbp, max_own_blocks, seqs_per_image) \
             if (cuda and cuda_graphs) else None
 
@@ -109,7 +112,10 @@ class Runner:
     # ------------------------------------------------------------------ steps
 
     def launch(self, plan: StepPlan) -> InFlight:
+        """Start one step. InFlight.oom_rows: the rows of the step if it ran out of memory (it
+        still ran whole, in parts), else 0."""
         slot = self.slots[self._next_slot]
+        oom: list[int] = []
         self._next_slot ^= 1
         for event in self.vision_waits(plan.prefix_slots):
             if self.compute is not None:
@@ -119,13 +125,20 @@ class Runner:
                 self.graph_steps += 1
                 decision = self.graphs.run(plan, slot)
             else:
-                decision = self._eager_fitting(plan, slot)
+                decision = self._eager_fitting(plan, slot, oom)
             self._download(decision, plan.n_out, slot)
-        return InFlight(plan, slot)
+        return InFlight(plan, slot, oom[0] if oom else 0)
 
-    def _eager_fitting(self, plan: StepPlan, slot: Slot) -> Decision:
+    @torch.inference_mode()
+    def warm_up(self, plan: StepPlan, features: list[Any]) -> Decision:
+        """Run a plan eagerly with the given features per prefix slot (start-up sizing only)."""
+        for slot in plan.prefix_slots.tolist():
+            self.features[slot] = features[slot % len(features)]
+        return self._eager(plan, self.slots[0])
+
+    def _eager_fitting(self, plan: StepPlan, slot: Slot, oom: list[int]) -> Decision:
         """The eager step; on out-of-memory, the same work as two half plans, recursively, so no
-        row is lost (split.py). Records the failed plan's rows in `oom_rows` for the engine.
+        row is lost (split.py). Appends the failed plan's rows to `oom`.
 
         Rare and off the hot path, so it synchronizes: the device must be done with the failed
         attempt (and each part's upload) before the slot's pinned inputs are overwritten. A
@@ -138,13 +151,13 @@ class Runner:
         except torch.OutOfMemoryError:
             if units(plan) < 2:
                 raise
-        self.oom_rows.append(plan.n_out)
+        oom.append(plan.n_out)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         parts = []
         for part in split_plan(plan):
-            parts.append(self._eager_fitting(part, slot))
+            parts.append(self._eager_fitting(part, slot, oom))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         return Decision(*(torch.cat([getattr(d, f.name) for d in parts]) for f in fields(Decision)))
@@ -205,16 +218,19 @@ class Runner:
         decode_flat = np.arange(n_pre + n_prompt, N, dtype=np.int64)[:, None]
         decode_by_image, decode_slot = rows_by_image(plan.decode_image, decode_flat, len(plan.decode_image_tables), N)
         last = np.concatenate([q_prompt[np.arange(S), plan.prompt_lens - 1], decode_flat[:, 0]])
-        lm, co, sz = (np.flatnonzero(plan.needs & bit) for bit in (NEED_TOKEN, NEED_COORD, NEED_SIZE))
+        lm, co, sz = (np.flatnonzero(plan.needs & (1 << b)) for b in range(N_HEADS))
+        span = self._scan_spans(plan, pre_start, n_pre + prompt_start) if self.recurrent else ([], [], [], [])
+        cu_seqlens = np.concatenate([[0], np.cumsum(span[1], dtype=np.int64)])
         ints, floats = slot.upload(
-            [plan.prefix_lens, plan.prefix_tables, q_pre, pre_img, pre_j,
+            [plan.prefix_tokens, np.asarray(span[2], dtype=np.int64), np.asarray(span[3], dtype=np.int64),
+             cu_seqlens, plan.prefix_lens, plan.prefix_tables, q_pre, pre_img, pre_j,
              plan.new_rows, plan.new_int, plan.prompt_tokens, plan.prompt_lens, plan.prompt_tables,
              plan.prompt_image_tables, plan.prompt_image_lens, q_prompt, own_prompt, prompt_by_image, prompt_slot,
              flat_seq, flat_own, flat_pos,
              plan.decode_rows, plan.decode_own, plan.decode_pos, plan.decode_tables, plan.decode_image_tables,
              plan.decode_image_lens, decode_by_image, decode_slot, last, lm, co, sz],
             [plan.new_float], dev, self.compute)
-        (prefix_lens, prefix_tables, q_pre_t, pre_img_t, pre_j_t,
+        (prefix_tokens, span_read, span_write, cu_seqlens_t, prefix_lens, prefix_tables, q_pre_t, pre_img_t, pre_j_t,
          new_rows, new_int, prompt_tokens, prompt_lens, prompt_tables,
          prompt_image_tables, prompt_image_lens, q_prompt_t, own_prompt_t, prompt_by_image_t, prompt_slot_t,
          flat_seq_t, flat_own_t, flat_pos_t,
@@ -227,7 +243,8 @@ class Runner:
         embeds, own_pos, groups, write_slots = [], [], [], []
         prefix = None
         if I:
-            prefix = m.prefix_inputs([self.features[s] for s in plan.prefix_slots.tolist()])
+            prefix = m.prefix_inputs([self.features[s] for s in plan.prefix_slots.tolist()],
+                                     list(prefix_tokens.split(plan.prefix_prompt_lens.tolist())))
             embeds.append(prefix.embeds_NC)
             write_slots.append(slot_of(prefix_tables[pre_img_t], pre_j_t, bs))
             groups.append(PrefixGroup(q_pre_t, prefix_tables, prefix_lens, m.causal_prefix))
@@ -245,10 +262,23 @@ class Runner:
         positions = m.own_positions(torch.cat(own_pos)) if own_pos else None
         if prefix is not None:
             positions = prefix.positions if positions is None else torch.cat([prefix.positions, positions], dim=-1)
-        batch = AttentionBatch(torch.cat(write_slots), groups, bs)
+        states = None
+        if self.recurrent:
+            states = StateSpans(*span, decode_rows, n_pre + n_prompt, cu_seqlens_t, span_read, span_write)
+        batch = AttentionBatch(torch.cat(write_slots), groups, bs, n_pre, states)
         hidden = m.forward(torch.cat(embeds), positions, batch, self.cache, prefix)
         rows = torch.cat([new_rows, decode_rows])
         return self.decide(rows, hidden[last_t], (lm_t, co_t, sz_t))
+
+    def _scan_spans(self, plan: StepPlan, pre_start: np.ndarray, prompt_start: np.ndarray
+                    ) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Recurrent layers' spans of an eager step (models/recurrent.py): each prefix from a zero
+        state into its snapshot, then each prompt from its prefix's snapshot into its row."""
+        snap = self.cache.snapshot_index
+        return ([int(x) for x in pre_start] + [int(x) for x in prompt_start],
+                plan.prefix_lens.tolist() + plan.prompt_lens.tolist(),
+                [ZERO] * len(pre_start) + [snap(int(f)) for f in plan.prompt_fork],
+                [snap(int(s)) for s in plan.prefix_snapshot] + plan.new_rows.tolist())
 
     def decode_group(self, rows, own, pos, tables, image_tables, image_lens, by_image, slot, first_row,
                      embeds, own_pos, write_slots, groups, extent: tuple[int | None, bool] = (None, False)) -> None:

@@ -72,6 +72,7 @@ class Slot:
 class InFlight:
     plan: StepPlan
     slot: Slot
+    oom_rows: int = 0  # rows of the step when it ran out of memory (and ran in parts)
 
 
 def rows_by_image(image_of_row: np.ndarray, q_rows: np.ndarray, n_images: int, pad: int
