@@ -69,8 +69,7 @@ class Engine:
         self.images_to_fill = math.ceil(n_rows / len(seqs))
         cache = EngineCache.allocate(self.specs, n_blocks, bs, n_rows, self.n_snapshots, model.device)
         self.runner = Runner(model, cache, n_rows, n_slots * self.prefixes_per_image, max_prefix_len,
-                             max(self.own_blocks), max(len(s.spec.prompt) for s in seqs), self.seqs_per_prefix,
-                             settings.cuda_graphs, self.sampling)
+                             max(self.own_blocks), self.seqs_per_prefix, settings.cuda_graphs, self.sampling)
         graphs = self.runner.graphs
         # With graphs, admit once an eighth of the rows is free: steps that admit run eagerly.
         self.scheduler = Scheduler(BlockManager(n_blocks, bs), n_rows, n_slots,
@@ -146,8 +145,7 @@ class Engine:
                             max(len(s.spec.prefix_prompt) for s in seqs), bool(self.n_snapshots))
         scratch = EngineCache.allocate(self.specs, 2, bs, n_rows, max(self.n_snapshots, 1), model.device)
         runner = Runner(model, scratch, n_rows, max(len(plan.prefix_slots), 1),
-                        self.max_prefix_len, max(self.own_blocks), max_prompt, self.seqs_per_prefix, False,
-                        self.sampling)
+                        self.max_prefix_len, max(self.own_blocks), self.seqs_per_prefix, False, self.sampling)
         return runner.warm_up(plan, feats)
 
     # ------------------------------------------------------------------ the loop

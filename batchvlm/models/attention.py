@@ -58,6 +58,11 @@ __all__ = ["KVCache", "StateSpans"]  # re-exported: families and tests build bat
 PAD = 2**30  # own index of a padding query: later than any real token
 
 
+def bucket(n: int) -> int:
+    """Smallest power of two >= n (>= 1): the padded sizes of compiled kernels and CUDA graphs."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 class Reads(Enum):
     PREFIX_AND_OWN = "prefix+own"
     OWN = "own"

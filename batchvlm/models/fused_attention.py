@@ -47,16 +47,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from .attention import AttentionBatch, PrefixGroup, Reads, TaskGroup, write_kv
+from .attention import AttentionBatch, PrefixGroup, Reads, TaskGroup, bucket, write_kv
 
 log = logging.getLogger(__name__)
 
 Q_BLOCK = 128  # flex's query tile; a decode step (one query per entry) uses one
-
-
-def bucket(n: int) -> int:
-    """Smallest power of two >= n (>= 1)."""
-    return 1 << max(n - 1, 0).bit_length()
 
 
 @dataclass
