@@ -33,6 +33,16 @@ def test_rank_resolution():
     assert resolve_rank(env) == Rank(6, 8, 2, launched=True)
     with pytest.raises(ValueError):
         resolve_rank({"RANK": "4", "WORLD_SIZE": "2"})
+    # Kubernetes Indexed Job: a pod is an array task (it starts its node's workers)
+    assert resolve_rank({"JOB_COMPLETION_INDEX": "2", "BATCHVLM_WORLD": "3"}) == Rank(2, 3, 0)
+    pod = {"JOB_COMPLETION_INDEX": "1", "BATCHVLM_WORLD": "2", "BATCHVLM_LOCAL_RANK": "3", "BATCHVLM_LOCAL_WORLD": "4"}
+    assert resolve_rank(pod) == Rank(7, 8, 3, launched=True)
+    for bad, says in [({"JOB_COMPLETION_INDEX": "0"}, "only JOB_COMPLETION_INDEX"),
+                      ({"JOB_COMPLETION_INDEX": "3", "BATCHVLM_WORLD": "3"}, "spec.completions"),
+                      ({"JOB_COMPLETION_INDEX": "0", "BATCHVLM_WORLD": "x"}, "BATCHVLM_WORLD='x'"),
+                      ({"JOB_COMPLETION_INDEX": "0", "BATCHVLM_WORLD": "2", "SLURM_ARRAY_TASK_ID": "0"}, "one launcher")]:
+        with pytest.raises(ValueError, match=says):
+            resolve_rank(bad)
 
 
 def test_partition_is_disjoint_and_complete():
