@@ -100,8 +100,9 @@ class RankWorker:
             return {"error": str(e), "code": EXIT_JOB_ERROR}
         return {"summary": summary, "who": self.progress()}
 
-    def unfinished(self, launch: str) -> tuple[list[str], list[str]]:
-        """After every rank of `launch` has ended: (the shards it freed, the shards not done)."""
+    def shards(self, ended: str | None = None) -> tuple[list[str], list[str], list[str]]:
+        """(claims freed, shards not done, shards done). `ended`: a launch whose ranks have all
+        ended; its claims are freed first."""
         from pathlib import Path
 
         from ..data.shardlist import plan
@@ -110,8 +111,9 @@ class RankWorker:
         from ..output.layout import Layout
 
         layout = Layout(Path(self.job.output.dir))
-        freed = release_launch(layout.meta, launch)
-        return freed, [s.stem for s in plan(self.job.input, layout) if not manifest.is_done(layout, s)]
+        freed = release_launch(layout.meta, ended) if ended and layout.meta.is_dir() else []
+        done = {s.stem: manifest.is_done(layout, s) for s in plan(self.job.input, layout)}
+        return freed, [s for s, d in done.items() if not d], [s for s, d in done.items() if d]
 
 
 @dataclass
@@ -199,6 +201,10 @@ def _drive(ray, errors: tuple[type[Exception], ...], job: Job, actors: list, lim
     total = RunSummary(0, 0)
     code = EXIT_OK
     base = uuid.uuid4().hex[:12]
+    # Counted from the output folder, not from the ranks' summaries: a rank that died took its
+    # count of the shards it had written with it.
+    _, _, before = ray.get(actors[0].shards.remote())
+    total.shards_done_before = len(before)
     try:
         for round_ in range(MAX_ROUNDS):
             launch = f"{base}-{round_}"
@@ -237,15 +243,16 @@ def _drive(ray, errors: tuple[type[Exception], ...], job: Job, actors: list, lim
                         continue  # died for good: its run's result says so
                     if bar.update(i, who, images, errs):
                         _log(f"batchvlm: ray: rank {i} was restarted by Ray ({who}); it resumes its shards")
-            code = _merge(results, total, code, first=round_ == 0)
+            code = _merge(results, total, code)
             if code != EXIT_OK or total.stopped_by_signal or limit is not None:
                 break
             try:
-                freed, left = ray.get(actors[0].unfinished.remote(launch))
+                freed, left, done = ray.get(actors[0].shards.remote(launch))
             except ray_error as e:
                 _log(f"batchvlm: error: ray: cannot check the output folder: {e}")
                 code = EXIT_FAILED
                 break
+            total.shards_written = sorted(set(done) - set(before))
             left = [s for s in left if s not in total.shards_failed]
             if not left:
                 break
@@ -271,11 +278,8 @@ def _drive(ray, errors: tuple[type[Exception], ...], job: Job, actors: list, lim
     return EXIT_OK
 
 
-def _merge(results: dict[int, dict[str, Any]], total, code: int, first: bool) -> int:
+def _merge(results: dict[int, dict[str, Any]], total, code: int) -> int:
     """Add one round's rank results to `total`; -> the exit code so far (an error's, the worst)."""
-    summaries = [r["summary"] for r in results.values() if "summary" in r]
-    if first and summaries:  # the rank that looked first saw only what earlier runs had done
-        total.shards_done_before = min(s.shards_done_before for s in summaries)
     for message in dict.fromkeys(r["error"] for r in results.values() if "error" in r):  # all ranks, one line
         _log(f"batchvlm: error: {message}")
     for i in sorted(results):
@@ -285,7 +289,7 @@ def _merge(results: dict[int, dict[str, Any]], total, code: int, first: bool) ->
             continue
         s = r["summary"]
         total.shards_total = max(total.shards_total, s.shards_total)
-        total.shards_written += s.shards_written
+        total.shards_written += [w for w in s.shards_written if w not in total.shards_written]
         total.shards_partial += s.shards_partial
         total.shards_failed += [f for f in s.shards_failed if f not in total.shards_failed]
         total.shards_damaged = sorted(set(total.shards_damaged) | set(s.shards_damaged))
