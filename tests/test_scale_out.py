@@ -174,3 +174,16 @@ def test_only_one_rank_takes_over_a_dead_holders_claim(tmp_path):
     assert b.take("s1")
     a.path("s2").write_text(json.dumps({"host": "node17", "pid": dead.pid}))  # elsewhere: wait for the lease
     assert not b.take("s2")
+
+
+def test_a_launcher_frees_the_claims_of_its_ended_ranks_only(tmp_path, monkeypatch):
+    from batchvlm.output.claims import LAUNCH_ENV, Claims, release_launch
+
+    for stem, launch in [("a", "L1"), ("b", "L2"), ("c", None)]:
+        if launch:
+            monkeypatch.setenv(LAUNCH_ENV, launch)
+        else:
+            monkeypatch.delenv(LAUNCH_ENV)
+        assert Claims(tmp_path).take(stem)  # a live holder (this process): no lease has run out
+    assert release_launch(tmp_path, "L1") == ["a"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.claim", "c.claim"]

@@ -20,13 +20,19 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from ..data.shardlist import plan
 from ..dist import Rank
 from ..exits import EXIT_FAILED, EXIT_JOB_ERROR, EXIT_OK, EXIT_STOPPED
 from ..job import Job
 from ..launch import PROGRESS_ENV
-from ..output.claims import LAUNCH_ENV
+from ..models.family import ModelFetchError
+from ..output import manifest
+from ..output.claims import LAUNCH_ENV, release_launch
+from ..output.layout import Layout
+from ..run import RunSummary, StopFlag, run_job
 
 INSTALL = "pip install 'batchvlm[ray]'"
 MAX_RESTARTS = 3  # per actor: a rank that keeps dying (the same poison input) ends the run with 1
@@ -64,8 +70,6 @@ class RankWorker:
     """One rank (a Ray actor): built once per process, restarted by Ray after a crash."""
 
     def __init__(self, job: Job, rank: int, world: int):
-        from ..run import StopFlag
-
         os.environ[PROGRESS_ENV] = "json"
         self.job, self.rank = job, Rank(rank, world, 0, launched=True)
         self.stop = StopFlag()  # set by the driver (request_stop), never by a signal here
@@ -79,17 +83,10 @@ class RankWorker:
         self.stop.event.set()
 
     def clear(self) -> None:
-        from pathlib import Path
-
-        from ..output.layout import Layout
-        from ..output.manifest import clear_outputs
-
-        clear_outputs(Layout(Path(self.job.output.dir)))
+        manifest.clear_outputs(Layout(Path(self.job.output.dir)))
 
     def run(self, limit: int | None, launch: str) -> dict[str, Any]:
-        from ..cli import USER_ERRORS
-        from ..models.family import ModelFetchError
-        from ..run import run_job
+        from ..cli import USER_ERRORS  # the CLI's list of the errors a user can cause (cli imports this module)
 
         os.environ[LAUNCH_ENV] = launch  # in this rank's claims
         try:
@@ -103,13 +100,6 @@ class RankWorker:
     def shards(self, ended: str | None = None) -> tuple[list[str], list[str], list[str]]:
         """(claims freed, shards not done, shards done). `ended`: a launch whose ranks have all
         ended; its claims are freed first."""
-        from pathlib import Path
-
-        from ..data.shardlist import plan
-        from ..output import manifest
-        from ..output.claims import release_launch
-        from ..output.layout import Layout
-
         layout = Layout(Path(self.job.output.dir))
         freed = release_launch(layout.meta, ended) if ended and layout.meta.is_dir() else []
         done = {s.stem: manifest.is_done(layout, s) for s in plan(self.job.input, layout)}
@@ -185,8 +175,6 @@ def run_on_ray(job: Job, address: str, limit: int | None, overwrite: bool) -> in
 
 
 def _drive(ray, errors: tuple[type[Exception], ...], job: Job, actors: list, limit: int | None, t0: float) -> int:
-    from ..run import RunSummary
-
     actor_error, ray_error = errors
     world = len(actors)
     stop = {"asked": False}
@@ -210,14 +198,12 @@ def _drive(ray, errors: tuple[type[Exception], ...], job: Job, actors: list, lim
             launch = f"{base}-{round_}"
             shares = [max(1, limit // world + (i < limit % world)) if limit else None for i in range(world)]
             runs = {a.run.remote(shares[i], launch): i for i, a in enumerate(actors)}
-            stops_sent = False
             results: dict[int, dict[str, Any]] = {}
             polls: dict[Any, int] = {}  # progress calls in flight (one per rank; a dead rank's waits for its restart)
             while runs:
-                if stop["asked"] and not stops_sent:
+                if stop["asked"]:  # again on every pass: a rank Ray restarted since starts unstopped
                     for a in actors:
                         a.request_stop.remote()
-                    stops_sent = True
                 ready, _ = ray.wait(list(runs), num_returns=len(runs), timeout=POLL_S)
                 for ref in ready:
                     i = runs.pop(ref)
