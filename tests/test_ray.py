@@ -26,7 +26,7 @@ ACTORS = 2
 def cluster():
     """One local cluster for the module (start-up is slow); its workers inherit this environment
     (PYTHONPATH, HF_HUB_OFFLINE)."""
-    ray.init(num_cpus=ACTORS, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=ACTORS, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         yield ray.get_runtime_context().gcs_address
     finally:

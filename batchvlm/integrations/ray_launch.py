@@ -184,15 +184,15 @@ def _drive(ray, errors: tuple[type[Exception], ...], job: Job, actors: list, lim
             raise KeyboardInterrupt
         stop["asked"] = True
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    bar = _Bar(job.name, world)
     total = RunSummary(0, 0)
     code = EXIT_OK
     base = uuid.uuid4().hex[:12]
     # Counted from the output folder, not from the ranks' summaries: a rank that died took its
     # count of the shards it had written with it.
-    _, _, before = ray.get(actors[0].shards.remote())
+    _, _, before = _get(ray, actors[0].shards.remote())
     total.shards_done_before = len(before)
+    bar = _Bar(job.name, world)
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     try:
         for round_ in range(MAX_ROUNDS):
             launch = f"{base}-{round_}"
@@ -232,12 +232,7 @@ def _drive(ray, errors: tuple[type[Exception], ...], job: Job, actors: list, lim
             code = _merge(results, total, code)
             if code != EXIT_OK or total.stopped_by_signal or limit is not None:
                 break
-            try:
-                freed, left, done = ray.get(actors[0].shards.remote(launch))
-            except ray_error as e:
-                _log(f"batchvlm: error: ray: cannot check the output folder: {e}")
-                code = EXIT_FAILED
-                break
+            freed, left, done = _get(ray, actors[0].shards.remote(launch))
             total.shards_written = sorted(set(done) - set(before))
             left = [s for s in left if s not in total.shards_failed]
             if not left:
@@ -262,6 +257,16 @@ def _drive(ray, errors: tuple[type[Exception], ...], job: Job, actors: list, lim
     if total.shards_failed or (total.shards_damaged and not job.input.allow_damaged):
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _get(ray, ref) -> Any:
+    """ray.get, raising a task's own exception (a SourceError, say: one line from the CLI)."""
+    from ray.exceptions import RayTaskError
+
+    try:
+        return ray.get(ref)
+    except RayTaskError as e:
+        raise (e.cause if isinstance(e.cause, Exception) else e) from None
 
 
 def _merge(results: dict[int, dict[str, Any]], total, code: int) -> int:
