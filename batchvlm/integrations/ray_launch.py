@@ -168,7 +168,8 @@ def run_on_ray(job: Job, address: str, limit: int | None, overwrite: bool) -> in
         actors = [actor.remote(job, r, world) for r in range(world)]
         if clear:  # once, before any rank starts (a rank must not clear another's work)
             ray.get(actors[0].clear.remote())
-        _log(f"batchvlm: ray: {world} rank(s) of {resources} on {len(ray.nodes())} node(s)")
+        each = ", ".join(f"{n:g} {k.removeprefix('num_').upper()}" for k, n in resources.items())
+        _log(f"batchvlm: ray: {world} rank(s) of {each} on {len(ray.nodes())} node(s)")
         return _drive(ray, (RayActorError, RayError), job, actors, limit, t0)
     finally:
         ray.shutdown()
@@ -240,7 +241,7 @@ def _drive(ray, errors: tuple[type[Exception], ...], job: Job, actors: list, lim
             if not freed or round_ == MAX_ROUNDS - 1:
                 _log(f"batchvlm: ray: {len(left)} shard(s) are not done and held by another run "
                      f"({', '.join(left[:3])}); run again once it ends")
-                code = EXIT_FAILED
+                code = EXIT_STOPPED  # nothing failed: as when another run holds a rank's lock
                 break
             _log(f"batchvlm: ray: {len(freed)} shard(s) were held by ranks that died on another node; "
                  "one more round labels them")
