@@ -28,7 +28,8 @@ def _done(out: Path) -> set[str]:
 
 
 def _pod(job: Path, index: int, world: int) -> subprocess.Popen:
-    env = os.environ | {"JOB_COMPLETION_INDEX": str(index), "BATCHVLM_WORLD": str(world)}
+    env = os.environ | {"JOB_COMPLETION_INDEX": str(index), "BATCHVLM_WORLD": str(world),
+                        "OMP_NUM_THREADS": "1"}  # two pods share the test machine's cores
     return subprocess.Popen(CMD + [str(job)], env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
