@@ -35,14 +35,19 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def labelled(cluster, tmp_path_factory):
-    """`--ray` over 20 shards, one actor killed with -9 mid-run: (root, job file, run, actor pids seen)."""
+    """`--ray` over 20 shards, one actor killed with -9 mid-run, and a shard claimed by a rank of
+    this launch that died on another host (its lease still runs): (root, job file, exit code,
+    stderr, actor pids seen, the killed pid, shards done when it was killed)."""
     root = tmp_path_factory.mktemp("ray")
     write_shards(root / "data", N_SHARDS, PER, seed=21)
     job = write_job(root / "job.yaml", "data/shapes-*.tar", engine={"max_new_tokens": 6, "max_batch_size": 2},
                     tasks=[{"caption": {}}, {"detect": {"objects": ["circle"]}}])
     meta = root / "out" / "__batchvlm__"
+    meta.mkdir(parents=True)
+    (meta / f"shapes-{N_SHARDS - 1:06d}.claim").write_text(json.dumps({"host": "node17", "pid": 1, "launch": "L-0"}))
     p = subprocess.Popen([sys.executable, "-m", "batchvlm.cli", "run", str(job), "--ray", cluster],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=os.environ | {"BATCHVLM_LAUNCH": "L"})
     seen: set[int] = set()
     killed, done_at_kill = None, None
     deadline = time.time() + 300
@@ -76,6 +81,7 @@ def test_ray_ranks_label_every_shard_once_though_an_actor_was_killed(labelled):
     assert killed is not None and done_at_kill < N_SHARDS  # killed mid-run
     assert len(seen) > ACTORS  # Ray restarted the killed actor (a new RankWorker process)
     assert f"ray: {ACTORS} rank(s)" in err and f"{N_SHARDS} shard(s) written" in err
+    assert "1 shard(s) were held by ranks that died on another node; one more round" in err
     out = root / "out"
     for s in range(N_SHARDS):
         keys = pq.read_table(out / f"shapes-{s:06d}.parquet", columns=["key"]).column("key").to_pylist()

@@ -187,18 +187,19 @@ def _drive(ray, errors: tuple[type[Exception], ...], job: Job, actors: list, lim
 
     total = RunSummary(0, 0)
     code = EXIT_OK
-    base = uuid.uuid4().hex[:12]
+    base = os.environ.get(LAUNCH_ENV) or uuid.uuid4().hex[:12]  # round r's ranks claim as "<base>-<r>"
     # Counted from the output folder, not from the ranks' summaries: a rank that died took its
     # count of the shards it had written with it.
     _, _, before = _get(ray, actors[0].shards.remote())
     total.shards_done_before = len(before)
     bar = _Bar(job.name, world)
+    busy = world  # ranks to run this round: later rounds need one per freed shard at most
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     try:
         for round_ in range(MAX_ROUNDS):
             launch = f"{base}-{round_}"
             shares = [max(1, limit // world + (i < limit % world)) if limit else None for i in range(world)]
-            runs = {a.run.remote(shares[i], launch): i for i, a in enumerate(actors)}
+            runs = {a.run.remote(shares[i], launch): i for i, a in enumerate(actors[:busy])}
             results: dict[int, dict[str, Any]] = {}
             polls: dict[Any, int] = {}  # progress calls in flight (one per rank; a dead rank's waits for its restart)
             while runs:
@@ -245,6 +246,7 @@ def _drive(ray, errors: tuple[type[Exception], ...], job: Job, actors: list, lim
                 break
             _log(f"batchvlm: ray: {len(freed)} shard(s) were held by ranks that died on another node; "
                  "one more round labels them")
+            busy = min(world, len(freed))
     finally:
         bar.bar.close()
         for s, h in previous.items():
