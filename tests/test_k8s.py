@@ -34,25 +34,33 @@ def _pod(job: Path, index: int, world: int) -> subprocess.Popen:
 
 
 def test_indexed_pods_killed_and_drained_then_recreated_label_every_image_once(tmp_path):
-    world, n_shards, per = 2, 8, 3  # index i owns shards i, i+2, i+4, i+6
+    world, n_shards, per = 2, 12, 2  # index i owns shards i, i+2, ..., i+10
     write_shards(tmp_path / "data", n_shards, per, seed=3)
     job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", engine={"max_new_tokens": 6, "max_batch_size": 2},
                     tasks=[{"caption": {}}])
     out = tmp_path / "out"
     pods = [_pod(job, i, world) for i in range(world)]
     mine = lambda i: {f"shapes-{s:06d}" for s in range(i, n_shards, world)}  # noqa: E731
-    deadline = time.time() + 240
-    while time.time() < deadline and not (mine(0) & _done(out) and mine(1) & _done(out)):
-        time.sleep(0.05)
-    os.killpg(pods[0].pid, signal.SIGKILL)  # its node died
-    pods[1].send_signal(signal.SIGTERM)  # drained: finish what is in flight, keep finished shards
-    t_term = time.time()
+    # Each pod is stopped right after its own first shard: pod 0 by kill -9 (its node died), pod 1
+    # by SIGTERM (drained: finish what is in flight, keep finished shards).
+    deadline, killed, t_term = time.time() + 240, False, None
+    while time.time() < deadline and not (killed and t_term):
+        done = _done(out)
+        if not killed and mine(0) & done:
+            os.killpg(pods[0].pid, signal.SIGKILL)
+            killed = True
+        if not t_term and mine(1) & done:
+            pods[1].send_signal(signal.SIGTERM)
+            t_term = time.time()
+        time.sleep(0.02)
     assert pods[1].wait(timeout=120) == EXIT_STOPPED, pods[1].stderr.read()
     drain_s = time.time() - t_term
     assert "stopped by signal" in pods[1].stderr.read()
     assert pods[0].wait() == -signal.SIGKILL
     left = {i: mine(i) - _done(out) for i in range(world)}
-    assert all(left.values()), left  # both were stopped with work left
+    # Work was left. (A drained pod may finish all its shards: their rows can be labelled before
+    # the first one is written, and a drain writes them.)
+    assert left[0] or left[1], left
     kept = {s: (out / f"{s}.parquet").stat().st_mtime_ns for s in _done(out)}
     # The Job recreates the pods with the same indices: they take the same shards, skip the done ones.
     again = [_pod(job, i, world) for i in range(world)]
