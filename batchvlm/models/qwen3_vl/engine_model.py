@@ -16,7 +16,7 @@ import torch
 from ...cache.specs import PagedKV
 from ...cache.tensors import EngineCache
 from ..attention import AttentionBatch, attend, plan_groups
-from ..decoding import Decision, RowState, decide_text, emit_text
+from ..decoding import Decision, PromptRows, RowState, choice_scores, decide_text, emit_text, with_scores
 from ..family import ModelInfo, PrefixInputs
 from .model import Qwen3VLModel
 from .positions import prefix_positions
@@ -37,20 +37,21 @@ class Qwen3VLEngine:
     causal_prefix = True
 
     def __init__(self, model: Qwen3VLModel, info: ModelInfo, head: list[int], stop_ids: list[int],
-                 pre: Preprocessor):
+                 pre: Preprocessor, end_id: int, scores_prompts: bool):
         self.model, self.info = model, info
         self.device, self.dtype = model.device, model.dtype
         self.head = torch.tensor(head, dtype=torch.long, device=self.device)
         self.vision_end = model.config.vision_end_id
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
         self.pre = pre
+        self.end_id, self.scores_prompts = end_id, scores_prompts  # classify: <|im_end|> ends a choice
 
     def state_specs(self) -> list[PagedKV]:
         t = self.model.config.text
         return [PagedKV("attn", t.n_layers, t.n_kv_heads, t.head_dim, self.dtype)]
 
     def prefix_layout(self, image: PreparedImage, prompt: tuple[int, ...]) -> tuple[int, int]:
-        return image.prefix_len, image.next_pos
+        return image.prefix_len + len(prompt), image.next_pos + len(prompt)
 
     def encode(self, images: list[PreparedImage]) -> list[ImageFeatures]:
         out = self.model.visual([im.pixels.to(self.device, non_blocking=True) for im in images])
@@ -74,12 +75,15 @@ class Qwen3VLEngine:
         end = self.model.embed(torch.tensor([self.vision_end], device=self.device))
         embeds, positions, rows = [], [], []
         at = 0
-        for f in features:
-            n = f.features_TC.shape[0]
-            embeds += [head, f.features_TC.to(head.dtype), end]
-            positions.append(prefix_positions(h, f.grid, self.device))
+        for f, prompt in zip(features, prompts):
+            n, p = f.features_TC.shape[0], prompt.shape[0]
+            embeds += [head, f.features_TC.to(head.dtype), end, self.model.embed(prompt)]
+            # a prefix prompt (classify's shared prompt) continues 1-D after vision_end
+            image_pos = prefix_positions(h, f.grid, self.device)
+            text_pos = image_pos[:, -1:] + 1 + torch.arange(p, device=self.device)
+            positions += [image_pos, text_pos]
             rows.append(torch.arange(at + h, at + h + n, device=self.device))
-            at += h + n + 1
+            at += h + n + 1 + p
         deepstack = DeepStack(torch.cat(rows), list(torch.cat([f.deepstack_KTC for f in features], dim=1).unbind(0)))
         return PrefixInputs(torch.cat(embeds), torch.cat(positions, dim=1), deepstack)
 
@@ -105,5 +109,9 @@ class Qwen3VLEngine:
     emit = staticmethod(emit_text)
 
     def decide(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
-               heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> Decision:
-        return decide_text(self.model.logits(hidden_BC), state, self.stop_ids, sampling)
+               heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+               prompt: PromptRows | None = None) -> Decision:
+        d = decide_text(self.model.logits(hidden_BC), state, self.stop_ids, sampling)
+        if prompt is None:
+            return d
+        return with_scores(d, state, choice_scores(self.model.logits, prompt, state, self.end_id))

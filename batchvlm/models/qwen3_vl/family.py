@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...tasks import args_of, kind_of
-from ..decoding import MODE_TEXT, RawOutput, SeqSpec
+from ..decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
 from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence
 from ..hub import TokenizerAdapter, load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
 from .chat import ChatTemplate, read_template, special_tokens
@@ -71,6 +71,7 @@ class Qwen3VL:
         self.stop_ids = stop_ids(folder, self.tokenizer)
         self.pre = Preprocessor.create(config.vision, settings, len(self.head), min_pixels, max_pixels)
         self.max_objects: dict[int, int] = {}  # task -> objects kept per name (set by sequences)
+        self.classify = False  # the job has classify tasks (set by sequences): the engine scores prompts
 
     @classmethod
     def open(cls, folder: Path, spec: ModelSpec, revision: str | None) -> Qwen3VL:
@@ -93,9 +94,12 @@ class Qwen3VL:
         seqs = []
         for t, task in enumerate(tasks):
             kind, a = kind_of(task), args_of(task)
-            if kind in ("classify", "json"):
+            if kind == "json":
                 raise FamilyError(f"tasks.{t}.{kind}: the native Qwen3-VL engine does not run {kind} tasks yet; "
                                   "model.backend: transformers does")
+            if kind == "classify":
+                seqs += self._choices(t, a)
+                continue
             if kind in ("caption", "query"):
                 text = CAPTIONS[a.length] if kind == "caption" else a.question
                 pairs = [(None, text, a.max_new_tokens or engine.max_new_tokens)]
@@ -116,6 +120,26 @@ class Qwen3VL:
                     "model.max_pixels or engine.max_new_tokens")
         return seqs
 
+    def _choices(self, t: int, a) -> list[TaskSequence]:
+        """One sequence per choice: the query's prompt minus its last token is the shared prefix
+        prompt; own tokens are that last token and the choice's tokens encoded in context, all
+        scored, then <|im_end|> (models/family.py (c))."""
+        text = self.template.split(a.question)[1]
+        base = self.tokenizer.encode(text)
+        seqs: list[TaskSequence] = []
+        for c in a.choices:
+            full = self.tokenizer.encode(text + c)
+            if full[: len(base)] != base or len(full) == len(base):
+                raise FamilyError(f"tasks.{t}.classify.choices: {c!r} merges with the prompt's last token")
+            own = (base[-1], *full[len(base):])
+            for s in seqs:
+                if s.spec.prompt == own:
+                    raise FamilyError(f"tasks.{t}.classify.choices: {s.label!r} and {c!r} are the same tokens for "
+                                      "this model")
+            seqs.append(TaskSequence(t, c, SeqSpec(MODE_SCORE, own, len(own), prefix_prompt=tuple(base[:-1]))))
+        self.classify = True
+        return seqs
+
     def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput]) -> dict[str, Any]:
         return column_values(tasks, seqs, raws, self.tokenizer.decode, self.max_objects)
 
@@ -127,4 +151,5 @@ class Qwen3VL:
         load_weights(model, files)
         info = ModelInfo(self.model_name, self.revision, str(self.folder), weights_sha256(files),
                          str(dt).removeprefix("torch."), str(dev), self.name, self.backend)
-        return Qwen3VLEngine(model, info, self.head, self.stop_ids, self.pre)
+        return Qwen3VLEngine(model, info, self.head, self.stop_ids, self.pre, self.tokenizer.id_of("<|im_end|>"),
+                             self.classify)
