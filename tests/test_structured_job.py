@@ -83,10 +83,14 @@ def test_choice_values_are_a_softmax_in_choice_order():
     assert choice_values(["only"], [-300.0]) == ("only", [{"label": "only", "prob": 1.0}])
 
 
-def test_the_native_engines_refuse_structured_tasks_at_validation():
+def test_the_native_engines_run_classify_and_refuse_json_at_validation():
+    from batchvlm.models.decoding import MODE_SCORE
     from batchvlm.models.family import FamilyError
     from batchvlm.models.registry import open_family
 
     job = _job({"caption": {}}, {"classify": {"question": "How many shapes are there?", "choices": ["one", "two"]}})
-    with pytest.raises(FamilyError, match=r"^tasks\.1\.classify: the native Moondream engine does not run classify"):
+    seqs = open_family(job.model, weights=False).sequences(job.tasks, job.engine)
+    assert [s.label for s in seqs if s.spec.mode == MODE_SCORE] == ["one", "two"]
+    job = _job({"caption": {}}, {"json": {"prompt": "Describe it.", "schema": {"type": "object"}}})
+    with pytest.raises(FamilyError, match=r"^tasks\.1\.json: the native Moondream engine does not run json"):
         open_family(job.model, weights=False).sequences(job.tasks, job.engine)

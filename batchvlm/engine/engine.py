@@ -22,7 +22,7 @@ from ..cache.blocks import BlockManager, SnapshotSlots
 from ..cache.specs import bytes_per_slot, bytes_per_state, has_recurrent
 from ..cache.tensors import EngineCache
 from ..job import EngineSpec
-from ..models.decoding import Decision, RawOutput, sequence_seed
+from ..models.decoding import MODE_SCORE, Decision, RawOutput, sequence_seed
 from ..models.family import EngineModel, TaskSequence, WorkItem
 from .memory import available_bytes
 from .plan import PREFILL_TOKENS_PER_STEP, StepPlan
@@ -50,6 +50,7 @@ class Engine:
         self.max_prefix_len = max_prefix_len = max_prefix_len + max(len(s.spec.prefix_prompt) for s in seqs)
         self.log = log
         self.sampling = any(s.spec.temperature > 0 for s in seqs)
+        self.scores = any(s.spec.mode == MODE_SCORE for s in seqs)  # classify: decide scores prompt rows
         self.specs = model.state_specs()
         bs = settings.block_size
         n_rows = settings.max_batch_size
@@ -69,7 +70,7 @@ class Engine:
         self.images_to_fill = math.ceil(n_rows / len(seqs))
         cache = EngineCache.allocate(self.specs, n_blocks, bs, n_rows, self.n_snapshots, model.device)
         self.runner = Runner(model, cache, n_rows, n_slots * self.prefixes_per_image, max_prefix_len,
-                             max(self.own_blocks), self.seqs_per_prefix, settings.cuda_graphs, self.sampling)
+                             max(self.own_blocks), self.seqs_per_prefix, settings.cuda_graphs, self.sampling, self.scores)
         graphs = self.runner.graphs
         # With graphs, admit once an eighth of the rows is free: steps that admit run eagerly.
         self.scheduler = Scheduler(BlockManager(n_blocks, bs), n_rows, n_slots,
@@ -145,7 +146,7 @@ class Engine:
                             max(len(s.spec.prefix_prompt) for s in seqs), bool(self.n_snapshots))
         scratch = EngineCache.allocate(self.specs, 2, bs, n_rows, max(self.n_snapshots, 1), model.device)
         runner = Runner(model, scratch, n_rows, max(len(plan.prefix_slots), 1),
-                        self.max_prefix_len, max(self.own_blocks), self.seqs_per_prefix, False, self.sampling)
+                        self.max_prefix_len, max(self.own_blocks), self.seqs_per_prefix, False, self.sampling, self.scores)
         return runner.warm_up(plan, feats)
 
     # ------------------------------------------------------------------ the loop

@@ -54,13 +54,15 @@ class HostEvent:
 
 class Runner:
     def __init__(self, model: EngineModel, cache: EngineCache, n_rows: int, n_image_slots: int, max_prefix_len: int,
-                 max_own_blocks: int, seqs_per_image: int, cuda_graphs: bool, sampling: bool):
+                 max_own_blocks: int, seqs_per_image: int, cuda_graphs: bool, sampling: bool,
+                 scores_prompts: bool = False):
         self.model = model
         self.cache = cache
         self.device = dev = model.device
         self.bs = cache.block_size
         self.n_rows = n_rows
         self.sampling = sampling
+        self.scores_prompts = scores_prompts  # MODE_SCORE sequences: decide gets the prompt rows
         self.recurrent = bool(cache.recurrent)
         R = n_rows + 1  # the last row is scratch for padding
         self.state_int = {f: torch.zeros(R, dtype=torch.long, device=dev) for f in STATE_INT}
@@ -224,7 +226,7 @@ class Runner:
         batch = AttentionBatch(torch.cat(write_slots), groups, bs, layout.n_pre, states)
         hidden = m.forward(torch.cat(embeds), positions, batch, self.cache, prefix)
         prompt = None
-        if S and getattr(m, "scores_prompts", False):  # classify choices (models/family.py (c))
+        if S and self.scores_prompts:  # classify choices (models/family.py (c))
             prompt = PromptRows(hidden[layout.n_pre: first_decode], x.prompt_tokens, x.flat_seq, x.flat_own,
                                 x.prompt_lens)
         return self.decide(torch.cat([x.new_rows, x.decode.rows]), hidden[x.last], x.heads, prompt)

@@ -51,7 +51,7 @@ Engine contract v2: how each kind of model plugs in.
       prompt is [last prompt token] + the choice's tokens, with limit 1 (it finishes at its
       first decision: one prefill step, no decode loop). Its score, the sum of the choice
       tokens' log-probs, needs the logits of every own prompt row, where `decide` sees the last
-      row only: a model with `scores_prompts` set gets the step's prompt rows as well
+      row only: in a job with MODE_SCORE sequences, `decide` gets the step's prompt rows as well
       (`PromptRows`: hidden [n_prompt, C], ids, row and own index of each, already on the device)
       and reduces them per row into `Decision.value` (decoding.py `choice_scores`). MODE_SCORE
       rows score their last `limit` rows and write nothing after their prompt (budget 1).
@@ -207,7 +207,6 @@ class EngineModel(Protocol):
     device: torch.device
     dtype: torch.dtype
     causal_prefix: bool  # False: the image prefix attends to itself bidirectionally
-    scores_prompts: bool  # True: `decide` also gets the step's prompt rows (classify, note (c))
 
     def state_specs(self) -> list[StateSpec]:
         """The state kinds of the model's layers (cache/specs.py); the engine sizes, allocates and
@@ -244,7 +243,7 @@ class EngineModel(Protocol):
                heads: tuple[torch.Tensor, ...] | None, prompt: PromptRows | None = None) -> Decision:
         """One step of every row's decoding; updates `state` in place. `heads[b]`: the rows whose
         head schedule (SeqSpec.heads) needs head b this step (None: every row, every head).
-        `prompt`: the step's prompt rows, given when `scores_prompts` is set and it has any."""
+        `prompt`: the step's prompt rows, in a job with MODE_SCORE sequences (note (c))."""
 
     def emit(self, out: RawOutput, spec: SeqSpec, code: int, token: int, v0: float, v1: float) -> None:
         """The host half of the grammar: apply one emission of a sequence (one step behind)."""

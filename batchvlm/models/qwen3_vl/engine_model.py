@@ -37,14 +37,14 @@ class Qwen3VLEngine:
     causal_prefix = True
 
     def __init__(self, model: Qwen3VLModel, info: ModelInfo, head: list[int], stop_ids: list[int],
-                 pre: Preprocessor, end_id: int, scores_prompts: bool):
+                 pre: Preprocessor, end_id: int):
         self.model, self.info = model, info
         self.device, self.dtype = model.device, model.dtype
         self.head = torch.tensor(head, dtype=torch.long, device=self.device)
         self.vision_end = model.config.vision_end_id
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
         self.pre = pre
-        self.end_id, self.scores_prompts = end_id, scores_prompts  # classify: <|im_end|> ends a choice
+        self.end_id = end_id  # classify: <|im_end|> ends a choice
 
     def state_specs(self) -> list[PagedKV]:
         t = self.model.config.text

@@ -71,7 +71,6 @@ class Qwen3VL:
         self.stop_ids = stop_ids(folder, self.tokenizer)
         self.pre = Preprocessor.create(config.vision, settings, len(self.head), min_pixels, max_pixels)
         self.max_objects: dict[int, int] = {}  # task -> objects kept per name (set by sequences)
-        self.classify = False  # the job has classify tasks (set by sequences): the engine scores prompts
 
     @classmethod
     def open(cls, folder: Path, spec: ModelSpec, revision: str | None) -> Qwen3VL:
@@ -137,7 +136,6 @@ class Qwen3VL:
                     raise FamilyError(f"tasks.{t}.classify.choices: {s.label!r} and {c!r} are the same tokens for "
                                       "this model")
             seqs.append(TaskSequence(t, c, SeqSpec(MODE_SCORE, own, len(own), prefix_prompt=tuple(base[:-1]))))
-        self.classify = True
         return seqs
 
     def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput]) -> dict[str, Any]:
@@ -151,5 +149,4 @@ class Qwen3VL:
         load_weights(model, files)
         info = ModelInfo(self.model_name, self.revision, str(self.folder), weights_sha256(files),
                          str(dt).removeprefix("torch."), str(dev), self.name, self.backend)
-        return Qwen3VLEngine(model, info, self.head, self.stop_ids, self.pre, self.tokenizer.id_of("<|im_end|>"),
-                             self.classify)
+        return Qwen3VLEngine(model, info, self.head, self.stop_ids, self.pre, self.tokenizer.id_of("<|im_end|>"))
