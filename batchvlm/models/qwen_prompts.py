@@ -38,6 +38,8 @@ CAPTIONS = {"short": "Describe this image in one sentence.", "normal": "Describe
             "long": "Describe this image in detail."}
 
 # Qwen3-VL (dense and MoE) and Qwen3.5 (dense and MoE): the Qwen3-VL cookbook's grounding words.
+# The transformers backend maps model types to these through its grounding formats
+# (transformers_backend/architectures.py).
 QWEN3 = QwenPrompts(
     CAPTIONS,
     detect='Locate every instance that belongs to the following categories: "{object}". Report bbox coordinates '
@@ -49,9 +51,6 @@ QWEN25 = QwenPrompts(
     CAPTIONS,
     detect="Locate every {object} in the image and output the bbox coordinates in JSON format.",
     point="Locate every {object} in the image and output the point coordinates in JSON format.")
-
-# config.json model_type -> its table
-TABLES = {"qwen2_5_vl": QWEN25, "qwen3_vl": QWEN3, "qwen3_vl_moe": QWEN3, "qwen3_5": QWEN3, "qwen3_5_moe": QWEN3}
 
 
 def answer_text(decode_skipping_specials: Callable[[Sequence[int]], str], tokens: Sequence[int]) -> str:
