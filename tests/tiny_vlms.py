@@ -21,9 +21,11 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'
           "<|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # Qwen3.5's shape: thinking unless the caller sets enable_thinking to false.
-QWEN35_CHAT = CHATML.replace("{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
-                             "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
-                             "enable_thinking is false %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
+QWEN35_CHAT = CHATML.replace(
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
+    "{% endif %}")
 IDEFICS3_CHAT = ("<|begin_of_text|>{% for m in messages %}{{ m['role'] | capitalize }}:{% for c in m['content'] %}"
                  "{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}{% endfor %}"
                  "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
