@@ -18,6 +18,7 @@ from ...tasks import args_of, kind_of
 from ..decoding import MODE_TEXT, RawOutput, SeqSpec
 from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence
 from ..hub import TokenizerAdapter, load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
+from ..qwen_prompts import QWEN3
 from .chat import ChatTemplate, read_template, special_tokens
 from .config import ConfigError, Qwen3VLConfig
 from .engine_model import Qwen3VLEngine
@@ -28,12 +29,6 @@ from .weights import build_model, load_weights, read_config
 if TYPE_CHECKING:
     from ...job import EngineSpec, ModelSpec
     from ...tasks import Task
-
-CAPTIONS = {"short": "Describe this image in one sentence.", "normal": "Describe this image.",
-            "long": "Describe this image in detail."}
-DETECT = 'Locate every instance that belongs to the following categories: "{object}". Report bbox coordinates in JSON format.'
-POINT = "Locate every {object} in this image with points. Output the point coordinates in JSON format."
-
 
 def _token(tokenizer: TokenizerAdapter, id_: int) -> str:
     token = tokenizer.token_of(id_)
@@ -94,12 +89,10 @@ class Qwen3VL:
         for t, task in enumerate(tasks):
             kind, a = kind_of(task), args_of(task)
             if kind in ("caption", "query"):
-                text = CAPTIONS[a.length] if kind == "caption" else a.question
-                pairs = [(None, text, a.max_new_tokens or engine.max_new_tokens)]
+                pairs = [(None, QWEN3.words(kind, a), a.max_new_tokens or engine.max_new_tokens)]
             else:
-                template = DETECT if kind == "detect" else POINT
                 self.max_objects[t] = a.max_objects or engine.max_objects
-                pairs = [(obj, template.format(object=obj), engine.max_new_tokens) for obj in a.objects]
+                pairs = [(obj, QWEN3.words(kind, a, obj), engine.max_new_tokens) for obj in a.objects]
             for label, text, limit in pairs:
                 prompt = tuple(self.tokenizer.encode(self.template.split(text)[1]))
                 seqs.append(TaskSequence(t, label, SeqSpec(MODE_TEXT, prompt, limit, engine.temperature,
