@@ -20,7 +20,7 @@ from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence
 from ..hub import TokenizerAdapter, load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
 from .chat import ChatTemplate, read_template, special_tokens
 from .config import ConfigError, Qwen3VLConfig
-from .engine_model import Qwen3VLEngine
+from .engine_model import Qwen3VLEngineModel
 from .labels import column_values
 from .preprocess import PixelSettings, Preprocessor
 from .weights import build_model, load_weights, read_config
@@ -116,7 +116,7 @@ class Qwen3VL:
     def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput]) -> dict[str, Any]:
         return column_values(tasks, seqs, raws, self.tokenizer.decode, self.max_objects)
 
-    def load(self, dtype: str = "auto", device: str = "auto") -> Qwen3VLEngine:
+    def load(self, dtype: str = "auto", device: str = "auto") -> Qwen3VLEngineModel:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         files = weight_files(self.folder)
@@ -124,4 +124,4 @@ class Qwen3VL:
         load_weights(model, files)
         info = ModelInfo(self.model_name, self.revision, str(self.folder), weights_sha256(files),
                          str(dt).removeprefix("torch."), str(dev), self.name, self.backend)
-        return Qwen3VLEngine(model, info, self.head, self.stop_ids, self.pre)
+        return Qwen3VLEngineModel(model, info, self.head, self.stop_ids, self.pre)
