@@ -21,7 +21,7 @@ from ..hub import TokenizerAdapter, load_tokenizer, resolve_device, resolve_dtyp
 from ..qwen_prompts import QWEN3
 from .chat import ChatTemplate, read_template, special_tokens
 from .config import ConfigError, Qwen3VLConfig
-from .engine_model import Qwen3VLEngine
+from .engine_model import Qwen3VLEngineModel
 from .labels import column_values
 from .preprocess import PixelSettings, Preprocessor
 from .weights import build_model, load_weights, read_config
@@ -109,7 +109,7 @@ class Qwen3VL:
     def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput]) -> dict[str, Any]:
         return column_values(tasks, seqs, raws, self.tokenizer.decode, self.max_objects)
 
-    def load(self, dtype: str = "auto", device: str = "auto") -> Qwen3VLEngine:
+    def load(self, dtype: str = "auto", device: str = "auto") -> Qwen3VLEngineModel:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         files = weight_files(self.folder)
@@ -117,4 +117,4 @@ class Qwen3VL:
         load_weights(model, files)
         info = ModelInfo(self.model_name, self.revision, str(self.folder), weights_sha256(files),
                          str(dt).removeprefix("torch."), str(dev), self.name, self.backend)
-        return Qwen3VLEngine(model, info, self.head, self.stop_ids, self.pre)
+        return Qwen3VLEngineModel(model, info, self.head, self.stop_ids, self.pre)
