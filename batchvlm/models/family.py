@@ -47,6 +47,15 @@ class FamilyError(ValueError):
     """The job asks something of the model that it cannot do (names the job field)."""
 
 
+def check_kinds(tasks: list[Task], supported: tuple[str, ...], model: str) -> None:
+    """Refuse, naming the field, the first task whose kind the model cannot do."""
+    from ..tasks import kind_of
+
+    for i, task in enumerate(tasks):
+        if (kind := kind_of(task)) not in supported:
+            raise FamilyError(f"tasks.{i}.{kind}: {model} cannot do {kind} tasks (it can: {', '.join(supported)})")
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """Provenance: lands in the job record and every Parquet file's metadata."""

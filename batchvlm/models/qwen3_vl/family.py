@@ -16,7 +16,7 @@ import torch
 
 from ...tasks import args_of, kind_of
 from ..decoding import MODE_TEXT, RawOutput, SeqSpec
-from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence
+from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence, check_kinds
 from ..hub import load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
 from .chat import ChatTemplate, read_template, special_tokens
 from .config import ConfigError, Qwen3VLConfig
@@ -33,6 +33,8 @@ CAPTIONS = {"short": "Describe this image in one sentence.", "normal": "Describe
             "long": "Describe this image in detail."}
 DETECT = 'Locate every instance that belongs to the following categories: "{object}". Report bbox coordinates in JSON format.'
 POINT = "Locate every {object} in this image with points. Output the point coordinates in JSON format."
+OCR = "Read all the text in the image."
+KINDS = ("caption", "query", "point", "detect", "ocr")
 
 
 class Tokenizer:
@@ -105,11 +107,12 @@ class Qwen3VL:
         return len(self.head) + self.pre.max_tokens() + 1
 
     def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[TaskSequence]:
+        check_kinds(tasks, KINDS, "Qwen3-VL")
         seqs = []
         for t, task in enumerate(tasks):
             kind, a = kind_of(task), args_of(task)
-            if kind in ("caption", "query"):
-                text = CAPTIONS[a.length] if kind == "caption" else a.question
+            if kind in ("caption", "query", "ocr"):
+                text = CAPTIONS[a.length] if kind == "caption" else a.question if kind == "query" else OCR
                 pairs = [(None, text, a.max_new_tokens or engine.max_new_tokens)]
             else:
                 template = DETECT if kind == "detect" else POINT

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .. import grounding
+from ..florence2.prompts import DETECT_TOKEN as FLORENCE2_DETECT
 
 Style = Literal["chat", "paligemma", "florence2"]
 
@@ -33,7 +34,7 @@ FORMATS = {f.name: f for f in [
     GroundingFormat("qwen2.5-vl", QWEN_DETECT, QWEN_POINT, grounding.qwen25_boxes, grounding.qwen25_points,
                     absolute=True),
     GroundingFormat("qwen3-vl", QWEN_DETECT, QWEN_POINT, grounding.qwen3_boxes, grounding.qwen3_points),
-    GroundingFormat("florence-2", "<OPEN_VOCABULARY_DETECTION>{object}", None, grounding.florence2_boxes),
+    GroundingFormat("florence-2", FLORENCE2_DETECT + "{object}", None, grounding.florence2_boxes),
     GroundingFormat("paligemma", "detect {object}", None, grounding.paligemma_boxes),
     GroundingFormat("internvl", "Please provide the bounding box coordinate of the region this sentence "
                                 "describes: <ref>{object}</ref>", None, grounding.internvl_boxes),

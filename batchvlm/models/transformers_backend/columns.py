@@ -1,6 +1,7 @@
 """Generated tokens -> the typed values of one image's task columns.
 
-Captions and answers are decoded without special tokens. Detect / point text is decoded with
+Captions, answers and OCR text are decoded without special tokens; Florence-2's region captions
+are read with their phrases (models/grounding.py). Detect / point text is decoded with
 them (Florence-2's <loc_N> and PaliGemma's <locNNNN> may be special tokens) and handed to the
 model's grounding parser. That text is always returned as `<name>_raw` too; the Parquet schema
 has the column (and keeps the value) only with output.raw_text.
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...tasks import Task, box_values, column_of, kind_of, point_values, raw_column, truncated_column
+from ..grounding import florence2_regions
 from .architectures import GroundingFormat
 from .generation import Generated
 from .prompts import Prompt
@@ -31,8 +33,14 @@ def column_values(tasks: list[Task], prompts: list[Prompt], raws: list[Generated
         kind = kind_of(task)
         mine = [(p, r) for p, r in zip(prompts, raws) if p.task == t]
         truncated = any(not r.stopped for _, r in mine)
-        if kind in ("caption", "query"):
+        if kind in ("caption", "query", "ocr"):
             out[column_of(task)] = tokenizer.decode(list(mine[0][1].tokens), skip_special_tokens=True).strip()
+        elif kind == "regions":  # Florence-2's: each box with its own phrase
+            p, r = mine[0]
+            regions = florence2_regions(tokenizer.decode(list(r.tokens), skip_special_tokens=False))
+            truncated |= len(regions) > p.max_objects
+            out[column_of(task)] = box_values([label for label, _ in regions[: p.max_objects]],
+                                              [[box] for _, box in regions[: p.max_objects]])
         else:
             texts, found = [], []
             for p, r in mine:
