@@ -65,6 +65,9 @@ class StaticLabeler:
         else:
             self.config.do_sample, self.config.temperature, self.config.top_p, self.config.top_k = False, None, None, None
         self.stop = _stop_ids(self.config)
+        # generate writes this end token at the last position whatever the model says: an answer
+        # that ends there was cut by the limit, not ended by the model (Florence-2 and BART do this)
+        self.forced_eos = getattr(self.config, "forced_eos_token_id", None)
         bos = processor.tokenizer.bos_token
         # A template that writes BOS itself must not get a second one from the tokenizer (what
         # apply_chat_template does); other prompts keep the processor's own default.
@@ -105,5 +108,6 @@ class StaticLabeler:
         results = []
         for j, row in enumerate(new.tolist()):
             cut = next((k for k, t in enumerate(row) if t in self.stop), None)
-            results.append(Generated(tuple(row[:cut]), cut is not None, seen[j] if seen else None))
+            stopped = cut is not None and not (self.forced_eos is not None and cut == prompt.max_new_tokens - 1)
+            results.append(Generated(tuple(row[:cut]), stopped, seen[j] if seen else None))
         return results
