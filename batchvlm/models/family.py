@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from PIL import Image
 
+from ..tasks import kind_of
 from .decoding import Decision, RowState, SeqSpec
 
 if TYPE_CHECKING:
@@ -49,8 +50,6 @@ class FamilyError(ValueError):
 
 def check_kinds(tasks: list[Task], supported: tuple[str, ...], model: str) -> None:
     """Refuse, naming the field, the first task whose kind the model cannot do."""
-    from ..tasks import kind_of
-
     for i, task in enumerate(tasks):
         if (kind := kind_of(task)) not in supported:
             raise FamilyError(f"tasks.{i}.{kind}: {model} cannot do {kind} tasks (it can: {', '.join(supported)})")

@@ -42,8 +42,9 @@ class Tokenizer:
         path = folder / "tokenizer_config.json"
         config = json.loads(path.read_text()) if path.is_file() else {}
         self.cleanup = bool(config.get("clean_up_tokenization_spaces", False))
-        self.bos = config.get("bos_token", "<s>")
-        self.eos = config.get("eos_token", "</s>")
+        # a token may be written as {"content": "<s>", ...} (an AddedToken)
+        self.bos, self.eos = (t["content"] if isinstance(t, dict) else t
+                              for t in (config.get("bos_token", "<s>"), config.get("eos_token", "</s>")))
 
     def encode(self, text: str) -> tuple[int, ...]:
         return tuple(self._tok.encode(text, add_special_tokens=False).ids)

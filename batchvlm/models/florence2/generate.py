@@ -38,8 +38,8 @@ class Florence2Static:
     def __init__(self, model: Florence2Model, info: ModelInfo, generation: GenerationSettings):
         self.model, self.info, self.generation = model, info, generation
 
-    def labeler(self, seqs: list[TaskSequence], engine: EngineSpec) -> StaticLabeler:
-        return StaticLabeler(self.model, self.generation, seqs, engine)
+    def labeler(self, seqs: list[TaskSequence], engine: EngineSpec) -> Florence2Labeler:
+        return Florence2Labeler(self.model, self.generation, seqs, engine)
 
 
 def no_repeat_mask(hist_RL: torch.Tensor, n: int, vocab: int) -> torch.Tensor | None:
@@ -53,7 +53,7 @@ def no_repeat_mask(hist_RL: torch.Tensor, n: int, vocab: int) -> torch.Tensor | 
     return counts.scatter_add_(1, win_RWn[:, :, n - 1], hit_RW.long()) > 0
 
 
-class StaticLabeler:
+class Florence2Labeler:
     def __init__(self, model: Florence2Model, generation: GenerationSettings, seqs: list[TaskSequence],
                  settings: EngineSpec):
         self.model, self.gen, self.seqs, self.settings = model, generation, seqs, settings
