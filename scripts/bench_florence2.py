@@ -33,8 +33,8 @@ from pydantic import TypeAdapter
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the random hub-layout checkpoint
 from tiny_vlms import florence2  # noqa: E402
 
-from batchvlm.engine.labeler import WorkItem  # noqa: E402
 from batchvlm.job import EngineSpec, ModelSpec  # noqa: E402
+from batchvlm.models.family import WorkItem  # noqa: E402
 from batchvlm.models.registry import open_family  # noqa: E402
 from batchvlm.tasks import Task  # noqa: E402
 

@@ -22,10 +22,9 @@ import yaml
 from PIL import Image
 from pydantic import TypeAdapter
 
-from batchvlm.engine.labeler import WorkItem
 from batchvlm.job import EngineSpec, ModelSpec
 from batchvlm.models import grounding
-from batchvlm.models.family import FamilyError
+from batchvlm.models.family import FamilyError, WorkItem
 from batchvlm.models.florence2 import prompts
 from batchvlm.models.registry import open_family
 from batchvlm.tasks import Task
@@ -103,7 +102,7 @@ def test_prompts_are_the_processors(checkpoints, refs):
     for seq, text in zip(seqs, TEXTS, strict=True):
         ids = refs["a"].inputs(image, text)["input_ids"][0].tolist()
         assert ids[: family.image_tokens] == [family.config.image_token_id] * family.image_tokens
-        assert list(seq.spec.prompt) == ids[family.image_tokens:], text
+        assert list(seq.spec.prefix_prompt) == ids[family.image_tokens:], text
     with pytest.raises(FamilyError, match=r"^tasks\.1\.point: Florence-2 cannot do point tasks"):
         family.sequences(tasks_of([{"caption": {}}, {"point": {"objects": ["a"]}}]), EngineSpec())
     with pytest.raises(FamilyError, match=r"^tasks\.0\.ocr: Moondream cannot do ocr tasks"):

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .family import ModelLoadError
+from .family import ModelFetchError, ModelLoadError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -28,13 +28,19 @@ def resolve_dir(name: str, revision: str | None, allow_patterns: list[str] | Non
         return path, revision
     if path.is_absolute() or name.startswith(".") or name.count("/") != 1:
         raise ModelLoadError(f"model.name: {name!r} is neither a folder nor a Hugging Face repo id")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
 
     try:
         folder = Path(snapshot_download(repo_id=name, revision=revision, allow_patterns=allow_patterns))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
-        raise ModelLoadError(f"model.name: cannot fetch {name!r} (revision {revision or 'main'}): {e}") from e
+        # Named as not there (or offline with nothing cached): the same job fails the same way.
+        # Anything else (no network, 429, 5xx, a full disk) may pass on a later try.
+        final = isinstance(e, (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError, ValueError)) or (
+            isinstance(e, LocalEntryNotFoundError) and constants.HF_HUB_OFFLINE)
+        error = ModelLoadError if final else ModelFetchError
+        raise error(f"model.name: cannot fetch {name!r} (revision {revision or 'main'}): {e}") from e
     return folder, folder.name  # snapshots/<commit>: the commit the revision resolved to
 
 
@@ -150,3 +156,24 @@ def load_tokenizer(folder: Path, fallback_repo: str | None = None):
         return Tokenizer.from_file(hf_hub_download(fallback_repo, "tokenizer.json"))
     except Exception as e:  # noqa: BLE001 - any failure means: no tokenizer available
         raise ModelLoadError(f"{folder}: no tokenizer.json and cannot fetch {fallback_repo}: {e}") from e
+
+
+class TokenizerAdapter:
+    """A `tokenizers.Tokenizer` as families use it: ids without added specials; decoding skips
+    special tokens or keeps them (`skip_special`)."""
+
+    def __init__(self, tok, skip_special: bool = False):
+        self._tok = tok
+        self.skip_special = skip_special
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self.skip_special)
+
+    def id_of(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def token_of(self, id_: int) -> str | None:
+        return self._tok.id_to_token(id_)

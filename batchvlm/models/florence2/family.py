@@ -1,9 +1,9 @@
 """Florence-2 behind the family interface (models/family.py): the host side.
 
 Every sequence is one (image, prompt) pair: the prompt (`<s>` instruction `</s>`, prompts.py) is
-read by the encoder after the image tokens, and the decoder writes the answer from the decoder
-start token. So `SeqSpec.prompt` holds the encoder's prompt tokens here, and the decoder's own
-tokens start at position 0 for every sequence.
+read by the encoder after the image tokens (`SeqSpec.prefix_prompt`: engine contract v2's prefix
+segment), and the decoder writes the answer from the decoder start token (`SeqSpec.prompt`), its
+own tokens at positions 0, 1, ... for every sequence.
 """
 
 from __future__ import annotations
@@ -117,12 +117,13 @@ class Florence2:
             if kind in ("detect", "regions"):
                 self.max_objects[t] = a.max_objects or engine.max_objects
             for obj in (a.objects if kind == "detect" else [None]):
-                spec = SeqSpec(MODE_TEXT, self.prompt(task_text(kind, a, obj)), limit, engine.temperature, engine.top_p)
+                spec = SeqSpec(MODE_TEXT, (self.generation.decoder_start,), limit, engine.temperature, engine.top_p,
+                               prefix_prompt=self.prompt(task_text(kind, a, obj)))
                 seqs.append(TaskSequence(t, obj, spec))
         n_pos = self.config.text.max_positions
         for s in seqs:
-            if self.image_tokens + len(s.spec.prompt) > n_pos:
-                raise FamilyError(f"tasks.{s.task}: {self.image_tokens} image tokens and a {len(s.spec.prompt)}-token "
+            if self.image_tokens + (n := len(s.spec.prefix_prompt)) > n_pos:
+                raise FamilyError(f"tasks.{s.task}: {self.image_tokens} image tokens and a {n}-token "
                                   f"prompt exceed the encoder's {n_pos} positions; shorten it")
             if 1 + s.spec.limit > n_pos:
                 raise FamilyError(f"tasks.{s.task}: up to {s.spec.limit} generated tokens exceed the decoder's {n_pos} "

@@ -23,10 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ...engine.labeler import WorkItem, sequence_seed
 from ...job import EngineSpec
-from ..decoding import RowState, sample_tokens
-from ..family import ModelInfo, TaskSequence
+from ..decoding import RowState, sample_tokens, sequence_seed
+from ..family import ModelInfo, TaskSequence, WorkItem
 from .config import GenerationSettings
 from .labels import Decoded
 from .model import Florence2Model
@@ -58,8 +57,8 @@ class Florence2Labeler:
                  settings: EngineSpec):
         self.model, self.gen, self.seqs, self.settings = model, generation, seqs, settings
         self.dev = model.device
-        distinct = list(dict.fromkeys(s.spec.prompt for s in seqs))
-        self.prompt_of = torch.tensor([distinct.index(s.spec.prompt) for s in seqs], device=self.dev)
+        distinct = list(dict.fromkeys(s.spec.prefix_prompt for s in seqs))
+        self.prompt_of = torch.tensor([distinct.index(s.spec.prefix_prompt) for s in seqs], device=self.dev)
         width = max(len(p) for p in distinct)
         self.prompts_PL = torch.tensor([list(p) + [generation.pad] * (width - len(p)) for p in distinct], device=self.dev)
         self.valid_PL = torch.tensor([[True] * len(p) + [False] * (width - len(p)) for p in distinct], device=self.dev)
