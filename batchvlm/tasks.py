@@ -30,6 +30,18 @@ class ObjectsArgs(Strict):
     max_objects: int | None = Field(None, ge=1, description="Overrides engine.max_objects.")
 
 
+class OcrArgs(Strict):
+    name: str | None = Field(None, description="Output column (default: ocr).")
+    max_new_tokens: int | None = Field(None, ge=1, description="Overrides engine.max_new_tokens.")
+
+
+class RegionsArgs(Strict):
+    name: str | None = Field(None, description="Output column (default: regions).")
+    max_new_tokens: int | None = Field(None, ge=1, description="Overrides engine.max_new_tokens (the whole answer, "
+                                                               "every region).")
+    max_objects: int | None = Field(None, ge=1, description="Overrides engine.max_objects: regions kept.")
+
+
 class CaptionTask(Strict):
     caption: CaptionArgs = CaptionArgs()
 
@@ -46,6 +58,18 @@ class PointTask(Strict):
     point: ObjectsArgs
 
 
+class OcrTask(Strict):
+    """The text in the image, as one string (families that can read text: Florence-2, Qwen3-VL)."""
+
+    ocr: OcrArgs = OcrArgs()
+
+
+class RegionsTask(Strict):
+    """Dense region captions: boxes, each with a free-text description (Florence-2)."""
+
+    regions: RegionsArgs = RegionsArgs()
+
+
 def _task_kind(v: Any) -> str | None:
     if isinstance(v, dict) and len(v) == 1:
         return next(iter(v))
@@ -58,9 +82,11 @@ Task = Annotated[
     Annotated[CaptionTask, Tag("caption")]
     | Annotated[QueryTask, Tag("query")]
     | Annotated[DetectTask, Tag("detect")]
-    | Annotated[PointTask, Tag("point")],
+    | Annotated[PointTask, Tag("point")]
+    | Annotated[OcrTask, Tag("ocr")]
+    | Annotated[RegionsTask, Tag("regions")],
     Discriminator(_task_kind, custom_error_type="task_kind",
-                  custom_error_message="a task is one of caption, query, detect, point (one key)"),
+                  custom_error_message="a task is one of caption, query, detect, point, ocr, regions (one key)"),
 ]
 
 

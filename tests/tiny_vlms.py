@@ -49,9 +49,9 @@ def byte_tokenizer(specials: list[str], added: list[str] = (), **special_roles: 
 
 
 def _save(dest: Path, model, tokenizer, image_processor, chat_template: str | None,
-          processor_config: dict | None = None) -> Path:
+          processor_config: dict | None = None, shard: str | None = None) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(dest, safe_serialization=True)
+    model.save_pretrained(dest, safe_serialization=True, **({"max_shard_size": shard} if shard else {}))
     if chat_template is not None:
         tokenizer.chat_template = chat_template
         (dest / "chat_template.jinja").write_text(chat_template)
@@ -271,7 +271,10 @@ BUILDERS = {"qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl, "qwen3_vl_moe": qwen
             "paligemma": paligemma, "idefics3": idefics3, "smolvlm": smolvlm, "llava": llava}
 
 
-def florence2(dest: Path, seed: int = 0) -> Path:
+def florence2(dest: Path, seed: int = 0, text: dict | None = None, vision: dict | None = None, side: int = 64,
+              generation: dict | None = None, shard: str | None = None) -> Path:
+    """`text` / `vision` override the tiny BART / DaViT settings; `side`: the square input size;
+    `generation`: extra generation_config settings; `shard`: max_shard_size (sharded weights)."""
     from transformers import Florence2Config
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
@@ -283,18 +286,23 @@ def florence2(dest: Path, seed: int = 0) -> Path:
     text = dict(model_type="bart", vocab_size=len(tok), d_model=32, encoder_layers=2, decoder_layers=2,
                 encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
                 max_position_embeddings=256, bos_token_id=ids["<s>"], eos_token_id=ids["</s>"],
-                pad_token_id=ids["<pad>"], decoder_start_token_id=ids["</s>"], forced_eos_token_id=ids["</s>"])
+                pad_token_id=ids["<pad>"], decoder_start_token_id=ids["</s>"],
+                forced_eos_token_id=ids["</s>"]) | (text or {})
     vision = dict(depths=[1, 1], patch_size=[7, 3], patch_stride=[4, 2], patch_padding=[3, 1],
                   patch_prenorm=[False, True], embed_dim=[16, 32], num_heads=[1, 2], num_groups=[1, 2],
-                  window_size=2, projection_dim=32, max_position_embeddings=8, max_temporal_embeddings=4,
-                  drop_path_rate=0.0)
+                  window_size=2, projection_dim=text["d_model"], max_position_embeddings=8, max_temporal_embeddings=4,
+                  drop_path_rate=0.0) | (vision or {})
     cfg = Florence2Config(text_config=text, vision_config=vision, image_token_id=ids["<image>"])
     model = _build(cfg, seed)
     _redraw(model, seed, 2.0)
-    _generation(model, ids["</s>"], ids["<pad>"], bos=ids["<s>"], decoder_start_token_id=ids["</s>"])
-    ip = CLIPImageProcessorPil(size={"height": 64, "width": 64}, crop_size={"height": 64, "width": 64},
-                               do_center_crop=False, image_seq_length=65)
-    return _save(dest, model, tok, ip, None, {"processor_class": "Florence2Processor"})
+    _generation(model, ids["</s>"], ids["<pad>"], bos=ids["<s>"], decoder_start_token_id=ids["</s>"],
+                **(generation or {}))
+    cells = side
+    for conv in model.model.vision_tower.convs:
+        cells = (cells + 2 * conv.padding - conv.patch_size) // conv.stride + 1
+    ip = CLIPImageProcessorPil(size={"height": side, "width": side}, crop_size={"height": side, "width": side},
+                               do_center_crop=False, image_seq_length=1 + cells * cells)
+    return _save(dest, model, tok, ip, None, {"processor_class": "Florence2Processor"}, shard)
 
 
 BUILDERS["florence2"] = florence2

@@ -31,11 +31,14 @@ class QwenPrompts:
             return self.captions[args.length]
         if kind == "query":
             return args.question
+        if kind == "ocr":
+            return OCR
         return (self.detect if kind == "detect" else self.point).format(object=obj)
 
 
 CAPTIONS = {"short": "Describe this image in one sentence.", "normal": "Describe this image.",
             "long": "Describe this image in detail."}
+OCR = "Read all the text in the image."  # every chat model's `ocr` task
 
 # Qwen3-VL (dense and MoE) and Qwen3.5 (dense and MoE): the Qwen3-VL cookbook's grounding words.
 # The transformers backend maps model types to these through its grounding formats

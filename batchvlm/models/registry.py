@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..job import EngineSpec, ModelSpec
 from .family import Family, ModelLoadError
+from .florence2.family import Florence2
 from .hub import read_json, resolve_dir
 from .moondream.family import Moondream
 from .qwen3_vl.family import Qwen3VL
@@ -19,6 +20,7 @@ DEMO_DIR = Path(__file__).parent / "demo"
 FAMILIES: dict[str, Callable[[Path, ModelSpec, str | None], Family]] = {
     "moondream1": lambda folder, spec, rev: Moondream.open(folder, spec.name, rev, spec.max_crops),
     "qwen3_vl": Qwen3VL.open,
+    "florence2": Florence2.open,
 }
 # What a family's host side reads of a hub repo: config, tokenizer (tokenizer.model: sentencepiece;
 # *.tiktoken: tiktoken tokenizers), templates: everything but the weights. Never *.bin / *.pt

@@ -31,7 +31,8 @@ from .layout import Layout
 BOX = pa.struct([("label", pa.string()), ("x_min", pa.float32()), ("y_min", pa.float32()),
                  ("x_max", pa.float32()), ("y_max", pa.float32())])
 POINT = pa.struct([("label", pa.string()), ("x", pa.float32()), ("y", pa.float32())])
-TYPES = {"caption": pa.string(), "query": pa.string(), "detect": pa.list_(BOX), "point": pa.list_(POINT)}
+TYPES = {"caption": pa.string(), "query": pa.string(), "detect": pa.list_(BOX), "point": pa.list_(POINT),
+         "ocr": pa.string(), "regions": pa.list_(BOX)}
 RAW_TEXT = pa.list_(pa.struct([("label", pa.string()), ("text", pa.string())]))
 
 

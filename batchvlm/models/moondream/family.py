@@ -19,7 +19,7 @@ from ..attention import AttentionBatch, KVCache
 from ..decoding import MODE_TEXT, Decision, RawOutput, RowState, SeqSpec
 from . import grammar
 from .grammar import MODE_DETECT, MODE_POINT
-from ..family import FamilyError, ModelInfo, PrefixInputs, TaskSequence
+from ..family import FamilyError, ModelInfo, PrefixInputs, TaskSequence, check_kinds
 from ..hub import TokenizerAdapter, load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
 from ..pinned import PinnedUpload
 from .config import MoondreamConfig
@@ -31,6 +31,8 @@ from .weights import TOKENIZER_REPO, build_model, load_weights, read_config
 if TYPE_CHECKING:
     from ...job import EngineSpec
     from ...tasks import Task
+
+KINDS = ("caption", "query", "point", "detect")
 
 
 class Moondream:
@@ -55,6 +57,7 @@ class Moondream:
         return self.config.prefix_len
 
     def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[TaskSequence]:
+        check_kinds(tasks, KINDS, "Moondream")
         seqs = [TaskSequence(t, label, spec) for t, task in enumerate(tasks)
                 for label, spec in self._task_sequences(task, engine)]
         P, n_ctx = self.config.prefix_len, self.config.text.max_context

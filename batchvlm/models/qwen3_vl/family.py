@@ -16,7 +16,7 @@ import torch
 
 from ...tasks import args_of, kind_of
 from ..decoding import MODE_TEXT, RawOutput, SeqSpec
-from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence
+from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence, check_kinds
 from ..hub import TokenizerAdapter, load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
 from ..qwen_prompts import QWEN3
 from .chat import ChatTemplate, read_template, special_tokens
@@ -29,6 +29,9 @@ from .weights import build_model, load_weights, read_config
 if TYPE_CHECKING:
     from ...job import EngineSpec, ModelSpec
     from ...tasks import Task
+
+KINDS = ("caption", "query", "point", "detect", "ocr")
+
 
 def _token(tokenizer: TokenizerAdapter, id_: int) -> str:
     token = tokenizer.token_of(id_)
@@ -85,10 +88,11 @@ class Qwen3VL:
         return len(self.head) + self.pre.max_tokens() + 1
 
     def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[TaskSequence]:
+        check_kinds(tasks, KINDS, "Qwen3-VL")
         seqs = []
         for t, task in enumerate(tasks):
             kind, a = kind_of(task), args_of(task)
-            if kind in ("caption", "query"):
+            if kind in ("caption", "query", "ocr"):
                 pairs = [(None, QWEN3.words(kind, a), a.max_new_tokens or engine.max_new_tokens)]
             else:
                 self.max_objects[t] = a.max_objects or engine.max_objects

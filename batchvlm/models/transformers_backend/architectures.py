@@ -14,6 +14,7 @@ from typing import Literal
 
 from .. import grounding
 from ..qwen_prompts import QWEN3, QWEN25
+from ..florence2.prompts import DETECT_TOKEN as FLORENCE2_DETECT
 
 Style = Literal["chat", "paligemma", "florence2"]
 
@@ -36,7 +37,7 @@ FORMATS = {f.name: f for f in [
                     absolute=True, special_tokens=False),
     GroundingFormat("qwen3-vl", QWEN3.detect, QWEN3.point, grounding.qwen3_boxes, grounding.qwen3_points,
                     special_tokens=False),
-    GroundingFormat("florence-2", "<OPEN_VOCABULARY_DETECTION>{object}", None, grounding.florence2_boxes),
+    GroundingFormat("florence-2", FLORENCE2_DETECT + "{object}", None, grounding.florence2_boxes),
     GroundingFormat("paligemma", "detect {object}", None, grounding.paligemma_boxes),
     GroundingFormat("internvl", "Please provide the bounding box coordinate of the region this sentence "
                                 "describes: <ref>{object}</ref>", None, grounding.internvl_boxes),

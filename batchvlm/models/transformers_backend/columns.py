@@ -1,10 +1,11 @@
 """Generated tokens -> the typed values of one image's task columns.
 
-Captions and answers are read by models/qwen_prompts.py's rule (decoded without special tokens,
-stripped), as the native families read them; so is the JSON of the Qwen grounding formats.
-Other detect / point text is decoded with special tokens (Florence-2's <loc_N> and PaliGemma's
-<locNNNN> may be special tokens). The text goes to the model's grounding parser and is always
-returned as `<name>_raw` too; the Parquet schema has the column (and keeps the value) only with
+Captions, answers and OCR text are read by models/qwen_prompts.py's rule (decoded without special
+tokens, stripped), as the native families read them; so is the JSON of the Qwen grounding formats.
+Florence-2's region captions are read with their phrases (models/grounding.py). Other detect /
+point text is decoded with special tokens (Florence-2's <loc_N> and PaliGemma's <locNNNN> may be
+special tokens). The text goes to the model's grounding parser and is always returned as
+`<name>_raw` too; the Parquet schema has the column (and keeps the value) only with
 output.raw_text.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...tasks import Task, box_values, column_of, kind_of, point_values, raw_column, truncated_column
+from ..grounding import florence2_regions
 from ..qwen_prompts import answer_text
 from .architectures import GroundingFormat
 from .generation import Generated
@@ -40,8 +42,14 @@ def column_values(tasks: list[Task], prompts: list[Prompt], raws: list[Generated
         kind = kind_of(task)
         mine = [(p, r) for p, r in zip(prompts, raws) if p.task == t]
         truncated = any(not r.stopped for _, r in mine)
-        if kind in ("caption", "query"):
+        if kind in ("caption", "query", "ocr"):
             out[column_of(task)] = _text(tokenizer, mine[0][1].tokens, None)
+        elif kind == "regions":  # Florence-2's: each box with its own phrase
+            p, r = mine[0]
+            regions = florence2_regions(tokenizer.decode(list(r.tokens), skip_special_tokens=False))
+            truncated |= len(regions) > p.max_objects
+            out[column_of(task)] = box_values([label for label, _ in regions[: p.max_objects]],
+                                              [[box] for _, box in regions[: p.max_objects]])
         else:
             texts, found = [], []
             for p, r in mine:

@@ -5,7 +5,9 @@ chat template, ending with the assistant header, rendered with qwen_prompts.TEMP
 where the template reads them (thinking off); their caption words and the Qwen grounding words
 are models/qwen_prompts.py's, the native Qwen families' table. PaliGemma gets its task prefixes
 ("caption en", "answer en ...", "detect ..."; the processor adds the image tokens, BOS and the newline);
-Florence-2 gets its task tokens (the processor turns them into its instructions).
+Florence-2 gets its task tokens (models/florence2/prompts.py, shared with the native family; the
+processor turns them into its instructions). `ocr` is an instruction (PaliGemma: its "ocr" prefix);
+`regions` only Florence-2 can do.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ from dataclasses import dataclass
 
 from ...tasks import Task, args_of, kind_of
 from ..family import FamilyError
-from ..qwen_prompts import CAPTIONS, TEMPLATE_VARIABLES
+from ..florence2 import prompts as florence2
+from ..qwen_prompts import CAPTIONS, OCR, TEMPLATE_VARIABLES
 from .architectures import GroundingFormat, Style, supported_formats
 
 CHAT_CAPTIONS = CAPTIONS  # every chat model: the words the native Qwen families use
 PALIGEMMA_CAPTIONS = {"short": "caption en", "normal": "caption en", "long": "describe en"}
-FLORENCE2_CAPTIONS = {"short": "<CAPTION>", "normal": "<DETAILED_CAPTION>", "long": "<MORE_DETAILED_CAPTION>"}
 
 
 @dataclass(frozen=True)
@@ -28,14 +30,18 @@ class Prompt:
     label: str | None  # the object of a detect / point sequence
     text: str  # what the processor gets beside the image
     max_new_tokens: int
-    max_objects: int | None = None  # detect / point: objects kept, in the order the model wrote them
+    max_objects: int | None = None  # detect / point / regions: objects kept, in the order the model wrote them
 
 
 def _words(kind: str, args, obj: str | None, style: Style, fmt: GroundingFormat | None) -> str:
+    if style == "florence2" and kind != "point":
+        return florence2.task_text(kind, args, obj)
     if kind == "caption":
-        return {"chat": CHAT_CAPTIONS, "paligemma": PALIGEMMA_CAPTIONS, "florence2": FLORENCE2_CAPTIONS}[style][args.length]
+        return {"chat": CHAT_CAPTIONS, "paligemma": PALIGEMMA_CAPTIONS}[style][args.length]
     if kind == "query":
         return f"answer en {args.question}" if style == "paligemma" else args.question
+    if kind == "ocr":
+        return "ocr" if style == "paligemma" else OCR
     template = fmt.detect if kind == "detect" else fmt.point
     return template.format(object=obj)
 
@@ -47,6 +53,9 @@ def prompts_for(tasks: list[Task], style: Style, fmt: GroundingFormat | None, ch
     out = []
     for i, task in enumerate(tasks):
         kind, args = kind_of(task), args_of(task)
+        if kind == "regions" and style != "florence2":
+            raise FamilyError(f"tasks.{i}.regions: region captions are a Florence-2 task; model_type "
+                              f"{model_type!r} cannot do them")
         if kind in ("detect", "point") and (fmt is None or (kind == "point" and fmt.point is None)):
             known = f"its format, {fmt.name}, has no points" if fmt else "batchvlm knows no grounding format for it"
             raise FamilyError(f"tasks.{i}.{kind}: model_type {model_type!r} through the transformers backend "
@@ -61,7 +70,7 @@ def prompts_for(tasks: list[Task], style: Style, fmt: GroundingFormat | None, ch
             words = _words(kind, args, obj, style, fmt)
             text = chat_template(words) if style == "chat" else words
             out.append(Prompt(i, obj, text, budget or max_new_tokens,
-                              (args.max_objects or max_objects) if spatial else None))
+                              (args.max_objects or max_objects) if spatial or kind == "regions" else None))
     return out
 
 
