@@ -17,7 +17,7 @@ from batchvlm.engine.engine import Engine
 from batchvlm.engine.labeler import WorkItem
 from batchvlm.job import EngineSpec, ModelSpec
 from batchvlm.models.grounding import qwen3_boxes, qwen3_points
-from batchvlm.models.qwen3_vl.labels import parses_cleanly
+from batchvlm.models.qwen_vl.labels import parses_cleanly
 from batchvlm.models.registry import open_family
 from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
 

@@ -16,9 +16,9 @@ import torch
 from ..attention import AttentionBatch, KVCache, attend, plan_groups
 from ..decoding import Decision, RowState, decide_text
 from ..family import ModelInfo, PrefixInputs
+from ..qwen_vl.positions import prefix_positions
+from ..qwen_vl.preprocess import PreparedImage, Preprocessor
 from .model import Qwen3VLModel
-from .positions import prefix_positions
-from .preprocess import PreparedImage, Preprocessor
 from .text import DeepStack
 
 

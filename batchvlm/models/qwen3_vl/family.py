@@ -1,91 +1,27 @@
-"""Qwen3-VL behind the family interface (models/family.py): the host side.
-
-Every task is one user turn [image, text] in the checkpoint's chat template with the generation
-prompt; the image prefix (template head, image tokens, vision_end) is shared by every task on
-the image, and each sequence's prompt is the rest of the rendered turn. All sequences are plain
-text: boxes and points are parsed from the JSON the model writes (labels.py).
-"""
+"""Qwen3-VL behind the family interface (models/family.py): the host side shared with Qwen3.5
+(qwen_vl/host.py), this family's config and its device side."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from ...tasks import args_of, kind_of
-from ..decoding import MODE_TEXT, RawOutput, SeqSpec
-from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence
+from ..family import ModelLoadError
 from ..hub import load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
-from .chat import ChatTemplate, read_template, special_tokens
-from .config import ConfigError, Qwen3VLConfig
+from ..qwen_vl.config import ConfigError
+from ..qwen_vl.host import QwenVLHost
+from ..qwen_vl.preprocess import PixelSettings
 from .engine_model import Qwen3VLEngine
-from .labels import column_values
-from .preprocess import PixelSettings, Preprocessor
 from .weights import build_model, load_weights, read_config
 
 if TYPE_CHECKING:
-    from ...job import EngineSpec, ModelSpec
-    from ...tasks import Task
-
-CAPTIONS = {"short": "Describe this image in one sentence.", "normal": "Describe this image.",
-            "long": "Describe this image in detail."}
-DETECT = 'Locate every instance that belongs to the following categories: "{object}". Report bbox coordinates in JSON format.'
-POINT = "Locate every {object} in this image with points. Output the point coordinates in JSON format."
+    from ...job import ModelSpec
 
 
-class Tokenizer:
-    """The checkpoint's tokenizer.json; decoding skips special tokens."""
-
-    def __init__(self, tok):
-        self._tok = tok
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
-
-    def id_of(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
-    def token_of(self, id_: int) -> str:
-        token = self._tok.id_to_token(id_)
-        if token is None:
-            raise ConfigError(f"token id {id_} is not in the tokenizer")
-        return token
-
-
-def stop_ids(folder: Path, tokenizer: Tokenizer) -> list[int]:
-    """<|im_end|>, the tokenizer's eos_token and generation_config.json's eos_token_id."""
-    ids = {tokenizer.id_of("<|im_end|>")}
-    eos = special_tokens(folder).get("eos_token")
-    if eos:
-        ids.add(tokenizer.id_of(eos))
-    gen = folder / "generation_config.json"
-    if gen.is_file():
-        e = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(e if isinstance(e, list) else [e])
-    return sorted(i for i in ids if isinstance(i, int))
-
-
-class Qwen3VL:
+class Qwen3VL(QwenVLHost):
     name = "qwen3_vl"
-    backend = "native"
-
-    def __init__(self, config: Qwen3VLConfig, settings: PixelSettings, tokenizer, folder: Path, model_name: str,
-                 revision: str | None, min_pixels: int | None = None, max_pixels: int | None = None):
-        self.config, self.folder, self.model_name, self.revision = config, folder, model_name, revision
-        self.settings = settings
-        self.tokenizer = Tokenizer(tokenizer)
-        self.template = ChatTemplate(read_template(folder), special_tokens(folder),
-                                     self.tokenizer.token_of(config.image_token_id),
-                                     self.tokenizer.token_of(config.vision_end_id))
-        self.head = self.tokenizer.encode(self.template.head())
-        self.stop_ids = stop_ids(folder, self.tokenizer)
-        self.pre = Preprocessor.create(config.vision, settings, len(self.head), min_pixels, max_pixels)
-        self.max_objects: dict[int, int] = {}  # task -> objects kept per name (set by sequences)
 
     @classmethod
     def open(cls, folder: Path, spec: ModelSpec, revision: str | None) -> Qwen3VL:
@@ -98,45 +34,11 @@ class Qwen3VL:
         except ConfigError as e:
             raise ModelLoadError(str(e)) from e
 
-    def preprocessor(self) -> Preprocessor:
-        return self.pre
-
-    def max_prefix_len(self) -> int:
-        return len(self.head) + self.pre.max_tokens() + 1
-
-    def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[TaskSequence]:
-        seqs = []
-        for t, task in enumerate(tasks):
-            kind, a = kind_of(task), args_of(task)
-            if kind in ("caption", "query"):
-                text = CAPTIONS[a.length] if kind == "caption" else a.question
-                pairs = [(None, text, a.max_new_tokens or engine.max_new_tokens)]
-            else:
-                template = DETECT if kind == "detect" else POINT
-                self.max_objects[t] = a.max_objects or engine.max_objects
-                pairs = [(obj, template.format(object=obj), engine.max_new_tokens) for obj in a.objects]
-            for label, text, limit in pairs:
-                prompt = tuple(self.tokenizer.encode(self.template.split(text)[1]))
-                seqs.append(TaskSequence(t, label, SeqSpec(MODE_TEXT, prompt, limit, engine.temperature,
-                                                           engine.top_p)))
-        P, n_ctx = self.max_prefix_len(), self.config.text.max_context
-        for s in seqs:
-            if P + len(s.spec.prompt) + s.spec.budget > n_ctx:
-                raise FamilyError(
-                    f"tasks.{s.task}: a {len(s.spec.prompt)}-token prompt and up to {s.spec.budget} generated tokens "
-                    f"after an image prefix of up to {P} tokens exceed the model's context of {n_ctx}; lower "
-                    "model.max_pixels or engine.max_new_tokens")
-        return seqs
-
-    def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput]) -> dict[str, Any]:
-        return column_values(tasks, seqs, raws, self.tokenizer.decode, self.max_objects)
-
     def load(self, dtype: str = "auto", device: str = "auto") -> Qwen3VLEngine:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         files = weight_files(self.folder)
         model = build_model(self.config, torch.from_numpy(self.settings.lookup_table()), dev, dt)
         load_weights(model, files)
-        info = ModelInfo(self.model_name, self.revision, str(self.folder), weights_sha256(files),
-                         str(dt).removeprefix("torch."), str(dev), self.name, self.backend)
+        info = self.model_info(weights_sha256(files), str(dt).removeprefix("torch."), str(dev))
         return Qwen3VLEngine(model, info, self.head, self.stop_ids, self.pre)

@@ -7,9 +7,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..qwen_vl.vision import VisionTower
 from .config import Qwen3VLConfig
 from .text import TextModel
-from .vision import VisionTower
 
 
 class Towers(nn.Module):

@@ -19,8 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..qwen_vl.rotary import apply_rotary, inverse_frequencies, mrope_axes, text_cos_sin
 from .config import TextConfig
-from .rotary import apply_rotary, inverse_frequencies, mrope_axes, text_cos_sin
 
 # (layer, q [N, H, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, H, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
