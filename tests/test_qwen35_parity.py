@@ -169,45 +169,38 @@ def test_logits_and_chunked_equals_recurrent(case):
 
 
 def test_mixed_flat_batch_equals_each_alone(case):
-    """Prefixes of different lengths, a forked continuation and decode steps in one flat forward
-    (each its own slot, padded for the chunked rule) equal each sequence alone."""
+    """The engine's pattern in one flat forward: fresh runs of different lengths (two whole
+    sequences and an image prefix, padded together for the chunked rule), the prefix's final
+    state forked into a task sequence's slot, that sequence's continuation; then one decode step
+    beside it. Each equals its sequence run alone."""
     seqs = [sequence(case, im, q) for im, q in zip(sample_images()[:3], ["Describe this image.", "Hi?", "Why?"])]
     alone, states = [], []
     for ids, embeds, pos, P in seqs:
         s = new_state(case)
         alone.append(forward(case, embeds, pos, DenseKV(), Segments.single(len(ids), embeds.device), s))
         states.append(s)
-    # sequence 0 and 2 whole, sequence 1 as [prefix] then its task tokens from a fork of the prefix
-    # state (slot 3 -> slot 1), one step for its last token
-    flat = new_state(case, 4)
-    ids1, e1, p1, P1 = seqs[1]
-    forward(case, e1[:P1], p1[:, :P1], _Dense1 := DenseKV(), Segments.single(P1, e1.device), pref := new_state(case))
-    flat.conv[:, 3], flat.recurrent[:, 3] = pref.conv[:, 0], pref.recurrent[:, 0]
-    flat.fork(torch.tensor([3]), torch.tensor([1]))
-    kvs = {0: DenseKV(), 1: _Dense1, 2: DenseKV()}
+    (ids0, e0, p0, _), (ids1, e1, p1, P1), (ids2, e2, p2, _) = seqs
     cut = len(ids1) - 1
-    spans = [(0, 0, len(seqs[0][0])), (1, P1, cut), (2, 0, len(seqs[2][0]))]
+    # runs: [seq 0 -> slot 0][seq 1's prefix -> slot 3][seq 2 -> slot 2] | fork 3 -> 1 | [seq 1's task tokens]
+    runs = [(0, e0, p0, 0), (1, e1[:P1], p1[:, :P1], 3), (2, e2, p2, 2), (1, e1[P1:cut], p1[:, P1:cut], 1)]
+    kvs = [DenseKV(), DenseKV(), DenseKV()]
+    lengths = [r[1].shape[0] for r in runs]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
 
-    def attend_rows(lengths):
-        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    def attend(layer, q, k, v):
+        return torch.cat([kvs[r[0]](layer, q[a : a + n], k[a : a + n], v[a : a + n])
+                          for r, a, n in zip(runs, starts, lengths)])
 
-        def attend(layer, q, k, v):
-            return torch.cat([kvs[i](layer, q[a : a + n], k[a : a + n], v[a : a + n])
-                              for i, a, n in zip(range(3), starts, lengths)])
-        return attend
-
-    lengths = [b - a for _, a, b in spans]
-    embeds = torch.cat([seqs[i][1][a:b] for i, a, b in spans])
-    pos = torch.cat([seqs[i][2][:, a:b] for i, a, b in spans], dim=1)
-    slots = torch.tensor([0, 1, 2])
-    out = forward(case, embeds, pos, attend_rows(lengths), Segments(lengths, slots, embeds.device), flat)
-    got = out.split(lengths)
-    torch.testing.assert_close(got[0], alone[0], atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(got[2], alone[2], atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(got[1], alone[1][P1:cut], **SPLIT)
-    # the last token of sequence 1 as a one-token run beside nothing else
-    step = forward(case, e1[cut:], p1[:, cut:], lambda layer, q, k, v: kvs[1](layer, q, k, v),
-                   Segments([1], torch.tensor([1]), e1.device), flat)
+    flat = new_state(case, 4)
+    flat.recurrent.fill_(7.0)  # fresh runs must not read their slots
+    segments = Segments(lengths, torch.tensor([r[3] for r in runs]), e0.device, n_fresh=3,
+                        forks=(torch.tensor([3]), torch.tensor([1])))
+    out = forward(case, torch.cat([r[1] for r in runs]), torch.cat([r[2] for r in runs], dim=1), attend, segments,
+                  flat).split(lengths)
+    torch.testing.assert_close(out[0], alone[0], atol=2e-5, rtol=1e-4)  # same chunk boundaries: tight
+    torch.testing.assert_close(out[2], alone[2], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.cat([out[1], out[3]]), alone[1][:cut], **SPLIT)
+    step = forward(case, e1[cut:], p1[:, cut:], kvs[1], Segments([1], torch.tensor([1]), e1.device), flat)
     torch.testing.assert_close(step, alone[1][cut:], **SPLIT)
     for slot, s in ((0, states[0]), (1, states[1]), (2, states[2])):
         torch.testing.assert_close(flat.recurrent[:, slot], s.recurrent[:, 0], **SPLIT)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .config import TextConfig
 from .delta_rule import chunked, l2_normalize, recurrent_step
-from .linear_state import Segments
+from .linear_state import Segments, Wave
 
 
 class GatedRMSNorm(nn.Module):
@@ -76,26 +76,42 @@ class GatedDeltaNet(nn.Module):
         mixed_NC, z_NC = self.in_proj_qkv(x_NC), self.in_proj_z(x_NC)
         b_NH, a_NH = self.in_proj_b(x_NC), self.in_proj_a(x_NC)
         o_NHV = x_NC.new_empty(N, c.lin_v_heads, c.lin_v_dim, dtype=torch.float32)
-        if seg.any_step:
-            r = seg.step_rows
-            window = torch.cat([conv_state[seg.step_slots], mixed_NC[r, None]], dim=1)  # [B, K, C]
-            conv_state[seg.step_slots] = window[:, 1:]
+        for i, wave in enumerate(seg.waves):
+            if i == 1 and seg.forks is not None:
+                src, dst = seg.forks
+                conv_state[dst], recurrent_state[dst] = conv_state[src], recurrent_state[src]
+            self._wave(wave, mixed_NC, b_NH, a_NH, conv_state, recurrent_state, o_NHV)
+        o = self.norm(o_NHV.to(x_NC.dtype), z_NC.view(N, c.lin_v_heads, c.lin_v_dim))
+        return self.out_proj(o.reshape(N, -1))
+
+    def _wave(self, w: Wave, mixed_NC: torch.Tensor, b_NH: torch.Tensor, a_NH: torch.Tensor,
+              conv_state: torch.Tensor, recurrent_state: torch.Tensor, o_NHV: torch.Tensor) -> None:
+        c = self.c
+
+        def start(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if w.fresh:
+                return (conv_state.new_zeros(len(slots), *conv_state.shape[1:]),
+                        recurrent_state.new_zeros(len(slots), *recurrent_state.shape[1:]))
+            return conv_state[slots], recurrent_state[slots]
+
+        if w.any_step:
+            r = w.step_rows
+            conv0, S0 = start(w.step_slots)
+            window = torch.cat([conv0, mixed_NC[r, None]], dim=1)  # [B, K, C]
+            conv_state[w.step_slots] = window[:, 1:]
             q, k, v, g, beta = self._heads(self._conv(window), b_NH[r, None], a_NH[r, None])
-            o, S = recurrent_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0],
-                                  recurrent_state[seg.step_slots])
-            recurrent_state[seg.step_slots] = S
+            o, S = recurrent_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], S0)
+            recurrent_state[w.step_slots] = S
             o_NHV[r] = o
-        if seg.any_long:
-            rows, valid = seg.rows_BL, seg.valid_BL
-            mixed = mixed_NC[rows] * valid[..., None]
-            window = torch.cat([conv_state[seg.long_slots], mixed], dim=1)  # [B, K - 1 + L, C]
-            last = seg.lens_B[:, None] + torch.arange(c.conv_kernel - 1, device=rows.device)
-            conv_state[seg.long_slots] = window.gather(1, last[..., None].expand(-1, -1, c.conv_dim))
+        if w.any_long:
+            rows, valid = w.rows_BL, w.valid_BL
+            conv0, S0 = start(w.long_slots)
+            window = torch.cat([conv0, mixed_NC[rows] * valid[..., None]], dim=1)  # [B, K - 1 + L, C]
+            last = w.lens_B[:, None] + torch.arange(c.conv_kernel - 1, device=rows.device)
+            conv_state[w.long_slots] = window.gather(1, last[..., None].expand(-1, -1, c.conv_dim))
             q, k, v, g, beta = self._heads(self._conv(window), b_NH[rows], a_NH[rows])
             keep = valid[:, None, :]  # padding writes nothing and keeps the decay at 1
             k, g, beta = k * keep[..., None], g * keep, beta * keep
-            o, S = chunked(q, k, v, g, beta, recurrent_state[seg.long_slots])
-            recurrent_state[seg.long_slots] = S
+            o, S = chunked(q, k, v, g, beta, S0)
+            recurrent_state[w.long_slots] = S
             o_NHV[rows[valid]] = o.transpose(1, 2)[valid]
-        o = self.norm(o_NHV.to(x_NC.dtype), z_NC.view(N, c.lin_v_heads, c.lin_v_dim))
-        return self.out_proj(o.reshape(N, -1))

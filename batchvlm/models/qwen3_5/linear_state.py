@@ -3,9 +3,9 @@ into sequences for them.
 
 A sequence keeps, per linear layer, a conv state (its last kernel - 1 conv inputs) and a
 recurrent state S (float32) of a fixed size, whatever its length: one slot of `LinearState`.
-A forward reads each sequence's state from its slot and writes the state after its last token
-back, so a slot must hold the right starting state before: zeros for a new image prefix, a copy
-of the prefix's slot for each task sequence that continues it (`fork`).
+A forward reads each sequence's state from its slot (or zeros, for a new image prefix) and
+writes the state after its last token back. The state at the end of an image prefix stays in
+the prefix's slot, a snapshot: each task sequence of the image starts from a copy of it (a fork).
 """
 
 from __future__ import annotations
@@ -34,41 +34,48 @@ class LinearState:
         n = len(c.linear_layers)
         return n * ((c.conv_kernel - 1) * c.conv_dim * dtype.itemsize + c.lin_v_heads * c.lin_k_dim * c.lin_v_dim * 4)
 
-    def reset(self, slots_B: torch.Tensor) -> None:
-        self.conv[:, slots_B] = 0
-        self.recurrent[:, slots_B] = 0
 
-    def fork(self, src_B: torch.Tensor, dst_B: torch.Tensor) -> None:
-        """Copy the state of slots `src_B` into slots `dst_B` (a snapshot each sequence continues)."""
-        self.conv[:, dst_B] = self.conv[:, src_B]
-        self.recurrent[:, dst_B] = self.recurrent[:, src_B]
+class Wave:
+    """Runs of one wave: those of one token take the recurrent step, longer ones are padded to
+    the longest and take the chunked rule."""
 
-
-class Segments:
-    """The sequences of a flat token batch, each a consecutive run of tokens, in flat order.
-    Runs of one token (decode steps) take the recurrent step; longer runs (prefill) are padded
-    to the longest and take the chunked rule. Built once per forward, shared by every linear
-    layer; `lengths` are the plan's host-side counts, so building it needs no device sync."""
-
-    def __init__(self, lengths: list[int], slots_B: torch.Tensor, device: torch.device):
-        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    def __init__(self, starts: list[int], lengths: list[int], slots_B: torch.Tensor, fresh: bool,
+                 device: torch.device):
         one = [i for i, n in enumerate(lengths) if n == 1]
         many = [i for i, n in enumerate(lengths) if n > 1]
-        self.n_tokens = sum(lengths)
+        self.fresh = fresh  # start from zero state (a new prefix) instead of the slot's
         self.step_rows = torch.tensor([starts[i] for i in one], dtype=torch.long, device=device)
-        self.step_slots = slots_B[one] if one else slots_B[:0]
-        self.long_slots = slots_B[many] if many else slots_B[:0]
+        self.step_slots = slots_B[one]
+        self.long_slots = slots_B[many]
         self.any_step, self.any_long = bool(one), bool(many)
         if many:
             L = max(lengths[i] for i in many)
-            lens = torch.tensor([lengths[i] for i in many], device=device)
+            self.lens_B = torch.tensor([lengths[i] for i in many], device=device)
             j = torch.arange(L, device=device)
-            self.valid_BL = j[None] < lens[:, None]
-            self.rows_BL = torch.where(self.valid_BL, torch.tensor([starts[i] for i in many], device=device)[:, None]
-                                       + j[None], 0)
-            self.lens_B = lens
+            self.valid_BL = j[None] < self.lens_B[:, None]
+            first = torch.tensor([starts[i] for i in many], device=device)
+            self.rows_BL = torch.where(self.valid_BL, first[:, None] + j[None], 0)
+
+
+class Segments:
+    """The sequences of a flat token batch, each a consecutive run of tokens, in flat order, as the
+    linear-attention layers see them. Each run reads its starting state from its slot and leaves
+    its final state there. Two waves per layer: first the runs `[:n_fresh]`, image prefixes that
+    start from zero state; then `forks` (source slots -> destination slots) are copied, the
+    snapshot each task sequence of a prefix starts from; then the other runs (prompts that
+    continue a prefix, decode steps). So a prefix and its sequences' prompts can share one
+    forward. Built once per forward, shared by every linear layer; `lengths` are the plan's
+    host-side counts, so building it needs no device sync."""
+
+    def __init__(self, lengths: list[int], slots_B: torch.Tensor, device: torch.device, n_fresh: int = 0,
+                 forks: tuple[torch.Tensor, torch.Tensor] | None = None):
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        self.n_tokens = sum(lengths)
+        self.forks = forks
+        self.waves = [Wave(starts[:n_fresh], lengths[:n_fresh], slots_B[:n_fresh], True, device),
+                      Wave(starts[n_fresh:], lengths[n_fresh:], slots_B[n_fresh:], False, device)]
 
     @classmethod
-    def single(cls, n_tokens: int, device: torch.device) -> Segments:
+    def single(cls, n_tokens: int, device: torch.device, fresh: bool = False) -> Segments:
         """One sequence in slot 0 (reference forwards in tests and tools)."""
-        return cls([n_tokens], torch.zeros(1, dtype=torch.long, device=device), device)
+        return cls([n_tokens], torch.zeros(1, dtype=torch.long, device=device), device, n_fresh=int(fresh))
