@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from batchvlm.models.hub import weight_files
 from batchvlm.models.qwen3_5.config import Qwen35Config
 from batchvlm.models.qwen3_5.delta_rule import chunked, l2_normalize, recurrent_step
-from batchvlm.models.qwen3_5.linear_state import LinearState, Segments
+from batchvlm.models.qwen3_5.linear_state import ZERO, LinearState, Segments
 from batchvlm.models.qwen3_5.weights import build_model, load_weights, read_config
 from batchvlm.models.qwen_vl.chat import ChatTemplate, read_template, special_tokens
 from batchvlm.models.qwen_vl.config import ConfigError
@@ -139,7 +139,7 @@ def forward(case, embeds, pos, kv, segments, state):
 
 
 def new_state(case, slots: int = 1) -> LinearState:
-    return LinearState.allocate(case["config"].text, slots, torch.float32, torch.device("cpu"))
+    return LinearState.allocate(case["config"].text, slots, torch.device("cpu"))
 
 
 def test_logits_and_chunked_equals_recurrent(case):
@@ -170,9 +170,9 @@ def test_logits_and_chunked_equals_recurrent(case):
 
 def test_mixed_flat_batch_equals_each_alone(case):
     """The engine's pattern in one flat forward: fresh runs of different lengths (two whole
-    sequences and an image prefix, padded together for the chunked rule), the prefix's final
-    state forked into a task sequence's slot, that sequence's continuation; then one decode step
-    beside it. Each equals its sequence run alone."""
+    sequences and an image prefix, padded together for the chunked rule), a task sequence's
+    continuation that starts from the prefix's snapshot (kept) and writes its own state index;
+    then one decode step. Each equals its sequence run alone."""
     seqs = [sequence(case, im, q) for im, q in zip(sample_images()[:3], ["Describe this image.", "Hi?", "Why?"])]
     alone, states = [], []
     for ids, embeds, pos, P in seqs:
@@ -181,8 +181,10 @@ def test_mixed_flat_batch_equals_each_alone(case):
         states.append(s)
     (ids0, e0, p0, _), (ids1, e1, p1, P1), (ids2, e2, p2, _) = seqs
     cut = len(ids1) - 1
-    # runs: [seq 0 -> slot 0][seq 1's prefix -> slot 3][seq 2 -> slot 2] | fork 3 -> 1 | [seq 1's task tokens]
-    runs = [(0, e0, p0, 0), (1, e1[:P1], p1[:, :P1], 3), (2, e2, p2, 2), (1, e1[P1:cut], p1[:, P1:cut], 1)]
+    # runs (sequence, embeds, positions, read, write): seq 0 and 2 whole and seq 1's prefix from
+    # zeros, then seq 1's task tokens from the prefix's snapshot (state 3) into state 1
+    runs = [(0, e0, p0, ZERO, 0), (1, e1[:P1], p1[:, :P1], ZERO, 3), (2, e2, p2, ZERO, 2),
+            (1, e1[P1:cut], p1[:, P1:cut], 3, 1)]
     kvs = [DenseKV(), DenseKV(), DenseKV()]
     lengths = [r[1].shape[0] for r in runs]
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
@@ -192,19 +194,22 @@ def test_mixed_flat_batch_equals_each_alone(case):
                           for r, a, n in zip(runs, starts, lengths)])
 
     flat = new_state(case, 4)
-    flat.recurrent.fill_(7.0)  # fresh runs must not read their slots
-    segments = Segments(lengths, torch.tensor([r[3] for r in runs]), e0.device, n_fresh=3,
-                        forks=(torch.tensor([3]), torch.tensor([1])))
+    flat.recurrent.fill_(7.0)  # runs from zeros must not read their states
+    segments = Segments(starts, lengths, [r[3] for r in runs], [r[4] for r in runs], torch.zeros(0, dtype=torch.long),
+                        sum(lengths), e0.device)
     out = forward(case, torch.cat([r[1] for r in runs]), torch.cat([r[2] for r in runs], dim=1), attend, segments,
                   flat).split(lengths)
     torch.testing.assert_close(out[0], alone[0], atol=2e-5, rtol=1e-4)  # same chunk boundaries: tight
     torch.testing.assert_close(out[2], alone[2], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(torch.cat([out[1], out[3]]), alone[1][:cut], **SPLIT)
-    step = forward(case, e1[cut:], p1[:, cut:], kvs[1], Segments([1], torch.tensor([1]), e1.device), flat)
+    snapshot = flat.recurrent[3].clone()
+    step = forward(case, e1[cut:], p1[:, cut:], kvs[1], Segments([], [], [], [], torch.tensor([1]), 0, e1.device),
+                   flat)
     torch.testing.assert_close(step, alone[1][cut:], **SPLIT)
+    assert torch.equal(flat.recurrent[3], snapshot)  # the snapshot stays for other sequences
     for slot, s in ((0, states[0]), (1, states[1]), (2, states[2])):
-        torch.testing.assert_close(flat.recurrent[:, slot], s.recurrent[:, 0], **SPLIT)
-        torch.testing.assert_close(flat.conv[:, slot], s.conv[:, 0], **SPLIT)
+        torch.testing.assert_close(flat.recurrent[slot], s.recurrent[0], **SPLIT)
+        torch.testing.assert_close(flat.conv[slot], s.conv[0], **SPLIT)
 
 
 def test_delta_rule_equals_the_transformers_torch_reference():

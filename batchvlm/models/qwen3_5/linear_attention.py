@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .config import TextConfig
 from .delta_rule import chunked, l2_normalize, recurrent_step
-from .linear_state import Segments, Wave
+from .linear_state import Runs, Segments
 
 
 class GatedRMSNorm(nn.Module):
@@ -46,9 +46,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(c.lin_v_dim, c.rms_eps)
         self.out_proj = nn.Linear(value_dim, c.dim, bias=False)
 
-    def _conv(self, window_BWC: torch.Tensor) -> torch.Tensor:
-        """[B, K - 1 + L, C] (state, then the run's inputs) -> SiLU(conv) [B, L, C]."""
-        out = F.conv1d(window_BWC.transpose(1, 2), self.conv1d.weight, groups=self.c.conv_dim)
+    def _conv(self, window_BCW: torch.Tensor) -> torch.Tensor:
+        """[B, C, K - 1 + L] (state, then the run's inputs) -> SiLU(conv) [B, L, C]."""
+        out = F.conv1d(window_BCW.to(self.conv1d.weight.dtype), self.conv1d.weight, groups=self.c.conv_dim)
         return F.silu(out).transpose(1, 2)
 
     def _heads(self, mixed_TC: torch.Tensor, b_TH: torch.Tensor, a_TH: torch.Tensor):
@@ -69,49 +69,44 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x_NC: torch.Tensor, seg: Segments, conv_state: torch.Tensor,
                 recurrent_state: torch.Tensor) -> torch.Tensor:
-        """`conv_state` [slots, K - 1, conv dim] and `recurrent_state` [slots, Hv, Dk, Dv]: this
-        layer's state of every slot; read at `seg`'s slots and written back in place."""
+        """`conv_state` [states, conv dim, K - 1] and `recurrent_state` [states, Hv, Dk, Dv]: this
+        layer's state of every state index; read and written in place where `seg` says."""
         c = self.c
         N = x_NC.shape[0]
         mixed_NC, z_NC = self.in_proj_qkv(x_NC), self.in_proj_z(x_NC)
         b_NH, a_NH = self.in_proj_b(x_NC), self.in_proj_a(x_NC)
         o_NHV = x_NC.new_empty(N, c.lin_v_heads, c.lin_v_dim, dtype=torch.float32)
-        for i, wave in enumerate(seg.waves):
-            if i == 1 and seg.forks is not None:
-                src, dst = seg.forks
-                conv_state[dst], recurrent_state[dst] = conv_state[src], recurrent_state[src]
-            self._wave(wave, mixed_NC, b_NH, a_NH, conv_state, recurrent_state, o_NHV)
+        for runs in seg.waves:
+            if runs.any:
+                self._runs(runs, mixed_NC, b_NH, a_NH, conv_state, recurrent_state, o_NHV)
+        if len(seg.step_states):
+            r, at = seg.step_rows, seg.step_states
+            window = torch.cat([conv_state[at], mixed_NC[r, :, None].to(conv_state.dtype)], dim=2)  # [D, C, K]
+            conv_state[at] = window[:, :, 1:]
+            q, k, v, g, beta = self._heads(self._conv(window), b_NH[r, None], a_NH[r, None])
+            o, S = recurrent_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], recurrent_state[at])
+            recurrent_state[at] = S
+            o_NHV[r] = o
         o = self.norm(o_NHV.to(x_NC.dtype), z_NC.view(N, c.lin_v_heads, c.lin_v_dim))
         return self.out_proj(o.reshape(N, -1))
 
-    def _wave(self, w: Wave, mixed_NC: torch.Tensor, b_NH: torch.Tensor, a_NH: torch.Tensor,
+    def _runs(self, w: Runs, mixed_NC: torch.Tensor, b_NH: torch.Tensor, a_NH: torch.Tensor,
               conv_state: torch.Tensor, recurrent_state: torch.Tensor, o_NHV: torch.Tensor) -> None:
         c = self.c
-
-        def start(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            if w.fresh:
-                return (conv_state.new_zeros(len(slots), *conv_state.shape[1:]),
-                        recurrent_state.new_zeros(len(slots), *recurrent_state.shape[1:]))
-            return conv_state[slots], recurrent_state[slots]
-
-        if w.any_step:
-            r = w.step_rows
-            conv0, S0 = start(w.step_slots)
-            window = torch.cat([conv0, mixed_NC[r, None]], dim=1)  # [B, K, C]
-            conv_state[w.step_slots] = window[:, 1:]
-            q, k, v, g, beta = self._heads(self._conv(window), b_NH[r, None], a_NH[r, None])
-            o, S = recurrent_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], S0)
-            recurrent_state[w.step_slots] = S
-            o_NHV[r] = o
-        if w.any_long:
-            rows, valid = w.rows_BL, w.valid_BL
-            conv0, S0 = start(w.long_slots)
-            window = torch.cat([conv0, mixed_NC[rows] * valid[..., None]], dim=1)  # [B, K - 1 + L, C]
-            last = w.lens_B[:, None] + torch.arange(c.conv_kernel - 1, device=rows.device)
-            conv_state[w.long_slots] = window.gather(1, last[..., None].expand(-1, -1, c.conv_dim))
-            q, k, v, g, beta = self._heads(self._conv(window), b_NH[rows], a_NH[rows])
-            keep = valid[:, None, :]  # padding writes nothing and keeps the decay at 1
-            k, g, beta = k * keep[..., None], g * keep, beta * keep
-            o, S = chunked(q, k, v, g, beta, S0)
-            recurrent_state[w.long_slots] = S
-            o_NHV[rows[valid]] = o.transpose(1, 2)[valid]
+        rows, valid = w.rows_BL, w.valid_BL
+        B = rows.shape[0]
+        if w.fresh:
+            conv0 = conv_state.new_zeros(B, *conv_state.shape[1:])
+            S0 = recurrent_state.new_zeros(B, *recurrent_state.shape[1:])
+        else:
+            conv0, S0 = conv_state[w.read], recurrent_state[w.read]
+        x_BCL = (mixed_NC[rows] * valid[..., None]).transpose(1, 2).to(conv0.dtype)
+        window = torch.cat([conv0, x_BCL], dim=2)  # [B, C, K - 1 + L]
+        last = w.lens_B[:, None] + torch.arange(c.conv_kernel - 1, device=rows.device)  # the run's last K - 1
+        conv_state[w.write] = window.gather(2, last[:, None, :].expand(-1, c.conv_dim, -1))
+        q, k, v, g, beta = self._heads(self._conv(window), b_NH[rows], a_NH[rows])
+        keep = valid[:, None, :]  # padding writes nothing and keeps the decay at 1
+        k, g, beta = k * keep[..., None], g * keep, beta * keep
+        o, S = chunked(q, k, v, g, beta, S0)
+        recurrent_state[w.write] = S
+        o_NHV[rows[valid]] = o.transpose(1, 2)[valid]

@@ -1,11 +1,16 @@
-"""Per-sequence state of the linear-attention layers, and how one flat forward's tokens split
-into sequences for them.
+"""Per-sequence state of the linear-attention layers, and where one flat forward's sequences sit.
 
 A sequence keeps, per linear layer, a conv state (its last kernel - 1 conv inputs) and a
-recurrent state S (float32) of a fixed size, whatever its length: one slot of `LinearState`.
-A forward reads each sequence's state from its slot (or zeros, for a new image prefix) and
-writes the state after its last token back. The state at the end of an image prefix stays in
-the prefix's slot, a snapshot: each task sequence of the image starts from a copy of it (a fork).
+recurrent state S, of a fixed size whatever its length: one state index of `LinearState`
+(float32). A step's flat tokens hold
+  scan runs   consecutive tokens of one sequence (an image prefix, a prompt): each starts from
+              the state at `read` (ZERO: from zeros, a new prefix) and leaves its end state at
+              `write`. A prefix writes its snapshot index; each task sequence's prompt reads that
+              snapshot (a copy: the snapshot stays for the image's other sequences) and writes its
+              own row;
+  step tokens one decode token per row, reading and updating the row's state in place.
+Every layer runs the runs from ZERO first (batched, padded), then the others and the steps, so a
+prompt prefilled in the same forward as its prefix starts from the snapshot just written.
 """
 
 from __future__ import annotations
@@ -16,66 +21,66 @@ import torch
 
 from .config import TextConfig
 
+ZERO = -1  # `read` of a run that starts from zero state
+
 
 @dataclass
 class LinearState:
-    conv: torch.Tensor  # [linear layers, slots, kernel - 1, conv dim], model dtype
-    recurrent: torch.Tensor  # [linear layers, slots, value heads, key dim, value dim], float32
-
-    @classmethod
-    def allocate(cls, c: TextConfig, n_slots: int, dtype: torch.dtype, device: torch.device) -> LinearState:
-        n = len(c.linear_layers)
-        return cls(torch.zeros(n, n_slots, c.conv_kernel - 1, c.conv_dim, dtype=dtype, device=device),
-                   torch.zeros(n, n_slots, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim, dtype=torch.float32,
-                               device=device))
+    conv: torch.Tensor  # [states, linear layers, conv dim, kernel - 1]
+    recurrent: torch.Tensor  # [states, linear layers, value heads, key dim, value dim]
 
     @staticmethod
-    def bytes_per_slot(c: TextConfig, dtype: torch.dtype) -> int:
+    def shapes(c: TextConfig) -> dict[str, tuple[int, ...]]:
+        """Per sequence, all linear layers."""
         n = len(c.linear_layers)
-        return n * ((c.conv_kernel - 1) * c.conv_dim * dtype.itemsize + c.lin_v_heads * c.lin_k_dim * c.lin_v_dim * 4)
+        return {"conv": (n, c.conv_dim, c.conv_kernel - 1), "recurrent": (n, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim)}
+
+    @classmethod
+    def allocate(cls, c: TextConfig, n_states: int, device: torch.device) -> LinearState:
+        s = cls.shapes(c)
+        return cls(torch.zeros(n_states, *s["conv"], device=device), torch.zeros(n_states, *s["recurrent"],
+                                                                                 device=device))
 
 
-class Wave:
-    """Runs of one wave: those of one token take the recurrent step, longer ones are padded to
-    the longest and take the chunked rule."""
+class Runs:
+    """Runs of one wave, batched: padded to the longest for the chunked rule."""
 
-    def __init__(self, starts: list[int], lengths: list[int], slots_B: torch.Tensor, fresh: bool,
+    def __init__(self, start: list[int], length: list[int], read: list[int], write: list[int],
                  device: torch.device):
-        one = [i for i, n in enumerate(lengths) if n == 1]
-        many = [i for i, n in enumerate(lengths) if n > 1]
-        self.fresh = fresh  # start from zero state (a new prefix) instead of the slot's
-        self.step_rows = torch.tensor([starts[i] for i in one], dtype=torch.long, device=device)
-        self.step_slots = slots_B[one]
-        self.long_slots = slots_B[many]
-        self.any_step, self.any_long = bool(one), bool(many)
-        if many:
-            L = max(lengths[i] for i in many)
-            self.lens_B = torch.tensor([lengths[i] for i in many], device=device)
-            j = torch.arange(L, device=device)
-            self.valid_BL = j[None] < self.lens_B[:, None]
-            first = torch.tensor([starts[i] for i in many], device=device)
-            self.rows_BL = torch.where(self.valid_BL, first[:, None] + j[None], 0)
+        self.any = bool(start)
+        if not self.any:
+            return
+        self.fresh = all(r == ZERO for r in read)  # else: none is (waves are split so)
+        self.read = torch.tensor(read, dtype=torch.long, device=device)
+        self.write = torch.tensor(write, dtype=torch.long, device=device)
+        self.lens_B = torch.tensor(length, dtype=torch.long, device=device)
+        j = torch.arange(max(length), device=device)
+        self.valid_BL = j[None] < self.lens_B[:, None]
+        self.rows_BL = torch.where(self.valid_BL, torch.tensor(start, device=device)[:, None] + j[None], 0)
 
 
 class Segments:
-    """The sequences of a flat token batch, each a consecutive run of tokens, in flat order, as the
-    linear-attention layers see them. Each run reads its starting state from its slot and leaves
-    its final state there. Two waves per layer: first the runs `[:n_fresh]`, image prefixes that
-    start from zero state; then `forks` (source slots -> destination slots) are copied, the
-    snapshot each task sequence of a prefix starts from; then the other runs (prompts that
-    continue a prefix, decode steps). So a prefix and its sequences' prompts can share one
-    forward. Built once per forward, shared by every linear layer; `lengths` are the plan's
-    host-side counts, so building it needs no device sync."""
+    """Where a forward's sequences sit (see the module docstring). Host lists come from the
+    plan, so building this needs no device sync; built once per forward, shared by the layers."""
 
-    def __init__(self, lengths: list[int], slots_B: torch.Tensor, device: torch.device, n_fresh: int = 0,
-                 forks: tuple[torch.Tensor, torch.Tensor] | None = None):
-        starts = [sum(lengths[:i]) for i in range(len(lengths))]
-        self.n_tokens = sum(lengths)
-        self.forks = forks
-        self.waves = [Wave(starts[:n_fresh], lengths[:n_fresh], slots_B[:n_fresh], True, device),
-                      Wave(starts[n_fresh:], lengths[n_fresh:], slots_B[n_fresh:], False, device)]
+    def __init__(self, scan_start: list[int], scan_len: list[int], scan_read: list[int], scan_write: list[int],
+                 step_states: torch.Tensor, first_step: int, device: torch.device):
+        fresh = [i for i, r in enumerate(scan_read) if r == ZERO]
+        rest = [i for i, r in enumerate(scan_read) if r != ZERO]
+
+        def runs(ix: list[int]) -> Runs:
+            return Runs(*([lst[i] for i in ix] for lst in (scan_start, scan_len, scan_read, scan_write)),
+                        device=device)
+
+        self.waves = [runs(fresh), runs(rest)]
+        self.step_states = step_states  # [D] long: state index of step token d (flat row first_step + d)
+        self.step_rows = torch.arange(first_step, first_step + len(step_states), device=device)
 
     @classmethod
     def single(cls, n_tokens: int, device: torch.device, fresh: bool = False) -> Segments:
-        """One sequence in slot 0 (reference forwards in tests and tools)."""
-        return cls([n_tokens], torch.zeros(1, dtype=torch.long, device=device), device, n_fresh=int(fresh))
+        """One sequence in state 0, from zeros or continuing (tests and tools). One token from
+        state 0 is a decode step."""
+        if n_tokens == 1 and not fresh:
+            return cls([], [], [], [], torch.zeros(1, dtype=torch.long, device=device), 0, device)
+        return cls([0], [n_tokens], [ZERO if fresh else 0], [0], torch.zeros(0, dtype=torch.long, device=device),
+                   n_tokens, device)

@@ -118,6 +118,6 @@ class TextModel(nn.Module):
             if hasattr(layer, "self_attn"):
                 x = x + layer.self_attn(h, cos, sin, attend, j)
             else:
-                x = x + layer.linear_attn(h, segments, state.conv[j], state.recurrent[j])
+                x = x + layer.linear_attn(h, segments, state.conv[:, j], state.recurrent[:, j])
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
