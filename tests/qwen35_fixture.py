@@ -48,7 +48,7 @@ def hf_config(text_dim: int = 32, heads: int = 4, kv_heads: int = 2, head_dim: i
 def write_checkpoint(dest: Path, seed: int = 0, likely_stops: bool = False, corpus: str | None = None,
                      min_pixels: int = 32 * 32, max_pixels: int = 256 * 256, shard_size: str = "40KB",
                      mean: tuple[float, ...] = (0.5, 0.5, 0.5), std: tuple[float, ...] = (0.5, 0.5, 0.5),
-                     **config) -> Path:
+                     dtype: torch.dtype = torch.float32, **config) -> Path:
     """A hub-layout folder: sharded safetensors + index, config, tokenizer, template, processor."""
     from transformers import Qwen3_5ForConditionalGeneration
 
@@ -60,5 +60,5 @@ def write_checkpoint(dest: Path, seed: int = 0, likely_stops: bool = False, corp
         make_stops_likely(model)
     if cfg.tie_word_embeddings:
         model.tie_weights()
-    model.save_pretrained(dest, max_shard_size=shard_size)
+    model.to(dtype).save_pretrained(dest, max_shard_size=shard_size)
     return write_host_files(dest, cfg, THINKING_TEMPLATE, corpus, min_pixels, max_pixels, mean, std)

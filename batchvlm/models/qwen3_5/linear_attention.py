@@ -109,4 +109,4 @@ class GatedDeltaNet(nn.Module):
         k, g, beta = k * keep[..., None], g * keep, beta * keep
         o, S = chunked(q, k, v, g, beta, S0)
         recurrent_state[w.write] = S
-        o_NHV[rows[valid]] = o.transpose(1, 2)[valid]
+        o_NHV[w.rows] = o.transpose(1, 2).reshape(-1, c.lin_v_heads, c.lin_v_dim)[w.padded]

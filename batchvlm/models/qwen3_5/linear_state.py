@@ -54,9 +54,14 @@ class Runs:
         self.read = torch.tensor(read, dtype=torch.long, device=device)
         self.write = torch.tensor(write, dtype=torch.long, device=device)
         self.lens_B = torch.tensor(length, dtype=torch.long, device=device)
-        j = torch.arange(max(length), device=device)
+        L = max(length)
+        j = torch.arange(L, device=device)
         self.valid_BL = j[None] < self.lens_B[:, None]
         self.rows_BL = torch.where(self.valid_BL, torch.tensor(start, device=device)[:, None] + j[None], 0)
+        # the real tokens, from the host's lengths (no boolean indexing, no sync): their flat rows
+        # and their places in the padded [B * L] layout
+        self.rows = torch.tensor([a + t for a, n in zip(start, length) for t in range(n)], device=device)
+        self.padded = torch.tensor([b * L + t for b, n in enumerate(length) for t in range(n)], device=device)
 
 
 class Segments:
