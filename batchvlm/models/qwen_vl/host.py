@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ...tasks import args_of, kind_of
 from ..decoding import MODE_TEXT, RawOutput, SeqSpec
 from ..family import FamilyError, ModelInfo, TaskSequence
+from ..hub import TokenizerAdapter
 from .chat import ChatTemplate, read_template, special_tokens
 from .config import ConfigError, VisionConfig
 from .labels import column_values
@@ -32,29 +33,7 @@ DETECT = 'Locate every instance that belongs to the following categories: "{obje
 POINT = "Locate every {object} in this image with points. Output the point coordinates in JSON format."
 
 
-class Tokenizer:
-    """The checkpoint's tokenizer.json; decoding skips special tokens."""
-
-    def __init__(self, tok):
-        self._tok = tok
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
-
-    def id_of(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
-    def token_of(self, id_: int) -> str:
-        token = self._tok.id_to_token(id_)
-        if token is None:
-            raise ConfigError(f"token id {id_} is not in the tokenizer")
-        return token
-
-
-def stop_ids(folder: Path, tokenizer: Tokenizer) -> list[int]:
+def stop_ids(folder: Path, tokenizer: TokenizerAdapter) -> list[int]:
     """<|im_end|>, the tokenizer's eos_token and generation_config.json's eos_token_id."""
     ids = {tokenizer.id_of("<|im_end|>")}
     eos = special_tokens(folder).get("eos_token")
@@ -65,6 +44,13 @@ def stop_ids(folder: Path, tokenizer: Tokenizer) -> list[int]:
         e = json.loads(gen.read_text()).get("eos_token_id")
         ids.update(e if isinstance(e, list) else [e])
     return sorted(i for i in ids if isinstance(i, int))
+
+
+def _token(tokenizer: TokenizerAdapter, id_: int) -> str:
+    token = tokenizer.token_of(id_)
+    if token is None:
+        raise ConfigError(f"token id {id_} is not in the tokenizer")
+    return token
 
 
 class QwenConfig(Protocol):
@@ -88,10 +74,10 @@ class QwenVLHost:
         """`template_variables`: extra chat-template variables (Qwen3.5: enable_thinking false)."""
         self.config, self.folder, self.model_name, self.revision = config, folder, model_name, revision
         self.settings = settings
-        self.tokenizer = Tokenizer(tokenizer)
+        self.tokenizer = TokenizerAdapter(tokenizer, skip_special=True)
         self.template = ChatTemplate(read_template(folder), special_tokens(folder) | (template_variables or {}),
-                                     self.tokenizer.token_of(config.image_token_id),
-                                     self.tokenizer.token_of(config.vision_end_id))
+                                     _token(self.tokenizer, config.image_token_id),
+                                     _token(self.tokenizer, config.vision_end_id))
         self.head = self.tokenizer.encode(self.template.head())
         self.stop_ids = stop_ids(folder, self.tokenizer)
         self.pre = Preprocessor.create(config.vision, settings, len(self.head), min_pixels, max_pixels)
