@@ -20,7 +20,8 @@ assert THINKING_TEMPLATE != CHAT_TEMPLATE
 
 
 def hf_config(text_dim: int = 32, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, layers: int = 4,
-              layer_types: list[str] | None = None, partial_rotary: float = 0.5, section: tuple[int, int, int] = (2, 1, 1),
+              layer_types: list[str] | None = None, partial_rotary: float = 0.5,
+              section: tuple[int, int, int] = (2, 1, 1),
               lin_k_heads: int = 2, lin_v_heads: int = 4, lin_k_dim: int = 8, lin_v_dim: int = 8, conv_kernel: int = 4,
               vision_dim: int = 32, vision_heads: int = 4, depth: int = 2, pos_embeddings: int = 16,
               tie: bool = False, patch: int = 16, ff: int | None = None, vision_ff: int | None = None,

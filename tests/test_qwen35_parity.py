@@ -67,7 +67,8 @@ def case(request, tmp_path_factory):
     load_weights(model, weight_files(folder))
     ref = Qwen3_5ForConditionalGeneration.from_pretrained(folder).eval()
     processor = Qwen2VLImageProcessorPil.from_pretrained(folder)
-    return dict(folder=folder, config=config, model=model, pre=Preprocessor.create(config.vision, settings), ref=ref,
+    return dict(name=request.param, folder=folder, config=config, model=model,
+                pre=Preprocessor.create(config.vision, settings), ref=ref,
                 processor=processor, hf_tok=AutoTokenizer.from_pretrained(folder))
 
 
@@ -172,7 +173,10 @@ def test_mixed_flat_batch_equals_each_alone(case):
     """The engine's pattern in one flat forward: fresh runs of different lengths (two whole
     sequences and an image prefix, padded together for the chunked rule), a task sequence's
     continuation that starts from the prefix's snapshot (kept) and writes its own state index;
-    then one decode step. Each equals its sequence run alone."""
+    then one decode step. Each equals its sequence run alone. (The state bookkeeping does not
+    depend on the shapes: one config.)"""
+    if case["name"] != "base":
+        pytest.skip("one config is enough")
     seqs = [sequence(case, im, q) for im, q in zip(sample_images()[:3], ["Describe this image.", "Hi?", "Why?"])]
     alone, states = [], []
     for ids, embeds, pos, P in seqs:

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from batchvlm.data.decode import decode
 from batchvlm.models.hub import weight_files
-from batchvlm.models.qwen3_vl.text import DeepStack
+from batchvlm.models.qwen_vl.vision import DeepStack
 from batchvlm.models.qwen3_vl.weights import build_model, load_weights, read_config
 from batchvlm.models.qwen_vl.chat import ChatTemplate, read_template, special_tokens
 from batchvlm.models.qwen_vl.config import ConfigError

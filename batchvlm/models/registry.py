@@ -11,6 +11,7 @@ from ..job import ModelSpec
 from .family import Family, ModelLoadError
 from .hub import read_json, resolve_dir
 from .moondream.family import Moondream
+from .qwen3_5.family import Qwen35
 from .qwen3_vl.family import Qwen3VL
 
 DEMO_DIR = Path(__file__).parent / "demo"
@@ -19,6 +20,7 @@ DEMO_DIR = Path(__file__).parent / "demo"
 FAMILIES: dict[str, Callable[[Path, ModelSpec, str | None], Family]] = {
     "moondream1": lambda folder, spec, rev: Moondream.open(folder, spec.name, rev, spec.max_crops),
     "qwen3_vl": Qwen3VL.open,
+    "qwen3_5": Qwen35.open,
 }
 # What a family's host side reads of a hub repo: config, tokenizer (tokenizer.model: sentencepiece;
 # *.tiktoken: tiktoken tokenizers), templates: everything but the weights. Never *.bin / *.pt

@@ -51,7 +51,7 @@ class GatedDeltaNet(nn.Module):
         out = F.conv1d(window_BCW.to(self.conv1d.weight.dtype), self.conv1d.weight, groups=self.c.conv_dim)
         return F.silu(out).transpose(1, 2)
 
-    def _heads(self, mixed_TC: torch.Tensor, b_TH: torch.Tensor, a_TH: torch.Tensor):
+    def _heads(self, mixed_TC: torch.Tensor, b_TH: torch.Tensor, a_TH: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Conv outputs -> q, k (normalised, repeated to the value heads, q scaled), v, g, beta,
         all float32, heads before time: [..., H, T, D] / [..., H, T]."""
         c = self.c
@@ -65,7 +65,8 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(*lead, T, c.lin_v_heads, c.lin_v_dim)
         g = -self.A_log.float().exp() * F.softplus(a_TH.float() + self.dt_bias)
         beta = b_TH.sigmoid().float()
-        return q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), g.transpose(-2, -1), beta.transpose(-2, -1)
+        heads_first = (x.transpose(-3, -2) for x in (q, k, v))
+        return *heads_first, g.transpose(-2, -1), beta.transpose(-2, -1)
 
     def forward(self, x_NC: torch.Tensor, seg: Segments, conv_state: torch.Tensor,
                 recurrent_state: torch.Tensor) -> torch.Tensor:
