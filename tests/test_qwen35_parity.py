@@ -147,8 +147,10 @@ def test_logits_and_chunked_equals_recurrent(case):
     """Logits of every position match transformers'; prefilling the image prefix in one chunked
     pass and then the task tokens one recurrent step at a time gives the same hidden states and
     the same final state as one chunked pass over everything."""
-    images = sample_images()
-    for im, question in [(images[0], "Describe this image."), (images[6], "What is written here? Answer in one word.")]:
+    images = sample_images()  # one image and question per config: an RGB one, and a grey one
+    pairs = {"base": (images[0], "Describe this image."),
+             "wide": (images[6], "What is written here? Answer in one word.")}
+    for im, question in [pairs[case["name"]]]:
         ids, embeds, pos, P = sequence(case, im, question)
         single = case["processor"](images=[im], return_tensors="pt")
         with torch.inference_mode():
