@@ -12,6 +12,7 @@ from .family import Family, ModelLoadError
 from .florence2.family import Florence2
 from .hub import read_json, resolve_dir
 from .moondream.family import Moondream
+from .qwen3_5.family import Qwen35
 from .qwen3_vl.family import Qwen3VL
 
 DEMO_DIR = Path(__file__).parent / "demo"
@@ -21,6 +22,7 @@ FAMILIES: dict[str, Callable[[Path, ModelSpec, str | None], Family]] = {
     "moondream1": lambda folder, spec, rev: Moondream.open(folder, spec.name, rev, spec.max_crops),
     "qwen3_vl": Qwen3VL.open,
     "florence2": Florence2.open,
+    "qwen3_5": Qwen35.open,
 }
 # What a family's host side reads of a hub repo: config, tokenizer (tokenizer.model: sentencepiece;
 # *.tiktoken: tiktoken tokenizers), templates: everything but the weights. Never *.bin / *.pt
