@@ -94,6 +94,9 @@ def run(
         envs = worker_envs(job, rank)
         clear = overwrite or job.output.mode == "overwrite"
         if envs:  # one worker process per GPU of this node; they start after the clearing
+            from .models.registry import check_tasks
+
+            check_tasks(job.model, job.tasks, job.engine)  # a refused job clears nothing
             if clear:
                 manifest.clear_outputs(Layout(Path(job.output.dir)))
             raise typer.Exit(spawn(job_file, envs, limit, job.name))
@@ -131,7 +134,7 @@ def _check(job: Job, layout: Layout | None = None) -> tuple[Job, list[ShardRef]]
     shard list. -> the job as it runs on this machine (device, dtype), and its shards."""
     from .device import for_device
     from .dist import resolve_rank
-    from .models.registry import open_family
+    from .models.registry import check_tasks
 
     out = Path(job.output.dir)
     if job.input.kind == "parquet":
@@ -141,7 +144,7 @@ def _check(job: Job, layout: Layout | None = None) -> tuple[Job, list[ShardRef]]
     check_writable(out)
     check_apart_from_inputs(out, job.input, [(s.stem, s.url) for s in shards])
     job = for_device(job, resolve_rank())
-    open_family(job.model, weights=False).sequences(job.tasks, job.engine)
+    check_tasks(job.model, job.tasks, job.engine)
     return job, shards
 
 

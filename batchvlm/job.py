@@ -102,7 +102,7 @@ class ModelSpec(Strict):
     name: NonEmpty = Field("demo", description="'demo' (built in), a Hugging Face repo id, or a local model folder.")
     family: NonEmpty = Field("auto",
                              description="auto (from the model folder's config.json) or the family it must be: "
-                                         "moondream, qwen3_vl.")
+                                         "moondream, qwen3_vl, qwen3_5, florence2.")
     revision: NonEmpty | None = Field(
         None, description="Hub revision (tag, branch or commit); pin it for reproducible labels.")
     backend: Literal["auto", "native", "transformers"] = Field(

@@ -68,6 +68,18 @@ class JsonArgs(Strict):
         return schema
 
 
+class OcrArgs(Strict):
+    name: str | None = Field(None, description="Output column (default: ocr).")
+    max_new_tokens: int | None = Field(None, ge=1, description="Overrides engine.max_new_tokens.")
+
+
+class RegionsArgs(Strict):
+    name: str | None = Field(None, description="Output column (default: regions).")
+    max_new_tokens: int | None = Field(None, ge=1, description="Overrides engine.max_new_tokens (the whole answer, "
+                                                               "every region).")
+    max_objects: int | None = Field(None, ge=1, description="Overrides engine.max_objects: regions kept.")
+
+
 class CaptionTask(Strict):
     caption: CaptionArgs = CaptionArgs()
 
@@ -94,6 +106,18 @@ class JsonTask(Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+class OcrTask(Strict):
+    """The text in the image, as one string (families that can read text: Florence-2, Qwen3-VL)."""
+
+    ocr: OcrArgs = OcrArgs()
+
+
+class RegionsTask(Strict):
+    """Dense region captions: boxes, each with a free-text description (Florence-2)."""
+
+    regions: RegionsArgs = RegionsArgs()
+
+
 def _task_kind(v: Any) -> str | None:
     if isinstance(v, dict) and len(v) == 1:
         return next(iter(v))
@@ -108,9 +132,12 @@ Task = Annotated[
     | Annotated[DetectTask, Tag("detect")]
     | Annotated[PointTask, Tag("point")]
     | Annotated[ClassifyTask, Tag("classify")]
-    | Annotated[JsonTask, Tag("json")],
+    | Annotated[JsonTask, Tag("json")]
+    | Annotated[OcrTask, Tag("ocr")]
+    | Annotated[RegionsTask, Tag("regions")],
     Discriminator(_task_kind, custom_error_type="task_kind",
-                  custom_error_message="a task is one of caption, query, detect, point, classify, json (one key)"),
+                  custom_error_message="a task is one of caption, query, detect, point, ocr, regions, classify, json "
+                                       "(one key)"),
 ]
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Qwen3-VL throughput, three ways on the same images and prompts, in one run:
+"""Qwen3-VL (or, with --family qwen3_5, Qwen3.5) throughput, three ways on the same images and
+prompts, in one run:
 
   (a) hf one-at-a-time  transformers' generate, one (image, task sequence) per call
   (b) hf batched        transformers' generate, many rows per call (left padding), the way a
@@ -14,6 +15,9 @@ identical (checked; in bfloat16 the share of identical sequences is printed). Wo
     python scripts/bench_qwen3vl.py                                   # CPU, the mid-size config
     python scripts/bench_qwen3vl.py --config 2b --images 256 --batch 256 --hf-batch 64 \\
         --skip-one-at-a-time --dtype bfloat16                         # GPU, Qwen3-VL-2B shapes
+    python scripts/bench_qwen3vl.py --family qwen3_5                  # CPU, Qwen3.5's mid-size config
+
+Qwen3.5 prompts use its template's non-thinking form (enable_thinking false), as batchvlm does.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the random hub-layout checkpoint
-from qwen3vl_fixture import IDS, write_checkpoint  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the random hub-layout checkpoints
+import qwen3vl_fixture  # noqa: E402
+import qwen35_fixture  # noqa: E402
+from qwen3vl_fixture import IDS  # noqa: E402
 
 from batchvlm.engine.engine import Engine  # noqa: E402
 from batchvlm.engine.labeler import WorkItem  # noqa: E402
@@ -46,7 +52,7 @@ PROMPTS = ["Describe this image.", "What is in the picture?",
            'Locate every instance that belongs to the following categories: "car". Report bbox coordinates in JSON format.',
            "Locate every dog in this image with points. Output the point coordinates in JSON format."]
 # Big enough that the model, not Python, dominates on a CPU; small enough for minutes on 2 cores.
-CONFIGS = {
+QWEN3VL = {
     "mid": dict(text_dim=512, heads=8, kv_heads=4, head_dim=64, layers=6, section=(12, 10, 10), vision_dim=384,
                 vision_heads=6, depth=6, pos_embeddings=256, deepstack=(1, 3), vocab=4096, shard_size="200MB"),
     # Qwen3-VL-2B-Instruct's shapes (random weights)
@@ -54,6 +60,19 @@ CONFIGS = {
                vision_dim=1024, vision_heads=16, depth=24, vision_ff=4096, pos_embeddings=2304,
                deepstack=(5, 11, 17), tie=True, vocab=151936, shard_size="2GB"),
 }
+# Qwen3.5: every 4th layer full attention, the rest Gated DeltaNet; same vision tower, no DeepStack
+QWEN35 = {
+    "mid": dict(text_dim=512, heads=8, kv_heads=2, head_dim=128, layers=8, partial_rotary=0.25, section=(6, 5, 5),
+                lin_k_heads=4, lin_v_heads=8, lin_k_dim=64, lin_v_dim=64, vision_dim=384, vision_heads=6, depth=6,
+                pos_embeddings=256, vocab=4096, shard_size="200MB"),
+    # Qwen3.5-2B-like shapes (random weights): 24 layers (6 full), head_dim 256, rotary on a quarter
+    "2b": dict(text_dim=2048, heads=8, kv_heads=2, head_dim=256, layers=24, partial_rotary=0.25, section=(11, 11, 10),
+               ff=6144, lin_k_heads=16, lin_v_heads=16, lin_k_dim=128, lin_v_dim=128, vision_dim=1024,
+               vision_heads=16, depth=24, vision_ff=4096, pos_embeddings=2304, tie=True, vocab=248320,
+               shard_size="2GB"),
+}
+FAMILIES = {"qwen3_vl": (qwen3vl_fixture, "Qwen3VLForConditionalGeneration", QWEN3VL, {}),
+            "qwen3_5": (qwen35_fixture, "Qwen3_5ForConditionalGeneration", QWEN35, {"enable_thinking": False})}
 # (width, height): 192 to 300 image tokens each, like typical web photos at a lowered max_pixels
 SIZES = [(448, 448), (640, 480), (480, 640), (512, 384), (576, 432), (448, 576)]
 # English text for the tokenizer's merges, so prompts have realistic token counts (~20-30).
@@ -73,13 +92,13 @@ def make_images(n: int) -> list[Image.Image]:
             (SIZES[i % len(SIZES)] for i in range(n))]
 
 
-def hf_rows(tok, processor, im: Image.Image) -> tuple[list[list[int]], dict]:
+def hf_rows(tok, processor, im: Image.Image, template_kwargs: dict) -> tuple[list[list[int]], dict]:
     pix = processor(images=[im], return_tensors="pt")
     n = int(pix["image_grid_thw"].prod()) // 4
     rows = []
     for prompt in PROMPTS:
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
         rows.append(tok(text.replace("<|image_pad|>", "<|image_pad|>" * n))["input_ids"])
     return rows, pix
 
@@ -102,10 +121,10 @@ def hf_generate(model, rows: list[list[int]], pix: list[dict], max_new: int, dev
     return out
 
 
-def run_hf(model, tok, processor, images, max_new, rows_per_call, dev) -> list[list[list[int]]]:
+def run_hf(model, tok, processor, images, max_new, rows_per_call, dev, template_kwargs) -> list[list[list[int]]]:
     work = []  # (image index, row, pixels)
     for i, im in enumerate(images):
-        rows, pix = hf_rows(tok, processor, im)
+        rows, pix = hf_rows(tok, processor, im, template_kwargs)
         work += [(i, r, pix) for r in rows]
     outs: list[list[int]] = []
     for k in range(0, len(work), rows_per_call):
@@ -131,7 +150,8 @@ def sync(dev: torch.device) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", choices=list(CONFIGS), default="mid")
+    ap.add_argument("--family", choices=list(FAMILIES), default="qwen3_vl")
+    ap.add_argument("--config", choices=["mid", "2b"], default="mid")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--images", type=int, default=24)
@@ -147,18 +167,21 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+    import transformers
+    from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    fixture, hf_class, configs, template_kwargs = FAMILIES[args.family]
 
     dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                        ("cpu" if args.device == "auto" else args.device))
     dtype = getattr(torch, args.dtype)
-    folder = Path(tempfile.mkdtemp(prefix="bench-qwen3vl-"))
+    folder = Path(tempfile.mkdtemp(prefix=f"bench-{args.family}-"))
     t0 = time.perf_counter()
-    write_checkpoint(folder, seed=0, min_pixels=64 * 64, max_pixels=640 * 640, corpus=CORPUS, dtype=dtype,
-                     **CONFIGS[args.config])
+    fixture.write_checkpoint(folder, seed=0, min_pixels=64 * 64, max_pixels=640 * 640, corpus=CORPUS, dtype=dtype,
+                             **configs[args.config])
     print(f"# checkpoint written in {time.perf_counter() - t0:.1f} s: {folder}", file=sys.stderr)
-    hf = Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=dtype).to(dev).eval()
+    hf = getattr(transformers, hf_class).from_pretrained(folder, dtype=dtype).to(dev).eval()
     tok = AutoTokenizer.from_pretrained(folder)
     processor = Qwen2VLImageProcessorPil.from_pretrained(folder)
     family = open_family(ModelSpec(name=str(folder)))
@@ -168,7 +191,7 @@ def main() -> int:
     tokens = sum(family.preprocessor()(im).grid[0] * family.preprocessor()(im).grid[1] for im in images) / len(images)
     host = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     hw = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({host})"
-    print(f"# bench_qwen3vl: config={args.config} device={hw} dtype={args.dtype} torch={torch.__version__} "
+    print(f"# bench_qwen3vl: family={args.family} config={args.config} device={hw} dtype={args.dtype} torch={torch.__version__} "
           f"images={args.images} (mean {tokens:.0f} image tokens) sequences/image={len(seqs)} "
           f"max_new_tokens={args.max_new_tokens} engine batch={args.batch} hf rows/call={args.hf_batch} "
           f"repeat={args.repeat} (best of)")
@@ -177,9 +200,9 @@ def main() -> int:
     n_one = min(args.one_at_a_time_images, args.images)
     if not args.skip_one_at_a_time:
         runners["hf one-at-a-time"] = (n_one, lambda: run_hf(hf, tok, processor, images[:n_one],
-                                                             args.max_new_tokens, 1, dev))
+                                                             args.max_new_tokens, 1, dev, template_kwargs))
     runners["hf batched"] = (args.images, lambda: run_hf(hf, tok, processor, images, args.max_new_tokens,
-                                                         args.hf_batch, dev))
+                                                         args.hf_batch, dev, template_kwargs))
     runners["batchvlm engine"] = (args.images, lambda: run_engine(family, model, seqs, images, args.max_new_tokens,
                                                                   args.batch))
     results, outputs = {}, {}

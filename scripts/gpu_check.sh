@@ -11,6 +11,7 @@
 #      importance, stopping cleanly before its time is up.
 #   5. with QWEN3VL=1: scripts/bench_qwen3vl.py on Qwen3-VL-2B shapes with random weights
 #      (batchvlm's engine vs transformers' batched generate, bfloat16; needs transformers).
+#   6. with QWEN35=1: scripts/gpu_check_qwen35.sh, the same for Qwen3.5-2B-like shapes.
 # Results land in $OUT (the device tool's output folder) or ./gpu-results.
 #
 # Before the device call, here:  scripts/gpu_wheels.sh; mkdir -p shared; cp -r ../shared/fixtures shared/
@@ -88,5 +89,11 @@ if [ "${QWEN3VL:-0}" = 1 ]; then  # opt-in: Qwen3-VL-2B shapes, random weights (
         | tee "$OUT/bench_qwen3vl.log"
     qwen=${PIPESTATUS[0]}
 fi
-echo "gpu_check: tests exit $tests, attention bench exit $attention, bench exit $bench, qwen3vl bench exit $qwen"
-exit $(( tests != 0 || attention != 0 || bench != 0 || qwen != 0 ))
+qwen35=0
+if [ "${QWEN35:-0}" = 1 ]; then  # opt-in: Qwen3.5-2B-like shapes, random weights
+    scripts/gpu_check_qwen35.sh "$OUT"
+    qwen35=$?
+fi
+echo "gpu_check: tests exit $tests, attention bench exit $attention, bench exit $bench, qwen3vl bench exit $qwen," \
+     "qwen3.5 bench exit $qwen35"
+exit $(( tests != 0 || attention != 0 || bench != 0 || qwen != 0 || qwen35 != 0 ))

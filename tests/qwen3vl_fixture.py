@@ -131,9 +131,16 @@ def write_checkpoint(dest: Path, seed: int = 0, likely_stops: bool = False, corp
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model.to(dtype).save_pretrained(dest, max_shard_size=shard_size)
+    return write_host_files(dest, cfg, CHAT_TEMPLATE, corpus, min_pixels, max_pixels, mean, std)
+
+
+def write_host_files(dest: Path, cfg, chat_template: str, corpus: str | None = None, min_pixels: int = 32 * 32,
+                     max_pixels: int = 256 * 256, mean: tuple[float, ...] = (0.5, 0.5, 0.5),
+                     std: tuple[float, ...] = (0.5, 0.5, 0.5)) -> Path:
+    """Tokenizer, template, processor and generation config beside the weights."""
     byte_tokenizer(corpus, cfg.text_config.vocab_size).save(str(dest / "tokenizer.json"))
     (dest / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>",
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": chat_template, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "model_max_length": 8192, "clean_up_tokenization_spaces": False}))
     (dest / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessor", "size": {"shortest_edge": min_pixels,

@@ -2,8 +2,8 @@
 
 import pytest
 
-from batchvlm.models.grounding import (florence2_boxes, internvl_boxes, json_objects, paligemma_boxes, qwen3_boxes,
-                                       qwen3_points, qwen25_boxes, qwen25_points)
+from batchvlm.models.grounding import (florence2_boxes, florence2_regions, internvl_boxes, json_objects, paligemma_boxes,
+                                       qwen3_boxes, qwen3_points, qwen25_boxes, qwen25_points)
 
 
 def close(got, want):
@@ -79,11 +79,20 @@ def test_florence2_truncated_and_malformed():
     close(florence2_boxes("car<loc_52><loc_334><loc_932><loc_774>car<loc_1><loc_2>"),
           [(0.0525, 0.3345, 0.9325, 0.7745)])
     close(florence2_boxes("car<loc_10><loc_20><loc_30><loc_40><loc_50><loc_60>"), [(0.0105, 0.0205, 0.0305, 0.0405)])
-    assert florence2_boxes("car<poly><loc_10><loc_20><loc_30><loc_40></poly>") == []  # two points: no polygon
-    close(florence2_boxes("<poly><loc_10><loc_20><loc_30><loc_40><loc_50><loc_5><loc_7>"),
+    close(florence2_boxes("car<poly><loc_10><loc_20><loc_30><loc_40></poly>"), [(0.0105, 0.0205, 0.0305, 0.0405)])
+    close(florence2_boxes("car<poly><loc_10><loc_20><loc_30><loc_40><loc_50><loc_5><loc_7>"),
           [(0.0105, 0.0055, 0.0505, 0.0405)])  # cut inside a point: the complete points count
     assert florence2_boxes("car<loc_52><loc_334><loc_") == [] and florence2_boxes("a car") == []
-    close(florence2_boxes("<loc_1500><loc_0><loc_10><loc_10>"), [(0.0105, 0.0005, 1.0, 0.0105)])
+    assert florence2_boxes("<loc_1><loc_2><loc_3><loc_4>") == []  # no phrase: not an object (the processor's rule)
+    close(florence2_boxes("x<loc_1500><loc_0><loc_10><loc_10>"), [(0.0105, 0.0005, 1.0, 0.0105)])
+
+
+def test_florence2_regions_keep_their_phrases():
+    text = "</s><s>a red car<loc_52><loc_334><loc_932><loc_774>wheel<loc_0><loc_0><loc_9><loc_9><loc_5><loc_5>"
+    got = florence2_regions(text)
+    assert [label for label, _ in got] == ["a red car", "wheel"]
+    close([box for _, box in got], [(0.0525, 0.3345, 0.9325, 0.7745), (0.0005, 0.0005, 0.0095, 0.0095)])
+    assert florence2_regions("caf\u00e9 sign<loc_1><loc_2><loc_3><loc_4>")[0][0] == "caf sign"  # ASCII only, as upstream
 
 
 def test_paligemma_yx_order_1024_bins():

@@ -17,7 +17,7 @@ from batchvlm.engine.engine import Engine
 from batchvlm.engine.labeler import WorkItem
 from batchvlm.job import EngineSpec, ModelSpec
 from batchvlm.models.grounding import qwen3_boxes, qwen3_points
-from batchvlm.models.qwen3_vl.labels import parses_cleanly
+from batchvlm.models.qwen_vl.labels import parses_cleanly
 from batchvlm.models.registry import open_family
 from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
 
@@ -40,36 +40,43 @@ def images() -> list[Image.Image]:
             Image.fromarray(rng.integers(0, 256, (90, 60, 4), dtype=np.uint8), "RGBA")]
 
 
-def reference_tokens(folder, ims: list[Image.Image], prompts: list[str]) -> list[list[list[int]]]:
-    """transformers' own pipeline: chat template, image processor, pad expansion, greedy generate."""
-    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+def reference_tokens(folder, ims: list[Image.Image], prompts: list[str], hf_class: str = "Qwen3VLForConditionalGeneration",
+                     template_kwargs: dict | None = None, rows_per_call: int | None = None) -> list[list[list[int]]]:
+    """transformers' own pipeline: chat template, image processor, pad expansion, greedy generate;
+    per image one left-padded batch of every prompt, or calls of `rows_per_call` rows (1: batch 1)."""
+    import transformers
+    from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    model = Qwen3VLForConditionalGeneration.from_pretrained(folder).eval()
+    model = getattr(transformers, hf_class).from_pretrained(folder).eval()
     tok = AutoTokenizer.from_pretrained(folder)
     processor = Qwen2VLImageProcessorPil.from_pretrained(folder)
     stops = [IDS["<|im_end|>"], IDS["<|endoftext|>"]]
     out = []
-    for im in ims:  # one left-padded batch of every prompt per image
+    for im in ims:
         pix = processor(images=[im], return_tensors="pt")
         n = int(pix["image_grid_thw"].prod()) // 4
         rows = []
         for prompt in prompts:
             messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                           **(template_kwargs or {}))
             rows.append(tok(text.replace("<|image_pad|>", "<|image_pad|>" * n))["input_ids"])
-        L = max(map(len, rows))
-        ids = torch.tensor([[IDS["<|endoftext|>"]] * (L - len(r)) + r for r in rows])
-        mask = torch.tensor([[0] * (L - len(r)) + [1] * len(r) for r in rows])
-        with torch.inference_mode():
-            gen = model.generate(input_ids=ids, attention_mask=mask, pixel_values=pix["pixel_values"].repeat(len(rows), 1),
-                                 image_grid_thw=pix["image_grid_thw"].repeat(len(rows), 1),
-                                 mm_token_type_ids=(ids == IDS["<|image_pad|>"]).int(), do_sample=False,
-                                 max_new_tokens=MAX_NEW, eos_token_id=stops, pad_token_id=IDS["<|endoftext|>"])
         per_image = []
-        for row in gen[:, L:].tolist():
-            end = next((j for j, t in enumerate(row) if t in stops), len(row))
-            per_image.append(row[:end])
+        step = rows_per_call or len(rows)
+        for chunk in (rows[k : k + step] for k in range(0, len(rows), step)):
+            L = max(map(len, chunk))
+            ids = torch.tensor([[IDS["<|endoftext|>"]] * (L - len(r)) + r for r in chunk])
+            mask = torch.tensor([[0] * (L - len(r)) + [1] * len(r) for r in chunk])
+            with torch.inference_mode():
+                gen = model.generate(input_ids=ids, attention_mask=mask,
+                                     pixel_values=pix["pixel_values"].repeat(len(chunk), 1),
+                                     image_grid_thw=pix["image_grid_thw"].repeat(len(chunk), 1),
+                                     mm_token_type_ids=(ids == IDS["<|image_pad|>"]).int(), do_sample=False,
+                                     max_new_tokens=MAX_NEW, eos_token_id=stops, pad_token_id=IDS["<|endoftext|>"])
+            for row in gen[:, L:].tolist():
+                end = next((j for j, t in enumerate(row) if t in stops), len(row))
+                per_image.append(row[:end])
         out.append(per_image)
     return out
 

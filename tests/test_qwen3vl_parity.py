@@ -18,13 +18,13 @@ from qwen3vl_fixture import IDS, write_checkpoint
 from tokenizers import Tokenizer
 
 from batchvlm.data.decode import decode
-from batchvlm.models.qwen3_vl.chat import ChatTemplate, read_template, special_tokens
-from batchvlm.models.qwen3_vl.config import ConfigError
-from batchvlm.models.qwen3_vl.positions import next_position, prefix_positions
-from batchvlm.models.qwen3_vl.preprocess import PixelSettings, Preprocessor, smart_resize
-from batchvlm.models.qwen3_vl.text import DeepStack
 from batchvlm.models.hub import weight_files
+from batchvlm.models.qwen_vl.vision import DeepStack
 from batchvlm.models.qwen3_vl.weights import build_model, load_weights, read_config
+from batchvlm.models.qwen_vl.chat import ChatTemplate, read_template, special_tokens
+from batchvlm.models.qwen_vl.config import ConfigError
+from batchvlm.models.qwen_vl.positions import next_position, prefix_positions
+from batchvlm.models.qwen_vl.preprocess import PixelSettings, Preprocessor, smart_resize
 
 transformers = pytest.importorskip("transformers")
 

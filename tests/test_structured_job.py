@@ -92,5 +92,5 @@ def test_the_native_engines_run_classify_and_refuse_json_at_validation():
     seqs = open_family(job.model, weights=False).sequences(job.tasks, job.engine)
     assert [s.label for s in seqs if s.spec.mode == MODE_SCORE] == ["one", "two"]
     job = _job({"caption": {}}, {"json": {"prompt": "Describe it.", "schema": {"type": "object"}}})
-    with pytest.raises(FamilyError, match=r"^tasks\.1\.json: the native Moondream engine does not run json"):
+    with pytest.raises(FamilyError, match=r"^tasks\.1\.json: Moondream cannot do json tasks"):
         open_family(job.model, weights=False).sequences(job.tasks, job.engine)

@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from PIL import Image
 
+from ..tasks import kind_of
 from .decoding import Decision, PromptRows, RawOutput, RowState, SeqSpec
 
 if TYPE_CHECKING:
@@ -96,6 +97,13 @@ class ModelFetchError(ModelLoadError):
 
 class FamilyError(ValueError):
     """The job asks something of the model that it cannot do (names the job field)."""
+
+
+def check_kinds(tasks: list[Task], supported: tuple[str, ...], model: str) -> None:
+    """Refuse, naming the field, the first task whose kind the model cannot do."""
+    for i, task in enumerate(tasks):
+        if (kind := kind_of(task)) not in supported:
+            raise FamilyError(f"tasks.{i}.{kind}: {model} cannot do {kind} tasks (it can: {', '.join(supported)})")
 
 
 @dataclass(frozen=True)

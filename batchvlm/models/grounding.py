@@ -8,7 +8,7 @@ by the token limit or malformed in the middle keeps every complete object and dr
     format       written as                                              scale
     qwen2.5-vl   JSON {"bbox_2d": [x1, y1, x2, y2]} / {"point_2d": [x, y]}  pixels of the resized image
     qwen3-vl     the same JSON                                             0-1000
-    florence-2   label<loc_x1><loc_y1><loc_x2><loc_y2>, or <poly>...</poly>  1000 bins, value = bin centre
+    florence-2   label<loc_x1><loc_y1><loc_x2><loc_y2>, or label<poly>...</poly> 1000 bins, value = bin centre
     paligemma    <locY1><locX1><locY2><locX2> label ; ...  (y before x)     1024 bins
     internvl     <ref>label</ref><box>[[x1, y1, x2, y2], ...]</box>        0-1000
 
@@ -114,23 +114,74 @@ def qwen3_points(text: str) -> list[Point]:
     return _json_points(text, 1000, 1000)
 
 
-_FLORENCE_LOCS = re.compile(r"(?:<loc_\d+>)+")
+# Florence-2, as transformers' Florence2PostProcessor reads it: an object is a phrase (text
+# without '<'), then a run of <loc_N> tokens, four per box; or, when the text holds a <poly>, a
+# phrase then <poly>x y x y ...</poly> polygons (<sep> between several). N is one of 1000 bins per
+# side and the bin's centre, (N + 0.5) / 1000, is the value (the processor scales that to pixels).
+_FLORENCE_SPECIALS = ("<s>", "</s>", "<pad>")
+_FLORENCE_PHRASE = re.compile(r"([^<]+(?:<loc_\d+>){4,})")
+_FLORENCE_LABEL = re.compile(r"^\s*(.*?)(?=<od>|</od>|<box>|</box>|<bbox>|</bbox>|<loc_)")
+_FLORENCE_BOX = re.compile(r"<loc_(\d+)><loc_(\d+)><loc_(\d+)><loc_(\d+)>")
+_FLORENCE_POLY_PHRASE = re.compile(r"([^<]+(?:<loc_\d+>|<sep>|<poly>|</poly>){4,})")
+_FLORENCE_POLY_LABEL = re.compile(r"^\s*(.*?)(?=<od>|</od>|<box>|</box>|<bbox>|</bbox>|<loc_|<poly>)")
+_FLORENCE_POLY = re.compile(r"<poly>(.*?)</poly>")
+_FLORENCE_POLY_RUN = re.compile(r"((?:<loc_\d+>)+)(?:<sep>|$)")
 _FLORENCE_BIN = re.compile(r"<loc_(\d+)>")
 
 
+def _florence_clean(text: str) -> str:
+    for token in _FLORENCE_SPECIALS:
+        text = text.replace(token, "")
+    return text
+
+
+def florence2_regions(text: str) -> list[tuple[str, Box]]:
+    """(phrase, box) for every box of every phrase: <OD>, <DENSE_REGION_CAPTION> and
+    <OPEN_VOCABULARY_DETECTION> without polygons. The phrase loses its non-ASCII characters, as
+    in the processor; a phrase cut before its fourth loc token is dropped."""
+    out = []
+    for phrase in _FLORENCE_PHRASE.findall(_florence_clean(text)):
+        phrase = phrase.replace("<ground>", "", 1).replace("<obj>", "", 1)
+        label = _FLORENCE_LABEL.search(phrase)
+        if label is None:
+            continue
+        name = label.group().strip().encode("ascii", "ignore").decode("ascii")
+        for m in _FLORENCE_BOX.finditer(phrase):
+            out.append((name, _box(*(int(g) + 0.5 for g in m.groups()), 1000, 1000)))
+    return out
+
+
+def florence2_polygons(text: str) -> list[tuple[str, list[list[Point]]]]:
+    """(phrase, polygons) for every object of a text with polygons; each polygon is its points
+    (a dangling last coordinate dropped), values normalized but not clamped."""
+    out = []
+    for phrase in _FLORENCE_POLY_PHRASE.findall(_florence_clean(text)):
+        label = _FLORENCE_POLY_LABEL.search(re.sub(r"^<loc_\d+>", "", phrase, count=1))
+        if label is None:
+            continue
+        parts = _FLORENCE_POLY.findall(phrase) if "<poly>" in phrase and "</poly>" in phrase else [phrase]
+        for part in parts:
+            polygons = []
+            for run in _FLORENCE_POLY_RUN.finditer(part):
+                v = [(int(n) + 0.5) / 1000 for n in _FLORENCE_BIN.findall(run.group(1))]
+                polygons.append(list(zip(v[0::2], v[1::2])))
+            if polygons:
+                out.append((label.group().strip(), polygons))
+    return out
+
+
 def florence2_boxes(text: str) -> list[Box]:
-    """Florence-2: each coordinate a token <loc_N>, N one of 1000 bins; the bin's centre
-    ((N + 0.5) / 1000) is the value. A run of loc tokens is boxes, four tokens each (an unfinished
-    last group is dropped); a run inside <poly>...</poly> is a polygon, kept as its bounding box."""
+    """Boxes of <OPEN_VOCABULARY_DETECTION> (the phrase is the object asked for, so it is not
+    kept): the processor's boxes, or with a <poly> in the text, each object's polygons as their
+    bounding box (an object whose polygons hold no complete point has none)."""
+    if "<poly>" not in text:
+        return [box for _, box in florence2_regions(text)]
     boxes = []
-    for run in _FLORENCE_LOCS.finditer(text):
-        v = [int(n) + 0.5 for n in _FLORENCE_BIN.findall(run.group())]
-        if text.endswith("<poly>", 0, run.start()):
-            if len(v) >= 6:  # three points at least
-                xs, ys = v[0:len(v) - 1:2], v[1::2]
-                boxes.append(_box(min(xs), min(ys), max(xs), max(ys), 1000, 1000))
-        else:
-            boxes += [_box(*v[k:k + 4], 1000, 1000) for k in range(0, len(v) - 3, 4)]
+    for _, polygons in florence2_polygons(text):
+        points = [p for poly in polygons for p in poly]
+        if points:
+            xs, ys = [x for x, _ in points], [y for _, y in points]
+            boxes.append(_box(min(xs), min(ys), max(xs), max(ys), 1, 1))
     return boxes
 
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ..job import ModelSpec
+from ..job import EngineSpec, ModelSpec
 from .family import Family, ModelLoadError
+from .florence2.family import Florence2
 from .hub import read_json, resolve_dir
 from .moondream.family import Moondream
+from .qwen3_5.family import Qwen35
 from .qwen3_vl.family import Qwen3VL
 
 DEMO_DIR = Path(__file__).parent / "demo"
@@ -19,6 +21,8 @@ DEMO_DIR = Path(__file__).parent / "demo"
 FAMILIES: dict[str, Callable[[Path, ModelSpec, str | None], Family]] = {
     "moondream1": lambda folder, spec, rev: Moondream.open(folder, spec.name, rev, spec.max_crops),
     "qwen3_vl": Qwen3VL.open,
+    "florence2": Florence2.open,
+    "qwen3_5": Qwen35.open,
 }
 # What a family's host side reads of a hub repo: config, tokenizer (tokenizer.model: sentencepiece;
 # *.tiktoken: tiktoken tokenizers), templates: everything but the weights. Never *.bin / *.pt
@@ -51,3 +55,10 @@ def open_family(spec: ModelSpec, weights: bool = True) -> Family:
     if spec.family not in ("auto", family.name):
         raise ModelLoadError(f"model.family: {spec.family!r}, but {spec.name!r} is a {family.name} model")
     return family
+
+
+def check_tasks(spec: ModelSpec, tasks: list, engine: EngineSpec) -> None:
+    """What the model side of `validate` checks, loading no weights: the family's host side builds
+    and every task becomes sequences it can run (raises ModelLoadError / FamilyError naming the
+    field). `run` calls it before it writes anything, so a refused job leaves no output folder."""
+    open_family(spec, weights=False).sequences(tasks, engine)

@@ -9,7 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class Box(BaseModel):
-    label: str = Field(description="The object name that was asked for.")
+    label: str = Field(description="The object name that was asked for (detect), or the region's description "
+                                    "(regions).")
     x_min: float = Field(ge=0, le=1, description="Left edge, fraction of the width (after EXIF orientation).")
     y_min: float = Field(ge=0, le=1, description="Top edge, fraction of the height.")
     x_max: float = Field(ge=0, le=1)
@@ -35,12 +36,13 @@ class Score(BaseModel):
 
 class LabelRow(BaseModel):
     """One row per input sample. Task columns are named by the task's `name` (default: its kind):
-    caption / query -> string; detect -> list of Box; point -> list of Point; classify -> string
-    (the most probable choice) and `<name>_scores` -> list of Score (every choice, in choice
-    order); json -> string (compact JSON that validates against the task's schema unless
-    truncated); null on error rows. Each task but classify also has `<name>_truncated` (boolean):
-    its label was cut short by a limit (engine.max_new_tokens / max_objects), so a caption may stop
-    mid-sentence, a json answer is incomplete, or objects may be missing; null on error rows. With output.raw_text, `<name>_raw` beside each detect / point
+    caption / query / ocr -> string; detect / regions -> list of Box; point -> list of Point;
+    classify -> string (the most probable choice) and `<name>_scores` -> list of Score (every
+    choice, in choice order); json -> string (compact JSON that validates against the task's schema
+    unless truncated); null on error rows. Each task but classify also has `<name>_truncated`
+    (boolean): its label was cut short by a limit (engine.max_new_tokens / max_objects), so a
+    caption may stop mid-sentence, a json answer is incomplete, or objects may be missing; null on
+    error rows. With output.raw_text, `<name>_raw` beside each detect / point
     column -> list of RawText (the decoded text of each object's sequence).
     Then one column per `input.keep` name, on every row (error rows too): a Parquet input's column
     with its type; a tar / folder sidecar (`json`, `txt`, ...) as a string; `path` (folder input)

@@ -33,7 +33,7 @@ BOX = pa.struct([("label", pa.string()), ("x_min", pa.float32()), ("y_min", pa.f
 POINT = pa.struct([("label", pa.string()), ("x", pa.float32()), ("y", pa.float32())])
 SCORES = pa.list_(pa.struct([("label", pa.string()), ("prob", pa.float32())]))
 TYPES = {"caption": pa.string(), "query": pa.string(), "detect": pa.list_(BOX), "point": pa.list_(POINT),
-         "classify": pa.string(), "json": pa.string()}
+         "ocr": pa.string(), "regions": pa.list_(BOX), "classify": pa.string(), "json": pa.string()}
 RAW_TEXT = pa.list_(pa.struct([("label", pa.string()), ("text", pa.string())]))
 
 

@@ -1,7 +1,7 @@
 """Moondream 2 behind the family interface (models/family.py).
 
 Host side (`Moondream`): config + tokenizer, task prompts from the templates in the config,
-labels from raw outputs. Device side (`MoondreamEngine`): what the engine drives. Every image
+labels from raw outputs. Device side (`MoondreamEngineModel`): what the engine drives. Every image
 prefix is `[BOS][729 image tokens]`, attended bidirectionally; positions equal slot indices.
 """
 
@@ -21,7 +21,7 @@ from ..decoding import (MODE_SCORE, MODE_TEXT, Decision, PromptRows, RawOutput, 
                         with_scores)
 from . import grammar
 from .grammar import MODE_DETECT, MODE_POINT
-from ..family import FamilyError, ModelInfo, PrefixInputs, TaskSequence
+from ..family import FamilyError, ModelInfo, PrefixInputs, TaskSequence, check_kinds
 from ..hub import TokenizerAdapter, load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
 from ..pinned import PinnedUpload
 from .config import MoondreamConfig
@@ -33,6 +33,8 @@ from .weights import TOKENIZER_REPO, build_model, load_weights, read_config
 if TYPE_CHECKING:
     from ...job import EngineSpec
     from ...tasks import Task
+
+KINDS = ("caption", "query", "point", "detect", "classify")
 
 
 class Moondream:
@@ -57,9 +59,7 @@ class Moondream:
         return self.config.prefix_len
 
     def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[TaskSequence]:
-        for t, task in enumerate(tasks):
-            if kind_of(task) == "json":
-                raise FamilyError(f"tasks.{t}.json: the native Moondream engine does not run json tasks yet")
+        check_kinds(tasks, KINDS, "Moondream")
         seqs = [TaskSequence(t, label, spec) for t, task in enumerate(tasks)
                 for label, spec in self._task_sequences(t, task, engine)]
         P, n_ctx = self.config.prefix_len, self.config.text.max_context
@@ -128,7 +128,7 @@ class Moondream:
             out[truncated_column(task)] = any(r.hit_limit(s.spec) for s, r in mine)
         return out
 
-    def load(self, dtype: str = "auto", device: str = "auto") -> MoondreamEngine:
+    def load(self, dtype: str = "auto", device: str = "auto") -> MoondreamEngineModel:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         files = weight_files(self.folder)  # before building the model
@@ -136,10 +136,10 @@ class Moondream:
         load_weights(model, files)
         info = ModelInfo(self.model_name, self.revision, str(self.folder), weights_sha256(files),
                          str(dt).removeprefix("torch."), str(dev), self.name, self.backend)
-        return MoondreamEngine(model, info)
+        return MoondreamEngineModel(model, info)
 
 
-class MoondreamEngine:
+class MoondreamEngineModel:
     """The engine's view of a loaded Moondream (models/family.py EngineModel)."""
 
     causal_prefix = False

@@ -1,8 +1,7 @@
-"""Qwen3-VL configuration, read from a hub `config.json` (`model_type: qwen3_vl`).
+"""Qwen3-VL configuration, read from a hub `config.json` (`model_type: qwen3_vl`); the vision
+tower's part is shared with Qwen3.5 (qwen_vl/config.py).
 
-Both spellings of the text rotary settings load: `rope_parameters` (transformers 5) and the
-`rope_theta` + `rope_scaling` pair the released checkpoints were written with. Only the dense
-models are supported; the MoE variants (`qwen3_vl_moe`) are refused by model_type.
+Only the dense models are supported; the MoE variants (`qwen3_vl_moe`) are refused by model_type.
 """
 
 from __future__ import annotations
@@ -10,9 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-
-class ConfigError(ValueError):
-    pass
+from ..qwen_vl.config import ConfigError, VisionConfig, text_rope, vision_config
 
 
 @dataclass(frozen=True)
@@ -33,30 +30,6 @@ class TextConfig:
 
 
 @dataclass(frozen=True)
-class VisionConfig:
-    depth: int
-    dim: int
-    ff_dim: int
-    n_heads: int
-    out_dim: int  # the text width
-    patch_size: int
-    temporal_patch: int
-    merge: int  # spatial merge: merge x merge patches -> one text token
-    n_pos_embeddings: int  # a square learned grid, side = sqrt(n)
-    deepstack_layers: tuple[int, ...]  # vision layers whose features feed text layers 0, 1, ...
-    rope_theta: float
-    in_channels: int = 3
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def pos_side(self) -> int:
-        return int(self.n_pos_embeddings**0.5)
-
-
-@dataclass(frozen=True)
 class Qwen3VLConfig:
     text: TextConfig
     vision: VisionConfig
@@ -64,13 +37,18 @@ class Qwen3VLConfig:
     vision_start_id: int
     vision_end_id: int
 
+    @property
+    def max_context(self) -> int:
+        return self.text.max_context
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Qwen3VLConfig:
         if raw.get("model_type") != "qwen3_vl":
             raise ConfigError(f"model_type {raw.get('model_type')!r} is not qwen3_vl")
         try:
-            c = cls(_text(raw), _vision(raw.get("vision_config") or {}), int(raw.get("image_token_id", 151655)),
-                    int(raw.get("vision_start_token_id", 151652)), int(raw.get("vision_end_token_id", 151653)))
+            c = cls(_text(raw), vision_config(raw.get("vision_config") or {}, deepstack=True),
+                    int(raw.get("image_token_id", 151655)), int(raw.get("vision_start_token_id", 151652)),
+                    int(raw.get("vision_end_token_id", 151653)))
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError) as e:
@@ -82,12 +60,8 @@ class Qwen3VLConfig:
 
 def _text(raw: dict[str, Any]) -> TextConfig:
     t = raw["text_config"]
-    rope = dict(t.get("rope_scaling") or {}) | dict(t.get("rope_parameters") or {})
-    theta = float(rope.get("rope_theta", t.get("rope_theta", 5_000_000.0)))
-    if rope.get("rope_type", "default") != "default":
-        raise ConfigError(f"text rope_type {rope['rope_type']!r} is not supported (only default)")
-    if not rope.get("mrope_interleaved", True):
-        raise ConfigError("only interleaved multimodal rotary (mrope_interleaved: true) is supported")
+    rope = text_rope(t)
+    theta = float(rope["rope_theta"])
     n_heads = int(t["num_attention_heads"])
     head_dim = int(t.get("head_dim") or t["hidden_size"] // n_heads)
     section = tuple(int(s) for s in rope.get("mrope_section", (24, 20, 20)))
@@ -101,25 +75,3 @@ def _text(raw: dict[str, Any]) -> TextConfig:
         rms_eps=float(t.get("rms_norm_eps", 1e-6)), rope_theta=theta, mrope_section=section,  # type: ignore[arg-type]
         max_context=int(t.get("max_position_embeddings", 262144)), tie_embeddings=bool(tie),
         attention_bias=bool(t.get("attention_bias", False)))
-
-
-def _vision(v: dict[str, Any]) -> VisionConfig:
-    rope = v.get("rope_parameters") or {}
-    patch, temporal = v.get("patch_size", 16), v.get("temporal_patch_size", 2)
-    if not isinstance(patch, int) or not isinstance(temporal, int):
-        raise ConfigError("vision patch_size / temporal_patch_size must be single numbers")
-    act = v.get("hidden_act", "gelu_pytorch_tanh")
-    if act != "gelu_pytorch_tanh":
-        raise ConfigError(f"vision hidden_act {act!r} is not supported (only gelu_pytorch_tanh)")
-    c = VisionConfig(
-        depth=int(v.get("depth", 27)), dim=int(v.get("hidden_size", 1152)), ff_dim=int(v.get("intermediate_size", 4304)),
-        n_heads=int(v.get("num_heads", 16)), out_dim=int(v.get("out_hidden_size", 3584)), patch_size=patch,
-        temporal_patch=temporal, merge=int(v.get("spatial_merge_size", 2)),
-        n_pos_embeddings=int(v.get("num_position_embeddings", 2304)),
-        deepstack_layers=tuple(int(i) for i in v.get("deepstack_visual_indexes", (8, 16, 24))),
-        rope_theta=float(rope.get("rope_theta", 10000.0)), in_channels=int(v.get("in_channels", 3)))
-    if c.pos_side**2 != c.n_pos_embeddings:
-        raise ConfigError(f"num_position_embeddings {c.n_pos_embeddings} is not a square")
-    if any(not 0 <= i < c.depth for i in c.deepstack_layers):
-        raise ConfigError(f"deepstack_visual_indexes {list(c.deepstack_layers)} outside the {c.depth} vision layers")
-    return c

@@ -1,76 +1,29 @@
-"""Qwen3-VL behind the family interface (models/family.py): the host side.
-
-Every task is one user turn [image, text] in the checkpoint's chat template with the generation
-prompt; the image prefix (template head, image tokens, vision_end) is shared by every task on
-the image, and each sequence's prompt is the rest of the rendered turn. All sequences are plain
-text: boxes and points are parsed from the JSON the model writes (labels.py).
-"""
+"""Qwen3-VL behind the family interface (models/family.py): the host side shared with Qwen3.5
+(qwen_vl/host.py), this family's config and its device side."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from ...tasks import args_of, kind_of
-from ..decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
-from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence
-from ..hub import TokenizerAdapter, load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
-from .chat import ChatTemplate, read_template, special_tokens
-from .config import ConfigError, Qwen3VLConfig
-from .engine_model import Qwen3VLEngine
-from .labels import column_values
-from .preprocess import PixelSettings, Preprocessor
+from ..family import ModelLoadError
+from ..hub import load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
+from ..qwen_vl.config import ConfigError
+from ..qwen_vl.host import KINDS, QwenVLHost
+from ..qwen_vl.preprocess import PixelSettings
+from .engine_model import Qwen3VLEngineModel
 from .weights import build_model, load_weights, read_config
 
 if TYPE_CHECKING:
-    from ...job import EngineSpec, ModelSpec
-    from ...tasks import Task
-
-CAPTIONS = {"short": "Describe this image in one sentence.", "normal": "Describe this image.",
-            "long": "Describe this image in detail."}
-DETECT = 'Locate every instance that belongs to the following categories: "{object}". Report bbox coordinates in JSON format.'
-POINT = "Locate every {object} in this image with points. Output the point coordinates in JSON format."
+    from ...job import ModelSpec
 
 
-def _token(tokenizer: TokenizerAdapter, id_: int) -> str:
-    token = tokenizer.token_of(id_)
-    if token is None:
-        raise ConfigError(f"token id {id_} is not in the tokenizer")
-    return token
-
-
-def stop_ids(folder: Path, tokenizer: TokenizerAdapter) -> list[int]:
-    """<|im_end|>, the tokenizer's eos_token and generation_config.json's eos_token_id."""
-    ids = {tokenizer.id_of("<|im_end|>")}
-    eos = special_tokens(folder).get("eos_token")
-    if eos:
-        ids.add(tokenizer.id_of(eos))
-    gen = folder / "generation_config.json"
-    if gen.is_file():
-        e = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(e if isinstance(e, list) else [e])
-    return sorted(i for i in ids if isinstance(i, int))
-
-
-class Qwen3VL:
+class Qwen3VL(QwenVLHost):
     name = "qwen3_vl"
-    backend = "native"
-
-    def __init__(self, config: Qwen3VLConfig, settings: PixelSettings, tokenizer, folder: Path, model_name: str,
-                 revision: str | None, min_pixels: int | None = None, max_pixels: int | None = None):
-        self.config, self.folder, self.model_name, self.revision = config, folder, model_name, revision
-        self.settings = settings
-        self.tokenizer = TokenizerAdapter(tokenizer, skip_special=True)
-        self.template = ChatTemplate(read_template(folder), special_tokens(folder),
-                                     _token(self.tokenizer, config.image_token_id),
-                                     _token(self.tokenizer, config.vision_end_id))
-        self.head = self.tokenizer.encode(self.template.head())
-        self.stop_ids = stop_ids(folder, self.tokenizer)
-        self.pre = Preprocessor.create(config.vision, settings, len(self.head), min_pixels, max_pixels)
-        self.max_objects: dict[int, int] = {}  # task -> objects kept per name (set by sequences)
+    title = "Qwen3-VL"
+    kinds = (*KINDS, "classify")  # Qwen3.5's recurrent prefix with a prefix prompt is not tested yet
 
     @classmethod
     def open(cls, folder: Path, spec: ModelSpec, revision: str | None) -> Qwen3VL:
@@ -83,70 +36,11 @@ class Qwen3VL:
         except ConfigError as e:
             raise ModelLoadError(str(e)) from e
 
-    def preprocessor(self) -> Preprocessor:
-        return self.pre
-
-    def max_prefix_len(self) -> int:
-        return len(self.head) + self.pre.max_tokens() + 1
-
-    def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[TaskSequence]:
-        seqs = []
-        for t, task in enumerate(tasks):
-            kind, a = kind_of(task), args_of(task)
-            if kind == "json":
-                raise FamilyError(f"tasks.{t}.{kind}: the native Qwen3-VL engine does not run {kind} tasks yet; "
-                                  "model.backend: transformers does")
-            if kind == "classify":
-                seqs += self._choices(t, a)
-                continue
-            if kind in ("caption", "query"):
-                text = CAPTIONS[a.length] if kind == "caption" else a.question
-                pairs = [(None, text, a.max_new_tokens or engine.max_new_tokens)]
-            else:
-                template = DETECT if kind == "detect" else POINT
-                self.max_objects[t] = a.max_objects or engine.max_objects
-                pairs = [(obj, template.format(object=obj), engine.max_new_tokens) for obj in a.objects]
-            for label, text, limit in pairs:
-                prompt = tuple(self.tokenizer.encode(self.template.split(text)[1]))
-                seqs.append(TaskSequence(t, label, SeqSpec(MODE_TEXT, prompt, limit, engine.temperature,
-                                                           engine.top_p)))
-        P, n_ctx = self.max_prefix_len(), self.config.text.max_context
-        for s in seqs:
-            if P + len(s.spec.prompt) + s.spec.budget > n_ctx:
-                raise FamilyError(
-                    f"tasks.{s.task}: a {len(s.spec.prompt)}-token prompt and up to {s.spec.budget} generated tokens "
-                    f"after an image prefix of up to {P} tokens exceed the model's context of {n_ctx}; lower "
-                    "model.max_pixels or engine.max_new_tokens")
-        return seqs
-
-    def _choices(self, t: int, a) -> list[TaskSequence]:
-        """One sequence per choice: the query's prompt minus its last token is the shared prefix
-        prompt; own tokens are that last token and the choice's tokens encoded in context, all
-        scored, then <|im_end|> (models/family.py (c))."""
-        text = self.template.split(a.question)[1]
-        base = self.tokenizer.encode(text)
-        seqs: list[TaskSequence] = []
-        for c in a.choices:
-            full = self.tokenizer.encode(text + c)
-            if full[: len(base)] != base or len(full) == len(base):
-                raise FamilyError(f"tasks.{t}.classify.choices: {c!r} merges with the prompt's last token")
-            own = (base[-1], *full[len(base):])
-            for s in seqs:
-                if s.spec.prompt == own:
-                    raise FamilyError(f"tasks.{t}.classify.choices: {s.label!r} and {c!r} are the same tokens for "
-                                      "this model")
-            seqs.append(TaskSequence(t, c, SeqSpec(MODE_SCORE, own, len(own), prefix_prompt=tuple(base[:-1]))))
-        return seqs
-
-    def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput]) -> dict[str, Any]:
-        return column_values(tasks, seqs, raws, self.tokenizer.decode, self.max_objects)
-
-    def load(self, dtype: str = "auto", device: str = "auto") -> Qwen3VLEngine:
+    def load(self, dtype: str = "auto", device: str = "auto") -> Qwen3VLEngineModel:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         files = weight_files(self.folder)
         model = build_model(self.config, torch.from_numpy(self.settings.lookup_table()), dev, dt)
         load_weights(model, files)
-        info = ModelInfo(self.model_name, self.revision, str(self.folder), weights_sha256(files),
-                         str(dt).removeprefix("torch."), str(dev), self.name, self.backend)
-        return Qwen3VLEngine(model, info, self.head, self.stop_ids, self.pre, self.tokenizer.id_of("<|im_end|>"))
+        info = self.model_info(weights_sha256(files), str(dt).removeprefix("torch."), str(dev))
+        return Qwen3VLEngineModel(model, info, self.head, self.stop_ids, self.pre, self.tokenizer.id_of("<|im_end|>"))

@@ -1,57 +1,12 @@
-"""The Qwen3-VL module tree. Parameter names are the checkpoint's: `model.visual.*`,
-`model.language_model.*` and `lm_head.weight` (absent when the embeddings are tied)."""
+"""The Qwen3-VL module tree: the shared Qwen vision tower (with DeepStack) and the Qwen3 text model."""
 
 from __future__ import annotations
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-
+from ..qwen_vl.model import QwenVLModel
 from .config import Qwen3VLConfig
 from .text import TextModel
-from .vision import VisionTower
 
 
-class Towers(nn.Module):
+class Qwen3VLModel(QwenVLModel):
     def __init__(self, config: Qwen3VLConfig):
-        super().__init__()
-        self.visual = VisionTower(config.vision)
-        self.language_model = TextModel(config.text)
-
-
-class Qwen3VLModel(nn.Module):
-    def __init__(self, config: Qwen3VLConfig):
-        super().__init__()
-        self.config = config
-        self.model = Towers(config)
-        if not config.text.tie_embeddings:
-            self.lm_head = nn.Linear(config.text.dim, config.text.vocab_size, bias=False)
-
-    @property
-    def visual(self) -> VisionTower:
-        return self.model.visual
-
-    @property
-    def text(self) -> TextModel:
-        return self.model.language_model
-
-    @property
-    def device(self) -> torch.device:
-        return self.text.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.text.embed_tokens.weight.dtype
-
-    def reset_buffers(self, lut: torch.Tensor) -> None:
-        """Recompute derived float32 tables (after meta construction or a dtype cast)."""
-        self.visual.reset_buffers(lut)
-        self.text.reset_buffers()
-
-    def embed(self, tokens_N: torch.Tensor) -> torch.Tensor:
-        return self.text.embed_tokens(tokens_N)
-
-    def logits(self, hidden_NC: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden states -> float32 logits."""
-        w = self.text.embed_tokens.weight if self.config.text.tie_embeddings else self.lm_head.weight
-        return F.linear(hidden_NC, w).float()
+        super().__init__(config, TextModel(config.text))

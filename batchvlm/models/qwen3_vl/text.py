@@ -13,23 +13,17 @@ layer). Other forwards (prompts, decode steps) carry no DeepStack input.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..qwen_vl.rotary import apply_rotary, inverse_frequencies, mrope_axes, text_cos_sin
+from ..qwen_vl.vision import DeepStack
 from .config import TextConfig
-from .rotary import apply_rotary, inverse_frequencies, mrope_axes, text_cos_sin
 
 # (layer, q [N, H, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, H, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class DeepStack:
-    rows: torch.Tensor  # [M] long: flat rows of the forward that are image tokens
-    features: list[torch.Tensor]  # [M, C] per text layer 0, 1, ...
 
 
 class RMSNorm(nn.Module):

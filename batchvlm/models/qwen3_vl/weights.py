@@ -1,4 +1,4 @@
-"""Building the Qwen3-VL module tree and filling it from the checkpoint's safetensors."""
+"""Reading the Qwen3-VL config and building its module tree (weights: qwen_vl/weights.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,14 @@ from pathlib import Path
 import torch
 
 from ..family import ModelLoadError
-from ..hub import load_strict, read_json
-from .config import ConfigError, Qwen3VLConfig
+from ..hub import read_json
+from ..qwen_vl import weights
+from ..qwen_vl.config import ConfigError
+from ..qwen_vl.weights import load_weights
+from .config import Qwen3VLConfig
 from .model import Qwen3VLModel
+
+__all__ = ["build_model", "load_weights", "read_config"]
 
 
 def read_config(folder: Path) -> Qwen3VLConfig:
@@ -19,18 +24,5 @@ def read_config(folder: Path) -> Qwen3VLConfig:
         raise ModelLoadError(f"{folder / 'config.json'}: {e}") from e
 
 
-def load_weights(model: Qwen3VLModel, files: list[Path]) -> None:
-    """Strict: every parameter present with its exact shape, nothing extra. A tied checkpoint may
-    still store the output head (a copy of the embeddings); it is not used."""
-    tied = model.config.text.tie_embeddings
-    load_strict(dict(model.named_parameters()), files,
-                lambda key: None if tied and key == "lm_head.weight" else key)
-
-
 def build_model(config: Qwen3VLConfig, lut: torch.Tensor, device: torch.device, dtype: torch.dtype) -> Qwen3VLModel:
-    """Allocate without initializing (weights are loaded next)."""
-    with torch.device("meta"):
-        model = Qwen3VLModel(config)
-    model = model.to_empty(device=device).to(dtype)
-    model.reset_buffers(lut)
-    return model.eval().requires_grad_(False)
+    return weights.build_model(Qwen3VLModel, config, lut, device, dtype)

@@ -1,9 +1,12 @@
 """Generated tokens -> the typed values of one image's task columns.
 
-Captions and answers are decoded without special tokens. Detect / point text is decoded with
-them (Florence-2's <loc_N> and PaliGemma's <locNNNN> may be special tokens) and handed to the
-model's grounding parser. That text is always returned as `<name>_raw` too; the Parquet schema
-has the column (and keeps the value) only with output.raw_text.
+Captions, answers and OCR text are read by models/qwen_prompts.py's rule (decoded without special
+tokens, stripped), as the native families read them; so is the JSON of the Qwen grounding formats.
+Florence-2's region captions are read with their phrases (models/grounding.py). Other detect /
+point text is decoded with special tokens (Florence-2's <loc_N> and PaliGemma's <locNNNN> may be
+special tokens). The text goes to the model's grounding parser and is always returned as
+`<name>_raw` too; the Parquet schema has the column (and keeps the value) only with
+output.raw_text.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from typing import Any
 
 from ...tasks import (Task, args_of, box_values, choice_values, column_of, kind_of, point_values, raw_column,
                       scores_column, truncated_column)
+from ..grounding import florence2_regions
+from ..qwen_prompts import answer_text
 from .architectures import GroundingFormat
 from .generation import Generated
 from .prompts import Prompt
@@ -22,6 +27,12 @@ def _objects(kind: str, fmt: GroundingFormat, text: str, seen: tuple[int, int] |
     if fmt.absolute:
         return parse(text, *seen) if seen else []  # no size, no scale: nothing can be read
     return parse(text)
+
+
+def _text(tokenizer, tokens: tuple[int, ...], fmt: GroundingFormat | None) -> str:
+    if fmt is not None and fmt.special_tokens:
+        return tokenizer.decode(list(tokens), skip_special_tokens=False)
+    return answer_text(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), tokens)
 
 
 def column_values(tasks: list[Task], prompts: list[Prompt], raws: list[Generated], tokenizer,
@@ -35,12 +46,20 @@ def column_values(tasks: list[Task], prompts: list[Prompt], raws: list[Generated
         if kind == "classify":
             out[column_of(task)], out[scores_column(task)] = choice_values(args_of(task).choices, list(mine[0][1].scores))
             continue
-        if kind in ("caption", "query", "json"):
+        if kind == "json":  # compact JSON as the grammar wrote it
             out[column_of(task)] = tokenizer.decode(list(mine[0][1].tokens), skip_special_tokens=True).strip()
+        elif kind in ("caption", "query", "ocr"):
+            out[column_of(task)] = _text(tokenizer, mine[0][1].tokens, None)
+        elif kind == "regions":  # Florence-2's: each box with its own phrase
+            p, r = mine[0]
+            regions = florence2_regions(tokenizer.decode(list(r.tokens), skip_special_tokens=False))
+            truncated |= len(regions) > p.max_objects
+            out[column_of(task)] = box_values([label for label, _ in regions[: p.max_objects]],
+                                              [[box] for _, box in regions[: p.max_objects]])
         else:
             texts, found = [], []
             for p, r in mine:
-                text = tokenizer.decode(list(r.tokens), skip_special_tokens=False)
+                text = _text(tokenizer, r.tokens, fmt)
                 objects = _objects(kind, fmt, text, r.seen)
                 truncated |= len(objects) > p.max_objects
                 texts.append({"label": p.label, "text": text})

@@ -1,9 +1,13 @@
 """Tasks in words: the text each task's sequences hand the processor, beside the image.
 
 Chat models get one user turn (the image, then the instruction) through the processor's own
-chat template, ending with the assistant header; PaliGemma gets its task prefixes ("caption
-en", "answer en ...", "detect ..."; the processor adds the image tokens, BOS and the newline);
-Florence-2 gets its task tokens (the processor turns them into its instructions).
+chat template, ending with the assistant header, rendered with qwen_prompts.TEMPLATE_VARIABLES
+where the template reads them (thinking off); their caption words and the Qwen grounding words
+are models/qwen_prompts.py's, the native Qwen families' table. PaliGemma gets its task prefixes
+("caption en", "answer en ...", "detect ..."; the processor adds the image tokens, BOS and the newline);
+Florence-2 gets its task tokens (models/florence2/prompts.py, shared with the native family; the
+processor turns them into its instructions). `ocr` is an instruction (PaliGemma: its "ocr" prefix);
+`regions` only Florence-2 can do.
 """
 
 from __future__ import annotations
@@ -12,12 +16,12 @@ from dataclasses import dataclass
 
 from ...tasks import Task, args_of, kind_of
 from ..family import FamilyError
+from ..florence2 import prompts as florence2
+from ..qwen_prompts import CAPTIONS, OCR, TEMPLATE_VARIABLES
 from .architectures import GroundingFormat, Style, supported_formats
 
-CHAT_CAPTIONS = {"short": "Describe this image in one sentence.", "normal": "Describe this image.",
-                 "long": "Describe this image in detail."}
+CHAT_CAPTIONS = CAPTIONS  # every chat model: the words the native Qwen families use
 PALIGEMMA_CAPTIONS = {"short": "caption en", "normal": "caption en", "long": "describe en"}
-FLORENCE2_CAPTIONS = {"short": "<CAPTION>", "normal": "<DETAILED_CAPTION>", "long": "<MORE_DETAILED_CAPTION>"}
 
 
 @dataclass(frozen=True)
@@ -26,18 +30,22 @@ class Prompt:
     label: str | None  # the object of a detect / point sequence
     text: str  # what the processor gets beside the image
     max_new_tokens: int
-    max_objects: int | None = None  # detect / point: objects kept, in the order the model wrote them
+    max_objects: int | None = None  # detect / point / regions: objects kept, in the order the model wrote them
     choices: tuple[tuple[int, ...], ...] = ()  # classify: each choice's ids after `text`, then the end token
     schema: dict | None = None  # json: decoding is constrained to it
 
 
 def _words(kind: str, args, obj: str | None, style: Style, fmt: GroundingFormat | None) -> str:
+    if style == "florence2" and kind != "point":
+        return florence2.task_text(kind, args, obj)
     if kind == "caption":
-        return {"chat": CHAT_CAPTIONS, "paligemma": PALIGEMMA_CAPTIONS, "florence2": FLORENCE2_CAPTIONS}[style][args.length]
+        return {"chat": CHAT_CAPTIONS, "paligemma": PALIGEMMA_CAPTIONS}[style][args.length]
     if kind in ("query", "classify"):  # a classify prompt is the query's, so its answer is scored
         return f"answer en {args.question}" if style == "paligemma" else args.question
     if kind == "json":
         return args.prompt
+    if kind == "ocr":
+        return "ocr" if style == "paligemma" else OCR
     template = fmt.detect if kind == "detect" else fmt.point
     return template.format(object=obj)
 
@@ -49,6 +57,9 @@ def prompts_for(tasks: list[Task], style: Style, fmt: GroundingFormat | None, ch
     out = []
     for i, task in enumerate(tasks):
         kind, args = kind_of(task), args_of(task)
+        if kind == "regions" and style != "florence2":
+            raise FamilyError(f"tasks.{i}.regions: region captions are a Florence-2 task; model_type "
+                              f"{model_type!r} cannot do them")
         if kind in ("detect", "point") and (fmt is None or (kind == "point" and fmt.point is None)):
             known = f"its format, {fmt.name}, has no points" if fmt else "batchvlm knows no grounding format for it"
             raise FamilyError(f"tasks.{i}.{kind}: model_type {model_type!r} through the transformers backend "
@@ -66,7 +77,7 @@ def prompts_for(tasks: list[Task], style: Style, fmt: GroundingFormat | None, ch
             words = _words(kind, args, obj, style, fmt)
             text = chat_template(words) if style == "chat" else words
             out.append(Prompt(i, obj, text, budget or max_new_tokens,
-                              (args.max_objects or max_objects) if spatial else None,
+                              (args.max_objects or max_objects) if spatial or kind == "regions" else None,
                               schema=args.json_schema if kind == "json" else None))
     return out
 
@@ -77,9 +88,12 @@ def chat_renderer(processor):
     template = getattr(processor, "chat_template", None) or getattr(processor.tokenizer, "chat_template", None)
     if not template:
         return None
+    # Only what the template reads: transformers hands other keywords to the processor call.
+    switches = {k: v for k, v in TEMPLATE_VARIABLES.items() if k in template}
 
     def render(words: str) -> str:
         turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": words}]}]
-        return processor.apply_chat_template(turn, chat_template=template, add_generation_prompt=True, tokenize=False)
+        return processor.apply_chat_template(turn, chat_template=template, add_generation_prompt=True, tokenize=False,
+                                             **switches)
 
     return render

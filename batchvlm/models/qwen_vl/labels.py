@@ -1,6 +1,7 @@
 """Qwen3-VL's generated tokens -> one image's column values.
 
-Captions and answers are the decoded text (special tokens skipped, stripped). Detect / point
+Every answer is read by models/qwen_prompts.py's rule (special tokens skipped, stripped), as
+the transformers backend reads it. Captions and answers are that text. Detect / point
 answers are JSON text; models/grounding.py reads the boxes / points (0-1000, clamped, at most
 max_objects per object name, labelled with the name asked for) and the text itself becomes
 `<name>_raw` (written with output.raw_text). An answer counts as a parse failure unless it is
@@ -20,6 +21,7 @@ from ...tasks import (Task, box_values, choice_values, column_of, kind_of, point
 from ..decoding import RawOutput
 from ..family import PARSE_FAILURES, TaskSequence
 from ..grounding import qwen3_boxes, qwen3_points
+from ..qwen_prompts import answer_text
 
 _FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL)
 
@@ -46,9 +48,9 @@ def column_values(tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOut
             out[column_of(task)], out[scores_column(task)] = choice_values([s.label for s, _ in mine],
                                                                            [r.objects[0][0] for _, r in mine])
             continue
-        texts = [decode(r.tokens).strip() for _, r in mine]
+        texts = [answer_text(decode, r.tokens) for _, r in mine]
         cut = any(r.hit_limit(s.spec) for s, r in mine)  # the token limit ended an answer
-        if kind in ("caption", "query"):
+        if kind in ("caption", "query", "ocr"):
             out[column_of(task)], out[truncated_column(task)] = texts[0], cut
             continue
         parse, values, key, n = ((qwen3_points, point_values, "point_2d", 2) if kind == "point"

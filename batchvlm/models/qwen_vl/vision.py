@@ -27,6 +27,14 @@ from .rotary import apply_rotary, inverse_frequencies, vision_cos_sin
 
 
 @dataclass
+class DeepStack:
+    """DeepStack features in a text forward: added to the image-token rows after text layers 0, 1, ..."""
+
+    rows: torch.Tensor  # [M] long: flat rows of the forward that are image tokens
+    features: list[torch.Tensor]  # [M, C] per text layer 0, 1, ...
+
+
+@dataclass
 class VisionOutput:
     features_TC: torch.Tensor  # [sum of image tokens, text dim], images concatenated in order
     deepstack: list[torch.Tensor]  # one [sum of image tokens, text dim] per deepstack layer

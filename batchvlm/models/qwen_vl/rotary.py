@@ -4,7 +4,8 @@ Vision (2-D): a patch at (row, col) gets angles row * f_i in the first quarter o
 frequencies and col * f_i in the second, f_i = theta^(-4i / head_dim), i < head_dim / 4.
 
 Text (interleaved multimodal): a token has three positions (t, h, w); text tokens have
-t = h = w. Frequency j of the head_dim / 2 frequencies is driven by
+t = h = w. Frequency j of the R / 2 frequencies (R: the rotated dims, the whole head or, with
+Qwen3.5's partial rotary, its first part) is driven by
     h  if j % 3 == 1 and j < 3 * mrope_section[1]
     w  if j % 3 == 2 and j < 3 * mrope_section[2]
     t  otherwise,
@@ -16,12 +17,14 @@ from __future__ import annotations
 import torch
 
 
-def apply_rotary(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, computed in float32, returned in x's dtype."""
-    x = x_NHD.float()
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos_ND[:, None] + rotated * sin_ND[:, None]).to(x_NHD.dtype)
+def apply_rotary(x_NHD: torch.Tensor, cos_NR: torch.Tensor, sin_NR: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin over the first R dims of each head (R = head dim, or less
+    for partial rotary: the rest passes unrotated), computed in float32, returned in x's dtype."""
+    R = cos_NR.shape[-1]
+    x = x_NHD[..., :R].float()
+    rotated = torch.cat([-x[..., R // 2 :], x[..., : R // 2]], dim=-1)
+    out = (x * cos_NR[:, None] + rotated * sin_NR[:, None]).to(x_NHD.dtype)
+    return out if R == x_NHD.shape[-1] else torch.cat([out, x_NHD[..., R:]], dim=-1)
 
 
 def inverse_frequencies(dim: int, theta: float) -> torch.Tensor:
@@ -29,9 +32,9 @@ def inverse_frequencies(dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
 
 
-def mrope_axes(head_dim: int, section: tuple[int, int, int]) -> torch.Tensor:
-    """[head_dim / 2] long: which of (t, h, w) drives each frequency (see the module docstring)."""
-    j = torch.arange(head_dim // 2)
+def mrope_axes(rotary_dim: int, section: tuple[int, int, int]) -> torch.Tensor:
+    """[rotary_dim / 2] long: which of (t, h, w) drives each frequency (see the module docstring)."""
+    j = torch.arange(rotary_dim // 2)
     axes = torch.zeros_like(j)
     axes[(j % 3 == 1) & (j < 3 * section[1])] = 1
     axes[(j % 3 == 2) & (j < 3 * section[2])] = 2
@@ -40,8 +43,8 @@ def mrope_axes(head_dim: int, section: tuple[int, int, int]) -> torch.Tensor:
 
 def text_cos_sin(positions_3N: torch.Tensor, inv_freq: torch.Tensor, axes: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions [3, N] (t, h, w) -> cos, sin [N, head_dim] (float32)."""
-    pos_NF = positions_3N.float().t()[:, axes]  # [N, head_dim / 2]: each frequency's own axis
+    """Positions [3, N] (t, h, w) -> cos, sin [N, rotary_dim] (float32)."""
+    pos_NF = positions_3N.float().t()[:, axes]  # [N, rotary_dim / 2]: each frequency's own axis
     angles = pos_NF * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()

@@ -1,0 +1,175 @@
+"""DaViT, Florence-2's vision tower, and the projector that turns its last stage into image tokens.
+
+A stage is a strided conv (LayerNorm before it, or after it for the first stage) then blocks of
+two halves: a spatial half (depthwise conv, window self-attention over window x window cells,
+depthwise conv, MLP) and a channel half (the same with attention between channel groups, each
+channel attending over all cells). Every sub-layer is pre-norm with a residual; the depthwise
+convs are residual too. Parameter names are the checkpoint's (`model.vision_tower.*`,
+`model.multi_modal_projector.*`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import VisionConfig
+
+
+class ConvEmbed(nn.Module):
+    def __init__(self, c: VisionConfig, stage: int):
+        super().__init__()
+        cin = c.in_channels if stage == 0 else c.dims[stage - 1]
+        self.pre_norm = c.patch_prenorm[stage]
+        self.conv = nn.Conv2d(cin, c.dims[stage], c.patch_size[stage], c.patch_stride[stage], c.patch_padding[stage])
+        self.norm = nn.LayerNorm(cin if self.pre_norm else c.dims[stage])
+
+    def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
+        if self.pre_norm:
+            x_BCHW = self.norm(x_BCHW.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        x_BCHW = self.conv(x_BCHW)
+        if not self.pre_norm:
+            x_BCHW = self.norm(x_BCHW.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return x_BCHW
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, ratio: float):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, int(dim * ratio))
+        self.fc2 = nn.Linear(int(dim * ratio), dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class WindowAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, window: int, bias: bool):
+        super().__init__()
+        self.heads, self.window = heads, window
+        self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x_BHWC: torch.Tensor) -> torch.Tensor:
+        B, H, W, C = x_BHWC.shape
+        w = self.window
+        # pad right / bottom to whole windows; padded cells are keys too (zeros), as upstream
+        x = F.pad(x_BHWC, (0, 0, 0, (w - W % w) % w, 0, (w - H % w) % w))
+        Hp, Wp = x.shape[1], x.shape[2]
+        win_NTC = x.view(B, Hp // w, w, Wp // w, w, C).permute(0, 1, 3, 2, 4, 5).reshape(-1, w * w, C)
+        N, T = win_NTC.shape[:2]
+        q, k, v = self.qkv(win_NTC).view(N, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        out_NTC = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(N, T, C)
+        out = self.proj(out_NTC).view(B, Hp // w, Wp // w, w, w, C).permute(0, 1, 3, 2, 4, 5)
+        return out.reshape(B, Hp, Wp, C)[:, :H, :W].reshape(B, H * W, C)
+
+
+class ChannelAttention(nn.Module):
+    def __init__(self, dim: int, groups: int, bias: bool):
+        super().__init__()
+        self.groups = groups
+        self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        B, T, C = x_BTC.shape
+        # [3, B, groups, C / groups, T]: each channel is a query over the T cells
+        q, k, v = self.qkv(x_BTC).view(B, T, 3, self.groups, C // self.groups).permute(2, 0, 3, 4, 1)
+        out = F.scaled_dot_product_attention(q, k, v, scale=T**-0.5)  # [B, groups, C / groups, T]
+        return self.proj(out.permute(0, 3, 1, 2).reshape(B, T, C))
+
+
+class HalfBlock(nn.Module):
+    """conv1 + attention, conv2 + MLP; `spatial` picks window or channel attention."""
+
+    def __init__(self, c: VisionConfig, stage: int, spatial: bool):
+        super().__init__()
+        dim = c.dims[stage]
+        self.conv1 = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+        self.norm1 = nn.LayerNorm(dim)
+        attn = (WindowAttention(dim, c.heads[stage], c.window, c.qkv_bias) if spatial
+                else ChannelAttention(dim, c.groups[stage], c.qkv_bias))
+        self.spatial = spatial
+        setattr(self, "window_attn" if spatial else "channel_attn", attn)
+        self.conv2 = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.ffn = MLP(dim, c.mlp_ratio)
+
+    def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
+        B, C, H, W = x_BCHW.shape
+        x_BTC = (self.conv1(x_BCHW) + x_BCHW).flatten(2).transpose(1, 2)
+        h = self.norm1(x_BTC)
+        h = self.window_attn(h.view(B, H, W, C)) if self.spatial else self.channel_attn(h)
+        x_BCHW = (x_BTC + h).transpose(1, 2).reshape(B, C, H, W)
+        x_BTC = (self.conv2(x_BCHW) + x_BCHW).flatten(2).transpose(1, 2)
+        x_BTC = x_BTC + self.ffn(self.norm2(x_BTC))
+        return x_BTC.transpose(1, 2).reshape(B, C, H, W)
+
+
+class Block(nn.Module):
+    def __init__(self, c: VisionConfig, stage: int):
+        super().__init__()
+        self.spatial_block = HalfBlock(c, stage, spatial=True)
+        self.channel_block = HalfBlock(c, stage, spatial=False)
+
+    def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
+        return self.channel_block(self.spatial_block(x_BCHW))
+
+
+class DaViT(nn.Module):
+    def __init__(self, c: VisionConfig):
+        super().__init__()
+        self.convs = nn.ModuleList(ConvEmbed(c, s) for s in range(len(c.dims)))
+        self.blocks = nn.ModuleList(nn.ModuleList(Block(c, s) for _ in range(c.depths[s])) for s in range(len(c.dims)))
+
+    def forward(self, pixels_BCHW: torch.Tensor) -> torch.Tensor:
+        x = pixels_BCHW
+        for conv, stage in zip(self.convs, self.blocks):
+            x = conv(x)
+            for block in stage:
+                x = block(x)
+        return x  # [B, C, H / stride, W / stride]
+
+
+class PositionEmbed2D(nn.Module):
+    def __init__(self, c: VisionConfig):
+        super().__init__()
+        dim = c.dims[-1]
+        self.row_embeddings = nn.Embedding(c.max_positions, dim // 2)
+        self.column_embeddings = nn.Embedding(c.max_positions, dim - dim // 2)
+
+    def forward(self, H: int, W: int) -> torch.Tensor:
+        """[H * W, C]: a cell's column embedding, then its row embedding."""
+        dev = self.row_embeddings.weight.device
+        col_WC = self.column_embeddings(torch.arange(W, device=dev))
+        row_HC = self.row_embeddings(torch.arange(H, device=dev))
+        return torch.cat([col_WC[None].expand(H, -1, -1), row_HC[:, None].expand(-1, W, -1)], dim=-1).reshape(H * W, -1)
+
+
+class TemporalEmbed(nn.Module):
+    """The checkpoint's sinusoid table; one frame per image, so only row 0 is read."""
+
+    def __init__(self, c: VisionConfig):
+        super().__init__()
+        self.pos_idx_to_embed = nn.Parameter(torch.empty(c.max_temporal, c.dims[-1]), requires_grad=False)
+
+
+class Projector(nn.Module):
+    """Last DaViT stage [B, C, H, W] -> image tokens [B, 1 + H * W, text width]: cells plus 2-D
+    position and frame-0 temporal embeddings; token 0 is their mean over the cells (spatial
+    pooling), tokens 1.. the cells themselves (temporal pooling over the single frame)."""
+
+    def __init__(self, c: VisionConfig):
+        super().__init__()
+        self.image_projection = nn.Linear(c.dims[-1], c.projection_dim, bias=False)
+        self.image_proj_norm = nn.LayerNorm(c.projection_dim)
+        self.image_position_embed = PositionEmbed2D(c)
+        self.visual_temporal_embed = TemporalEmbed(c)
+
+    def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
+        B, C, H, W = x_BCHW.shape
+        x_BTC = x_BCHW.flatten(2).transpose(1, 2) + self.image_position_embed(H, W)
+        x_BTC = x_BTC + self.visual_temporal_embed.pos_idx_to_embed[0]
+        tokens_BTC = torch.cat([x_BTC.mean(dim=1, keepdim=True), x_BTC], dim=1)
+        return self.image_proj_norm(self.image_projection(tokens_BTC))

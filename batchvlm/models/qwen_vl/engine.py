@@ -1,0 +1,103 @@
+"""The device side both native Qwen families share: vision stage, image prefix inputs,
+embeddings and text decoding. A family adds its state kinds and its forward.
+
+Image prefix of an image (positions.py): [template head][gh * gw image tokens][vision_end],
+causal like the rest of the sequence, with 3-D rotary positions; a sequence's own tokens get
+1-D positions from the image's `next_pos` on. DeepStack features (Qwen3-VL) ride along with the
+prefix inputs (`PrefixInputs.extras`) and are added to the image-token rows of the flat batch
+(the prefixes come first in it) after the first text layers; decode steps and prompts never
+carry them. A tower without DeepStack (Qwen3.5) passes no extras.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..decoding import Decision, PromptRows, RowState, choice_scores, decide_text, emit_text, with_scores
+from ..family import ModelInfo, PrefixInputs
+from .model import QwenVLModel
+from .positions import prefix_positions
+from .preprocess import PreparedImage, Preprocessor
+from .vision import DeepStack
+
+
+@dataclass
+class ImageFeatures:
+    """One image's vision output, held on the device until its prefix is prefilled."""
+
+    features_TC: torch.Tensor  # [gh * gw, C]
+    deepstack_KTC: torch.Tensor  # [n deepstack layers (maybe 0), gh * gw, C]
+    grid: tuple[int, int]
+
+
+class QwenVLEngineModel:
+    causal_prefix = True
+
+    def __init__(self, model: QwenVLModel, info: ModelInfo, head: list[int], stop_ids: list[int],
+                 pre: Preprocessor, end_id: int):
+        self.model, self.info = model, info
+        self.device, self.dtype = model.device, model.dtype
+        self.head = torch.tensor(head, dtype=torch.long, device=self.device)
+        self.vision_end = model.config.vision_end_id
+        self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
+        self.pre = pre
+        self.end_id = end_id  # classify: <|im_end|> ends a choice
+
+    def prefix_layout(self, image: PreparedImage, prompt: tuple[int, ...]) -> tuple[int, int]:
+        return image.prefix_len + len(prompt), image.next_pos + len(prompt)
+
+    def encode(self, images: list[PreparedImage]) -> list[ImageFeatures]:
+        out = self.model.visual([im.pixels.to(self.device, non_blocking=True) for im in images])
+        deepstack = torch.stack(out.deepstack) if out.deepstack else out.features_TC.new_zeros(0, *out.features_TC.shape)
+        feats, at = [], 0
+        for im, n in zip(images, out.tokens):
+            feats.append(ImageFeatures(out.features_TC[at : at + n], deepstack[:, at : at + n], im.grid))
+            at += n
+        return feats
+
+    def largest_vision_batch(self) -> list[PreparedImage]:
+        """A batch of the largest images, as many as fill one vision batch (cost 128)."""
+        side = self.pre.resized_size(10**5, 10**5)[0]
+        f = self.pre.factor
+        im = PreparedImage(torch.zeros(side, side, 3, dtype=torch.uint8), (side // f, side // f), len(self.head))
+        return [im] * max(1, -(-128 // im.cost))
+
+    def prefix_inputs(self, features: list[ImageFeatures], prompts: list[torch.Tensor]) -> PrefixInputs:
+        h = len(self.head)
+        head = self.model.embed(self.head)
+        end = self.model.embed(torch.tensor([self.vision_end], device=self.device))
+        embeds, positions, rows = [], [], []
+        at = 0
+        for f, prompt in zip(features, prompts):
+            n, p = f.features_TC.shape[0], prompt.shape[0]
+            embeds += [head, f.features_TC.to(head.dtype), end, self.model.embed(prompt)]
+            # a prefix prompt (classify's shared prompt) continues 1-D after vision_end
+            image_pos = prefix_positions(h, f.grid, self.device)
+            positions += [image_pos, image_pos[:, -1:] + 1 + torch.arange(p, device=self.device)]
+            rows.append(torch.arange(at + h, at + h + n, device=self.device))
+            at += h + n + 1 + p
+        deepstack = None
+        if self.model.config.vision.deepstack_layers:
+            deepstack = DeepStack(torch.cat(rows),
+                                  list(torch.cat([f.deepstack_KTC for f in features], dim=1).unbind(0)))
+        return PrefixInputs(torch.cat(embeds), torch.cat(positions, dim=1), deepstack)
+
+    def own_positions(self, pos_N: torch.Tensor) -> torch.Tensor:
+        return pos_N.expand(3, -1)
+
+    def embed_tokens(self, ids_N: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(ids_N)
+
+    def embed_inputs(self, kind_N: torch.Tensor, token_N: torch.Tensor, value_N2: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(token_N)  # every input is a token
+
+    emit = staticmethod(emit_text)
+
+    def decide(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
+               heads: tuple[torch.Tensor, ...] | None, prompt: PromptRows | None = None) -> Decision:
+        d = decide_text(self.model.logits(hidden_BC), state, self.stop_ids, sampling)
+        if prompt is None:
+            return d
+        return with_scores(d, state, choice_scores(self.model.logits, prompt, state, self.end_id))

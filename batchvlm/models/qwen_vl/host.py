@@ -1,0 +1,141 @@
+"""The host side both native Qwen families share (models/family.py): tokenizer, chat template,
+the sequences a task becomes (their words: models/qwen_prompts.py, shared with the transformers
+backend) and their columns.
+
+Every task is one user turn [image, text] in the checkpoint's chat template with the generation
+prompt; the image prefix (template head, image tokens, vision_end) is shared by every task on
+the image, and each sequence's prompt is the rest of the rendered turn. All sequences are plain
+text: boxes and points are parsed from the JSON the model writes (labels.py). A family adds its
+config (`open`) and its device side (`load`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ...tasks import args_of, kind_of
+from ..decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
+from ..family import FamilyError, ModelInfo, TaskSequence, check_kinds
+from ..hub import TokenizerAdapter
+from ..qwen_prompts import QWEN3
+from .chat import ChatTemplate, read_template, special_tokens
+from .config import ConfigError, VisionConfig
+from .labels import column_values
+from .preprocess import PixelSettings, Preprocessor
+
+if TYPE_CHECKING:
+    from ...job import EngineSpec
+    from ...tasks import Task
+
+KINDS = ("caption", "query", "point", "detect", "ocr")
+
+
+def stop_ids(folder: Path, tokenizer: TokenizerAdapter) -> list[int]:
+    """<|im_end|>, the tokenizer's eos_token and generation_config.json's eos_token_id."""
+    ids = {tokenizer.id_of("<|im_end|>")}
+    eos = special_tokens(folder).get("eos_token")
+    if eos:
+        ids.add(tokenizer.id_of(eos))
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(e if isinstance(e, list) else [e])
+    return sorted(i for i in ids if isinstance(i, int))
+
+
+def _token(tokenizer: TokenizerAdapter, id_: int) -> str:
+    token = tokenizer.token_of(id_)
+    if token is None:
+        raise ConfigError(f"token id {id_} is not in the tokenizer")
+    return token
+
+
+class QwenConfig(Protocol):
+    """What the host side reads of a family's config."""
+
+    vision: VisionConfig
+    image_token_id: int
+    vision_end_id: int
+
+    @property
+    def max_context(self) -> int: ...
+
+
+class QwenVLHost:
+    backend = "native"
+    name: str
+    title: str  # in messages: "Qwen3-VL"
+    kinds: tuple[str, ...] = KINDS  # the task kinds the family runs
+
+    def __init__(self, config: QwenConfig, settings: PixelSettings, tokenizer, folder: Path, model_name: str,
+                 revision: str | None, min_pixels: int | None = None, max_pixels: int | None = None):
+        self.config, self.folder, self.model_name, self.revision = config, folder, model_name, revision
+        self.settings = settings
+        self.tokenizer = TokenizerAdapter(tokenizer, skip_special=True)
+        self.template = ChatTemplate(read_template(folder), special_tokens(folder),
+                                     _token(self.tokenizer, config.image_token_id),
+                                     _token(self.tokenizer, config.vision_end_id))
+        self.head = self.tokenizer.encode(self.template.head())
+        self.stop_ids = stop_ids(folder, self.tokenizer)
+        self.pre = Preprocessor.create(config.vision, settings, len(self.head), min_pixels, max_pixels)
+        self.max_objects: dict[int, int] = {}  # task -> objects kept per name (set by sequences)
+
+    def preprocessor(self) -> Preprocessor:
+        return self.pre
+
+    def max_prefix_len(self) -> int:
+        return len(self.head) + self.pre.max_tokens() + 1
+
+    def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[TaskSequence]:
+        check_kinds(tasks, self.kinds, self.title)
+        seqs = []
+        for t, task in enumerate(tasks):
+            kind, a = kind_of(task), args_of(task)
+            if kind == "classify":
+                seqs += self._choices(t, a)
+                continue
+            if kind in ("caption", "query", "ocr"):
+                pairs = [(None, QWEN3.words(kind, a), a.max_new_tokens or engine.max_new_tokens)]
+            else:
+                self.max_objects[t] = a.max_objects or engine.max_objects
+                pairs = [(obj, QWEN3.words(kind, a, obj), engine.max_new_tokens) for obj in a.objects]
+            for label, text, limit in pairs:
+                prompt = tuple(self.tokenizer.encode(self.template.split(text)[1]))
+                seqs.append(TaskSequence(t, label, SeqSpec(MODE_TEXT, prompt, limit, engine.temperature,
+                                                           engine.top_p)))
+        P, n_ctx = self.max_prefix_len(), self.config.max_context
+        for s in seqs:
+            if P + len(s.spec.prompt) + s.spec.budget > n_ctx:
+                raise FamilyError(
+                    f"tasks.{s.task}: a {len(s.spec.prompt)}-token prompt and up to {s.spec.budget} generated tokens "
+                    f"after an image prefix of up to {P} tokens exceed the model's context of {n_ctx}; lower "
+                    "model.max_pixels or engine.max_new_tokens")
+        return seqs
+
+    def _choices(self, t: int, a) -> list[TaskSequence]:
+        """One sequence per choice: the query's prompt minus its last token is the shared prefix
+        prompt; own tokens are that last token and the choice's tokens encoded in context, all
+        scored, then <|im_end|> (models/family.py (c))."""
+        text = self.template.split(QWEN3.words("query", a))[1]
+        base = self.tokenizer.encode(text)
+        seqs: list[TaskSequence] = []
+        for c in a.choices:
+            full = self.tokenizer.encode(text + c)
+            if full[: len(base)] != base or len(full) == len(base):
+                raise FamilyError(f"tasks.{t}.classify.choices: {c!r} merges with the prompt's last token")
+            own = (base[-1], *full[len(base):])
+            for s in seqs:
+                if s.spec.prompt == own:
+                    raise FamilyError(f"tasks.{t}.classify.choices: {s.label!r} and {c!r} are the same tokens for "
+                                      "this model")
+            seqs.append(TaskSequence(t, c, SeqSpec(MODE_SCORE, own, len(own), prefix_prompt=tuple(base[:-1]))))
+        return seqs
+
+    def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput]) -> dict[str, Any]:
+        return column_values(tasks, seqs, raws, self.tokenizer.decode, self.max_objects)
+
+    def model_info(self, files_sha256: str, dtype: str, device: str) -> ModelInfo:
+        return ModelInfo(self.model_name, self.revision, str(self.folder), files_sha256, dtype, device, self.name,
+                         self.backend)

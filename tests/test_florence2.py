@@ -1,0 +1,216 @@
+"""Florence-2, native, against transformers' Florence2ForConditionalGeneration on two tiny random
+checkpoints built here: (a) two DaViT stages, one safetensors file; (b) three stages with windows
+that need padding, scaled embeddings, sharded safetensors, and a generation config that forces the
+first token and bans repeated trigrams. Float32, greedy (num_beams=1), batch-1 generate is the
+reference; pixel values must be equal, encoder output and logits within float32 tolerance, greedy
+tokens identical at every batch size, and the CLI must write the transformers backend's labels.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+from PIL import Image
+from pydantic import TypeAdapter
+
+from batchvlm.job import EngineSpec, ModelSpec
+from batchvlm.models import grounding
+from batchvlm.models.family import FamilyError, WorkItem
+from batchvlm.models.florence2 import prompts
+from batchvlm.models.registry import open_family
+from batchvlm.tasks import Task
+from tiny_vlms import florence2
+
+TASKS = [{"caption": {"length": "short"}}, {"query": {"question": "What is it?"}},
+         {"detect": {"objects": ["car", "dog"]}}, {"ocr": {}}, {"regions": {}}]
+TEXTS = ["<CAPTION>", "What is it?", "<OPEN_VOCABULARY_DETECTION>car", "<OPEN_VOCABULARY_DETECTION>dog", "<OCR>",
+         "<DENSE_REGION_CAPTION>"]  # what the processor gets for each sequence of TASKS
+NEW_TOKENS = 10
+
+
+def tf():
+    return pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    tf()
+    root = tmp_path_factory.mktemp("florence2")
+    b = florence2(root / "b", seed=1, side=88, shard="60KB",
+                  text=dict(d_model=48, encoder_attention_heads=4, decoder_attention_heads=4, decoder_layers=3,
+                            encoder_ffn_dim=96, decoder_ffn_dim=96, scale_embedding=True),
+                  vision=dict(depths=[1, 1, 1], patch_size=[7, 3, 3], patch_stride=[4, 2, 2], patch_padding=[3, 1, 1],
+                              patch_prenorm=[False, True, True], embed_dim=[16, 24, 32], num_heads=[1, 2, 2],
+                              num_groups=[1, 2, 4], window_size=3),
+                  generation=dict(no_repeat_ngram_size=3, forced_bos_token_id=256))
+    return {"a": florence2(root / "a"), "b": b}
+
+
+class Reference:
+    """transformers' model and processor for one checkpoint."""
+
+    def __init__(self, folder: Path):
+        from batchvlm.models.transformers_backend.processor import load_processor
+
+        self.model = tf().Florence2ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+        self.processor = load_processor(tf(), "florence2", folder)
+        self.eos = self.model.generation_config.eos_token_id
+
+    def inputs(self, image: Image.Image, text: str):
+        return self.processor(images=image, text=text, return_tensors="pt")
+
+    @torch.inference_mode()
+    def generate(self, image: Image.Image, text: str, budget: int = NEW_TOKENS) -> tuple[int, ...]:
+        ids = self.model.generate(**self.inputs(image, text), do_sample=False, num_beams=1, max_new_tokens=budget)
+        ids = ids[0, 1:].tolist()
+        return tuple(ids[: ids.index(self.eos)] if self.eos in ids else ids)
+
+
+@pytest.fixture(scope="module")
+def refs(checkpoints) -> dict[str, Reference]:
+    return {k: Reference(v) for k, v in checkpoints.items()}
+
+
+def random_images(n: int, seed: int = 0) -> list[Image.Image]:
+    """Images of varied sizes and aspect ratios (the resize to the square input is exercised)."""
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (int(rng.integers(20, 120)), int(rng.integers(20, 120)), 3),
+                                        dtype=np.uint8)) for _ in range(n)]
+
+
+def tasks_of(specs: list[dict]) -> list:
+    return [TypeAdapter(Task).validate_python(t) for t in specs]
+
+
+def test_prompts_are_the_processors(checkpoints, refs):
+    proc = refs["a"].processor
+    assert prompts.INSTRUCTIONS == proc.task_prompts_without_inputs
+    assert prompts.INSTRUCTIONS_WITH_INPUT == proc.task_prompts_with_input
+    family = open_family(ModelSpec(name=str(checkpoints["a"])))
+    assert (family.name, family.backend) == ("florence2", "native")
+    seqs = family.sequences(tasks_of(TASKS), EngineSpec())
+    image = random_images(1)[0]
+    for seq, text in zip(seqs, TEXTS, strict=True):
+        ids = refs["a"].inputs(image, text)["input_ids"][0].tolist()
+        assert ids[: family.image_tokens] == [family.config.image_token_id] * family.image_tokens
+        assert list(seq.spec.prefix_prompt) == ids[family.image_tokens:], text
+    with pytest.raises(FamilyError, match=r"^tasks\.1\.point: Florence-2 cannot do point tasks"):
+        family.sequences(tasks_of([{"caption": {}}, {"point": {"objects": ["a"]}}]), EngineSpec())
+    with pytest.raises(FamilyError, match=r"^tasks\.0\.ocr: Moondream cannot do ocr tasks"):
+        open_family(ModelSpec(name="demo")).sequences(tasks_of([{"ocr": {}}]), EngineSpec())
+    hf = open_family(ModelSpec(name=str(checkpoints["a"]), backend="transformers"))
+    assert [p.text for p in hf.sequences(tasks_of(TASKS), EngineSpec())] == TEXTS  # the one mapping
+
+
+def test_qwen3_vl_reads_text_by_prompt_and_refuses_regions(tmp_path):
+    from qwen3vl_fixture import write_checkpoint
+
+    family = open_family(ModelSpec(name=str(write_checkpoint(tmp_path / "q"))))
+    (seq,) = family.sequences(tasks_of([{"ocr": {}}]), EngineSpec())
+    assert family.tokenizer.decode(list(seq.spec.prompt)).startswith("Read all the text in the image.")
+    with pytest.raises(FamilyError, match=r"^tasks\.1\.regions: Qwen3-VL cannot do regions tasks"):
+        family.sequences(tasks_of([{"ocr": {}}, {"regions": {}}]), EngineSpec())
+
+
+@pytest.mark.parametrize("name", ["a", "b"])
+def test_pixels_encoder_and_logits_match_transformers(checkpoints, refs, name):
+    family = open_family(ModelSpec(name=str(checkpoints[name])))
+    model = family.load("float32", "cpu").model
+    ref, pre = refs[name], family.preprocessor()
+    with torch.inference_mode():
+        for image, text in zip(random_images(3, seed=7), ["<CAPTION>", "<DENSE_REGION_CAPTION>", "Is it red?"]):
+            enc = ref.inputs(image, text)
+            pixels = model.pixel_values(pre(image).pixels[None])
+            assert torch.equal(pixels, enc["pixel_values"])  # uint8 shipped, normalized on the device
+            tokens = model.image_tokens(pixels)
+            want_tokens = ref.model.model.get_image_features(enc["pixel_values"]).pooler_output
+            torch.testing.assert_close(tokens, want_tokens, rtol=1e-5, atol=1e-5)
+            prompt = enc["input_ids"][:, family.image_tokens:]
+            out = model.encode(tokens, prompt)
+            decoded = ref.model.generate(**enc, do_sample=False, num_beams=1, max_new_tokens=NEW_TOKENS)
+            want = ref.model(**enc, decoder_input_ids=decoded)
+            torch.testing.assert_close(out, want.encoder_last_hidden_state, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(model.dense_logits(decoded, out), want.logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name, n_images", [("a", 32), ("b", 8)])
+def test_greedy_tokens_equal_batch_1_generate_at_every_batch_size(checkpoints, refs, name, n_images):
+    family = open_family(ModelSpec(name=str(checkpoints[name])))
+    loaded = family.load("float32", "cpu")
+    tasks = tasks_of(TASKS)
+    images = random_images(n_images, seed=3)
+    want = [[refs[name].generate(im, text) for text in TEXTS] for im in images]
+    pre = family.preprocessor()
+    items = [WorkItem(i, pre(im), f"k{i}") for i, im in enumerate(images)]
+    for batch in (1, 5, 32):
+        engine = EngineSpec(max_new_tokens=NEW_TOKENS, max_batch_size=batch * len(TEXTS))
+        labeler = loaded.labeler(family.sequences(tasks, engine), engine)
+        got = dict(labeler.label(items))
+        for i in range(n_images):
+            assert [r.tokens for r in got[i]] == list(want[i]), (batch, i)
+        # one vision pass per image and one encoder pass per (image, prompt), whatever the tasks
+        assert labeler.stats["images_encoded"] == n_images
+        assert labeler.stats["prompts_encoded"] == n_images * len(TEXTS)
+    assert len({w for ws in want for w in ws}) > len(TEXTS)  # answers differ by image: the image matters
+
+
+def test_loc_parsing_matches_the_processor(refs):
+    proc = refs["a"].processor
+    proc.post_processor.parse_task_config = {k: {} for k in ("pure_text", "description_with_bboxes",
+                                                             "description_with_polygons",
+                                                             "description_with_bboxes_or_polygons")}
+    rng = random.Random(0)
+    pieces = ["car", " a red car", "door ", "\u00e9", "<loc>", "<loc>", "<loc>", "<loc>", "<loc>", "<poly>", "</poly>",
+              "<sep>", "<s>", "</s>", " ", "<od>"]
+    size, seen = 10_000, 0
+    for _ in range(1500):
+        text = "".join(p.replace("<loc>", f"<loc_{rng.randrange(1000)}>") for p in rng.choices(pieces, k=rng.randrange(24)))
+        regions = proc.post_process_generation(text, task="<DENSE_REGION_CAPTION>", image_size=(size, size))
+        regions = regions["<DENSE_REGION_CAPTION>"]
+        got = [(label, [round(v * size) for v in box]) for label, box in grounding.florence2_regions(text)]
+        assert got == [(label, [min(b[0], b[2]), min(b[1], b[3]), max(b[0], b[2]), max(b[1], b[3])])
+                       for label, b in zip(regions["labels"], regions["bboxes"])], text
+        detect = proc.post_process_generation(text, task="<OPEN_VOCABULARY_DETECTION>", image_size=(size, size))
+        detect = detect["<OPEN_VOCABULARY_DETECTION>"]
+        want = [[min(b[0], b[2]), min(b[1], b[3]), max(b[0], b[2]), max(b[1], b[3])] for b in detect["bboxes"]]
+        for polygons in detect["polygons"]:
+            xy = [c for polygon in polygons for c in polygon]
+            if xy:
+                want.append([min(xy[0::2]), min(xy[1::2]), max(xy[0::2]), max(xy[1::2])])
+        assert [[round(v * size) for v in box] for box in grounding.florence2_boxes(text)] == want, text
+        seen += bool(want) + bool(got)
+    assert seen > 200  # the texts above hold enough objects to compare
+
+
+def test_cli_native_labels_equal_the_transformers_backend(tmp_path, checkpoints):
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i, im in enumerate(random_images(3, seed=11)):
+        im.save(folder / f"im{i}.png")
+    tables = {}
+    for backend in ("auto", "transformers"):
+        job = {"name": "f2", "input": {"folder": "imgs"}, "model": {"name": str(checkpoints["b"]), "backend": backend},
+               "tasks": TASKS, "engine": {"max_new_tokens": NEW_TOKENS, "max_batch_size": 12},
+               "loader": {"workers": 0}, "output": {"dir": f"out-{backend}", "raw_text": True}}
+        (tmp_path / f"{backend}.yaml").write_text(yaml.safe_dump(job))
+        r = subprocess.run([sys.executable, "-m", "batchvlm.cli", "run", str(tmp_path / f"{backend}.yaml")],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        table = pq.read_table(tmp_path / f"out-{backend}")
+        meta = json.loads(table.schema.metadata[b"batchvlm"])
+        assert (meta["model"]["family"], meta["model"]["backend"]) == (
+            ("florence2", "native") if backend == "auto" else ("florence2", "transformers"))
+        tables[backend] = sorted(table.drop_columns(["source"]).to_pylist(), key=lambda row: row["key"])
+    native, hf = tables["auto"], tables["transformers"]
+    assert [row["status"] for row in native] == ["ok"] * 3
+    assert native == hf
+    assert any(row["regions"] or row["detect"] for row in native)  # boxes were written and compared

@@ -1,0 +1,100 @@
+"""Qwen3.5 through batchvlm's engine and CLI: greedy tokens identical to transformers' batch-1
+`generate` for all four tasks, at engine batch sizes 1, 7 and 64, pipelined and synchronous; the
+linear-attention state each task forks from its image prefix is exact."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+from qwen35_fixture import write_checkpoint
+from test_pipeline import cli
+from test_qwen3vl_engine import MAX_NEW, TASKS, images, prepared, reference_tokens
+
+from batchvlm.engine.engine import Engine
+from batchvlm.job import EngineSpec, ModelSpec
+from batchvlm.models.family import WorkItem
+from batchvlm.models.registry import open_family
+from batchvlm.tasks import CaptionTask, QueryTask
+
+pytest.importorskip("transformers")
+
+DETECT = 'Locate every instance that belongs to the following categories: "{}". Report bbox coordinates in JSON format.'
+PROMPTS = ["Describe this image in one sentence.", "What colour is the sky?", DETECT.format("cat"),
+           DETECT.format("red car"), "Locate every dog in this image with points. Output the point coordinates in JSON format."]
+N_IMAGES = 3  # small: batch-1 generate as the reference, and 2 cores for the whole suite
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    folder = write_checkpoint(tmp_path_factory.mktemp("qwen35"), seed=2, likely_stops=True)
+    family = open_family(ModelSpec(name=str(folder)))  # backend auto: the native family
+    ims = images()[:N_IMAGES]
+    return dict(folder=folder, family=family, model=family.load("float32", "cpu"), images=ims,
+                seqs=family.sequences(TASKS, EngineSpec(max_new_tokens=MAX_NEW)),
+                expected=reference_tokens(folder, ims, PROMPTS, "Qwen3_5ForConditionalGeneration",
+                                          {"enable_thinking": False}, rows_per_call=1))
+
+
+def run(setup, seqs, batch: int, pipelined: bool, n_images: int) -> list[list[list[int]]]:
+    engine = Engine(setup["model"], seqs, EngineSpec(max_new_tokens=MAX_NEW, max_batch_size=batch,
+                                                     pipelined=pipelined), setup["family"].max_prefix_len())
+    done = {im.ticket: [s.output.tokens for s in im.seqs]
+            for im in engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared(setup)[:n_images]))}
+    assert engine.scheduler.blocks.used == 0
+    return [done[i] for i in range(n_images)]
+
+
+@pytest.mark.parametrize("batch,pipelined,n_images", [(1, False, 1), (1, True, 1), (7, True, N_IMAGES),
+                                                     (7, False, N_IMAGES), (64, True, N_IMAGES),
+                                                     (64, False, N_IMAGES)])
+def test_engine_tokens_equal_transformers(setup, batch, pipelined, n_images):
+    assert setup["family"].name == "qwen3_5" and setup["family"].backend == "native"
+    assert run(setup, setup["seqs"], batch, pipelined, n_images) == setup["expected"][:n_images]
+
+
+def test_some_sequences_stop_by_themselves(setup):
+    lengths = [len(t) for per_image in setup["expected"] for t in per_image]
+    assert min(lengths) < MAX_NEW == max(lengths), lengths  # both stop paths are exercised
+
+
+@pytest.mark.parametrize("batch,n_images", [(1, 1), (64, N_IMAGES)])
+def test_forked_state_is_exact(setup, batch, n_images):
+    """A query that forks its image prefix's state beside a caption gets the same answer as the
+    query alone (which forks it alone)."""
+    query = QueryTask(query={"question": "What is in the picture?"})
+    spec = EngineSpec(max_new_tokens=MAX_NEW)
+    both = run(setup, setup["family"].sequences([CaptionTask(caption={"length": "short"}), query], spec), batch,
+               True, n_images)
+    alone = run(setup, setup["family"].sequences([query], spec), batch, True, n_images)
+    assert [b[1] for b in both] == [a[0] for a in alone]
+    assert any(b[0] != b[1] for b in both)  # two different answers were decoded side by side
+
+
+def test_cli_on_a_sharded_hub_folder(setup, tmp_path):
+    import yaml
+
+    assert len(list(setup["folder"].glob("*.safetensors"))) > 1
+    src = tmp_path / "images"
+    src.mkdir()
+    for i, im in enumerate(setup["images"]):
+        im.save(src / f"im{i}.png")
+    job = {"name": "qwen35", "input": {"folder": str(src)}, "model": {"name": str(setup["folder"])},
+           "tasks": [t.model_dump() for t in TASKS], "engine": {"max_new_tokens": MAX_NEW, "max_batch_size": 7},
+           "loader": {"workers": 1}, "output": {"dir": str(tmp_path / "out"), "raw_text": True}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    cli("run", tmp_path / "job.yaml")
+    (path,) = (tmp_path / "out").glob("*.parquet")
+    rows = {r["key"]: r for r in pq.read_table(path).to_pylist()}
+    tok = setup["family"].tokenizer
+    for i, expected in enumerate(setup["expected"]):
+        row = rows[f"im{i}.png"]
+        texts = [tok.decode(t).strip() for t in expected]
+        assert row["status"] == "ok"
+        assert row["caption"] == texts[0] and row["query"] == texts[1]
+        assert row["caption_truncated"] == (len(expected[0]) == MAX_NEW)
+        assert row["detect_raw"] == [{"label": "cat", "text": texts[2]}, {"label": "red car", "text": texts[3]}]
+        assert row["point_raw"] == [{"label": "dog", "text": texts[4]}]
+    meta = json.loads(pq.read_schema(path).metadata[b"batchvlm"])
+    assert meta["model"]["family"] == "qwen3_5" and meta["model"]["backend"] == "native"
