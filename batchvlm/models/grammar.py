@@ -122,7 +122,7 @@ class JsonGrammar:
 class RowGrammars:
     """Host-side grammar state of the engine's rows: each row holds a matcher or nothing (free).
 
-    Only the host thread that computes masks touches it (engine/masks.py), in step order:
+    Only one thread touches it, in step order:
     `advance` with the tokens a step emitted, then `fill` for the next step's rows.
     """
 

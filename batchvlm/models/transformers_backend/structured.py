@@ -10,7 +10,7 @@ comes after every scored position, so it changes nothing.
 
 json: a `LogitsProcessor` holds one grammar matcher per row (models/grammar.py); `generate` calls
 it synchronously, so here the mask of step k is computed after forward k (the native engine
-overlaps the two: engine/masks.py).
+could overlap the two; it runs no json yet).
 """
 
 from __future__ import annotations
