@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 
 from . import __version__
-from .data.shardlist import plan
+from .output.shardlist import plan
 from .data.sources import ShardRef, SourceError, check_first_parquet, list_files
 from .job import Job, JobError, load_job
 from .models.family import FamilyError, ModelLoadError

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .tasks import Strict, Task, column_of, raw_column, truncated_column
+from .tasks import Strict, Task, label_columns
 
 RESERVED_COLUMNS = {"key", "source", "width", "height", "status", "error"}
 
@@ -194,32 +194,19 @@ class Job(Strict):
     output: OutputSpec
     runtime: RuntimeSpec = RuntimeSpec()
 
-    @field_validator("tasks")
-    @classmethod
-    def _unique_columns(cls, tasks: list[Task], info: ValidationInfo) -> list[Task]:
-        inp = info.data.get("input")  # validated before the tasks (field order); absent if invalid
-        kept = set(inp.keep) if inp else set()
-        seen = set()
-        for t in tasks:
-            col = column_of(t)
-            if col in RESERVED_COLUMNS:
-                raise ValueError(f"task name {col!r} is a reserved column")
-            if clash := kept.intersection((col, truncated_column(t))):
-                raise ValueError(f"column {clash.pop()!r} is also in input.keep; give the task a distinct name")
-            if col in seen:
-                raise ValueError(f"two tasks write column {col!r}; give one a distinct name")
-            seen.add(col)
-        return tasks
-
     @model_validator(mode="after")
-    def _raw_columns_free(self) -> Job:
-        if self.output.raw_text:
-            names = {column_of(t) for t in self.tasks}
-            for i, t in enumerate(self.tasks):
-                raw = raw_column(t)
-                if raw in names or raw in RESERVED_COLUMNS:
-                    raise ValueError(f"tasks.{i}: output.raw_text adds column {raw!r}, which another task or the "
-                                     "row already writes; rename one")
+    def _columns_distinct(self) -> Job:
+        """Every output column has one writer: the row's own, the tasks', `input.keep`'s."""
+        owner = {c: "a column every row has" for c in RESERVED_COLUMNS}
+        described = {"label": "column", "raw": "raw text column (output.raw_text)", "truncated": "truncation flag"}
+        for col, i, what in label_columns(self.tasks, self.output.raw_text):
+            if col in owner:
+                raise ValueError(f"tasks.{i}: its {described[what]} {col!r} is also {owner[col]}; give the task a "
+                                 "distinct name")
+            owner[col] = f"the {described[what]} of tasks.{i}"
+        for col in self.input.keep:
+            if col in owner:
+                raise ValueError(f"input.keep: column {col!r} is also {owner[col]}; rename the task or leave the column out")
         return self
 
     def label_settings(self) -> dict[str, Any]:
@@ -227,7 +214,8 @@ class Job(Strict):
         be resolved for the device first (run.py): `auto` means different precisions."""
         e = self.engine
         return {
-            "model": self.model.model_dump(exclude={"device", "family"}),  # the weights hash pins the family
+            # the weights hash pins the family; a local folder is named by its real path
+            "model": self.model.model_dump(exclude={"device", "family"}) | {"name": model_path(self.model.name)},
             "tasks": [t.model_dump() for t in self.tasks],
             "engine": {k: getattr(e, k) for k in ("max_new_tokens", "max_objects", "temperature", "top_p", "seed")},
             # which image a row holds, and the pixels the model sees
@@ -238,6 +226,13 @@ class Job(Strict):
 
     def label_fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(self.label_settings(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def model_path(name: str) -> str:
+    """`model.name` as it is compared between runs: a local folder by its real path (`./m` and
+    `/abs/m` are one model), anything else (demo, a hub repo id) as written."""
+    path = Path(name).expanduser()
+    return os.path.realpath(path) if name != "demo" and path.is_dir() else name
 
 
 def _resolve(base: Path, p: str) -> str:

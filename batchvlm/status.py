@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .data.shardlist import plan
+from .output.shardlist import plan
 from .data.sources import SourceError
 from .job import Job
 from .output.layout import Layout

@@ -87,6 +87,19 @@ def raw_column(task: Task) -> str | None:
     return f"{column_of(task)}_raw" if kind_of(task) in ("detect", "point") else None
 
 
+def label_columns(tasks: list[Task], raw_text: bool = False) -> list[tuple[str, int, str]]:
+    """The columns the tasks add to a row, in schema order, as (column, task index, what): each
+    task's column (with `raw_text`, a detect / point task's `<name>_raw` after it), then the
+    truncation flags. `what` is "label", "raw" or "truncated". Each column must be unique in the
+    row (job.py checks)."""
+    out = []
+    for i, t in enumerate(tasks):
+        out.append((column_of(t), i, "label"))
+        if raw_text and (raw := raw_column(t)):
+            out.append((raw, i, "raw"))
+    return out + [(truncated_column(t), i, "truncated") for i, t in enumerate(tasks)]
+
+
 def _clamp(v: float) -> float:
     return min(1.0, max(0.0, v))
 

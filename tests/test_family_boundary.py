@@ -53,3 +53,25 @@ def test_nothing_outside_models_imports_a_family():
     assert offenders == []
     assert all("moondream" not in line for p in paths for line in p.read_text().splitlines()
                if not line.lstrip().startswith("#"))
+
+
+def test_data_and_output_import_one_way():
+    """output/ (the output folder: layout, manifest, shard list, writer) reads inputs through data/;
+    data/ (sources, decoding, loader) knows nothing of the output folder: no package cycle."""
+    import ast
+
+    def imports(path: Path) -> set[str]:
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                found.add("." * node.level + (node.module or ""))
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+        return found
+
+    def offenders(package: str, other: str) -> list[str]:
+        return [f"{p.relative_to(ROOT)}: {m}" for p in (ROOT / package).rglob("*.py") for m in imports(p)
+                if m.startswith(f"..{other}") or m.startswith(f"batchvlm.{other}")]
+
+    assert offenders("data", "output") == []
+    assert offenders("output", "data") != []  # the one allowed direction is in use

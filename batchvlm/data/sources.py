@@ -1,7 +1,7 @@
 """Input sources: what the job's input holds, and the encoded samples inside each shard.
 
 A shard is the unit of work and of output: one tar file, a row range of a Parquet file, or up
-to `input.shard_size` images of one directory (which ones: data/shardlist.py). Every source
+to `input.shard_size` images of one directory (which ones: output/shardlist.py). Every source
 yields `Encoded` samples (key + image bytes or an error, plus the `input.keep` metadata) in a
 stable order, so a shard labelled twice gives the same rows.
 
@@ -185,17 +185,6 @@ def keep_fields(inp: InputSpec, shards: list[ShardRef]) -> list[pa.Field]:
     with fsspec.open(readable[0].url, "rb") as f:
         sch = pq.read_schema(f)
     return [pa.field(name, sch.field(name).type) for name in inp.keep]
-
-
-def _own_output(*urls: str) -> str:
-    """Why two shards share a name when one of them is a file batchvlm wrote."""
-    from ..output.manifest import written_by_us
-
-    ours = [u for u in urls if u.endswith(".parquet") and not is_url(u) and written_by_us(Path(u))]
-    if not ours:
-        return "; rename one"
-    return (f"; {ours[0]} is batchvlm's own output: the pattern matches the output folder "
-            f"{os.path.dirname(ours[0])}. Narrow the pattern or move output.dir")
 
 
 PARQUET_IMAGE_TYPES = "image bytes (binary), a path (string), or a {bytes, path} struct"

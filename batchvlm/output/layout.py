@@ -16,6 +16,8 @@ refused with a one-line message: their shard names differ too (`_root`), so they
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +30,15 @@ OLD_JOB_FILE = "_job.json"
 
 class OutputConflict(RuntimeError):
     pass
+
+
+def is_old_stats(path: Path) -> bool:
+    """A stats file batchvlm wrote (either layout) names its own shard."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and d.get("shard") == path.name.removesuffix(".stats.json")
 
 
 @dataclass(frozen=True)
@@ -64,7 +75,20 @@ class Layout:
         return self.meta / f"{stem}.stats.json"
 
     def old_layout(self) -> bool:
-        return (self.dir / OLD_JOB_FILE).exists() or next(self.dir.glob("*.stats.json"), None) is not None
+        """`_job.json`, or a done marker of the first layout beside the Parquet files (one that
+        names its own shard: a user's `mine.stats.json` is no such thing)."""
+        return (self.dir / OLD_JOB_FILE).exists() or any(is_old_stats(p) for p in self.dir.glob("*.stats.json"))
+
+    def remove_if_unused(self, created_dir: bool) -> None:
+        """After a refused run: the metadata folder if it holds nothing but locks (this run made
+        it to hold its lock), and the output folder if this run created it and it is empty."""
+        try:
+            if self.meta.is_dir() and all(self.is_run_lock(p) or p == self.shard_lock for p in self.meta.iterdir()):
+                shutil.rmtree(self.meta)
+            if created_dir:
+                self.dir.rmdir()
+        except OSError:
+            pass  # not empty, or gone: nothing of ours to undo
 
     def check(self) -> None:
         """Refuse a folder of the first layout (before any of its files is touched)."""

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..job import is_url
-from .layout import OLD_JOB_FILE, Layout, OutputConflict
+from ..job import is_url, model_path
+from .layout import OLD_JOB_FILE, Layout, OutputConflict, is_old_stats
 from .writer import atomic_write_bytes
 
 if TYPE_CHECKING:
@@ -100,13 +100,6 @@ def written_by_us(path: Path) -> bool:
         return False
 
 
-def _our_old_stats(path: Path) -> bool:
-    try:
-        return json.loads(path.read_text()).get("shard") == path.name.removesuffix(".stats.json")
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def is_our_stats(path: Path) -> bool:
     """A stats file batchvlm wrote (a done marker or a failure record) names its own shard."""
     try:
@@ -132,7 +125,7 @@ def clear_outputs(layout: Layout) -> None:
             else:
                 p.unlink(missing_ok=True)
     for p in layout.dir.glob("*.stats.json"):  # the first layout's done markers
-        if _our_old_stats(p):
+        if is_old_stats(p):
             p.unlink(missing_ok=True)
     for pattern in ("*.parquet.tmp-*", "*.stats.json.tmp-*", "*.claim", "*.claim.takeover-*", OLD_JOB_FILE):
         for p in layout.dir.glob(pattern):
@@ -158,6 +151,7 @@ class PriorJob:
     fingerprint: str
     settings: dict[str, Any] | None  # label_settings() of the job that wrote the folder
     weights_sha256: str | None
+    backend: str | None  # the backend model.backend resolved to (native | transformers)
 
 
 def read_prior(layout: Layout) -> PriorJob | None:
@@ -165,8 +159,22 @@ def read_prior(layout: Layout) -> PriorJob | None:
         d = json.loads(layout.job_file.read_text())
     except (OSError, ValueError):
         return None
-    return PriorJob(d.get("label_fingerprint", ""), d.get("label_settings"),
-                    (d.get("model") or {}).get("weights_sha256"))
+    model = d.get("model") or {}
+    return PriorJob(d.get("label_fingerprint", ""), d.get("label_settings"), model.get("weights_sha256"),
+                    model.get("backend"))
+
+
+def _as_run(settings: dict[str, Any], backend: str | None) -> dict[str, Any]:
+    """Label settings as the prior run resolved them: `backend: auto` ran as `backend` (native
+    where a family matches), so `auto` and that backend label alike; a local model folder is
+    its real path."""
+    model = settings.get("model")
+    if not isinstance(model, dict):
+        return settings
+    model = model | {"name": model_path(str(model.get("name")))}
+    if backend and model.get("backend") == "auto":
+        model["backend"] = backend
+    return settings | {"model": model}
 
 
 def _first_difference(before: Any, now: Any, path: str = "") -> tuple[str, Any, Any] | None:
@@ -187,6 +195,9 @@ def check_settings(layout: Layout, fingerprint: str, settings: dict[str, Any] | 
     prior = read_prior(layout)
     if not prior or prior.fingerprint == fingerprint:
         return
+    if prior.settings is not None and settings is not None:
+        if _as_run(prior.settings, prior.backend) == _as_run(settings, prior.backend):
+            return
     diff = (_first_difference(prior.settings, settings)
             if prior.settings is not None and settings is not None else None)
     what = (f"{diff[0]} was {json.dumps(diff[1])}, is now {json.dumps(diff[2])}" if diff

@@ -17,7 +17,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from ..data.shardlist import plan
+from .shardlist import plan
 from ..data.sources import Encoded, ShardRef, SourceError, read_shard
 from ..job import InputSpec, Job, is_url
 from ..tasks import column_of, kind_of

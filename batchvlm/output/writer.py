@@ -25,7 +25,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..tasks import Task, column_of, kind_of, raw_column, truncated_column
+from ..tasks import Task, kind_of, label_columns
 from .layout import Layout
 
 BOX = pa.struct([("label", pa.string()), ("x_min", pa.float32()), ("y_min", pa.float32()),
@@ -48,11 +48,9 @@ def schema(tasks: list[Task], metadata: dict[str, Any], kept: list[pa.Field] | N
         pa.field("status", pa.string(), nullable=False),
         pa.field("error", pa.string()),
     ]
-    for t in tasks:
-        fields.append(pa.field(column_of(t), TYPES[kind_of(t)]))
-        if raw_text and (raw := raw_column(t)):
-            fields.append(pa.field(raw, RAW_TEXT))
-    fields += [pa.field(truncated_column(t), pa.bool_()) for t in tasks] + (kept or [])
+    for col, i, what in label_columns(tasks, raw_text):
+        fields.append(pa.field(col, {"label": TYPES[kind_of(tasks[i])], "raw": RAW_TEXT, "truncated": pa.bool_()}[what]))
+    fields += kept or []
     return pa.schema(fields, metadata={"batchvlm": json.dumps(metadata)})
 
 

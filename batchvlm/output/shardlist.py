@@ -16,7 +16,8 @@ moments of one launch agree on every shard they both saw (the partition is by po
 
 Shard names never start with `_` or `.` (readers skip such files): a directory is named by its
 relative path with `__` for `/` and leading dots and underscores dropped, `root` for the top
-level, with a `+N` suffix where two directories would get the same name.
+level; a tar or Parquet file by its stem, leading dots and underscores dropped; with a `+N`
+suffix where two directories or two files (`d1/x.tar`, `d2/x.tar`) would get the same name.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from ..data.sources import ShardRef, SourceError, file_stat, file_stem, list_files, parquet_rows, scan_folder
 from ..job import InputSpec
-from ..output.layout import Layout
-from ..output.writer import atomic_write_bytes
-from .sources import ShardRef, SourceError, file_stat, file_stem, list_files, parquet_rows, scan_folder
+from .layout import Layout
+from .writer import atomic_write_bytes
 
 VERSION = 1
 
@@ -133,16 +134,39 @@ def _merge_folder(inp: InputSpec, prior: list[ShardRef]) -> list[ShardRef]:
     return shards
 
 
-def _split(url: str, inp: InputSpec, size: int | None, mtime_ns: int | None) -> list[ShardRef]:
+def _split(url: str, base: str, inp: InputSpec, size: int | None, mtime_ns: int | None) -> list[ShardRef]:
     if inp.kind == "tar":
-        return [ShardRef(file_stem(url), url, "tar", size=size, mtime_ns=mtime_ns)]
+        return [ShardRef(base, url, "tar", size=size, mtime_ns=mtime_ns)]
     n = parquet_rows(url, inp)
     if n is None:  # unreadable: a placeholder that fails when read; the next run plans it again
-        return [ShardRef(file_stem(url), url, "parquet", size=size, mtime_ns=mtime_ns)]
+        return [ShardRef(base, url, "parquet", size=size, mtime_ns=mtime_ns)]
     if n <= inp.shard_size:
-        return [ShardRef(file_stem(url), url, "parquet", rows=(0, n), size=size, mtime_ns=mtime_ns)]
-    return [ShardRef(f"{file_stem(url)}-{k:05d}", url, "parquet", rows=(i, min(i + inp.shard_size, n)), size=size,
+        return [ShardRef(base, url, "parquet", rows=(0, n), size=size, mtime_ns=mtime_ns)]
+    return [ShardRef(f"{base}-{k:05d}", url, "parquet", rows=(i, min(i + inp.shard_size, n)), size=size,
                      mtime_ns=mtime_ns) for k, i in enumerate(range(0, n, inp.shard_size))]
+
+
+def _base_of(shards: list[ShardRef]) -> str:
+    """The name a frozen file's shards were made from (`x`, or `x` of `x-00000`, `x-00001`)."""
+    return shards[0].stem if len(shards) == 1 else shards[0].stem.rsplit("-", 1)[0]
+
+
+def _new_file(url: str, inp: InputSpec, used: set[str], size: int | None, mtime_ns: int | None) -> list[ShardRef]:
+    """A new file's shards, named by its stem without leading dots and underscores, with `+N`
+    where another file (`d1/x.tar`, `d2/x.tar`) or a row range already has a name."""
+    base = file_stem(url).lstrip("._") or "shard"
+    n = 1
+    while True:
+        shards = _split(url, base if n == 1 else f"{base}+{n}", inp, size, mtime_ns)
+        if not used.intersection(s.stem for s in shards):
+            return shards
+        n += 1
+
+
+def _by_name(url: str) -> tuple[str, bool, str]:
+    """New files in the order of their names (`a.tar` before `_a.tar`: the plain name wins `a`)."""
+    stem = file_stem(url)
+    return stem.lstrip("._"), stem != stem.lstrip("._"), url
 
 
 def _merge_files(inp: InputSpec, prior: list[ShardRef]) -> tuple[list[ShardRef], list[str]]:
@@ -150,15 +174,21 @@ def _merge_files(inp: InputSpec, prior: list[ShardRef]) -> tuple[list[ShardRef],
     frozen: dict[str, list[ShardRef]] = {}
     for s in prior:
         frozen.setdefault(s.url, []).append(s)
+    used = {s.stem for s in prior}
     current, dropped = {}, []
-    for url in urls:
+    listed = set(urls)
+    for url in [u for u in frozen if u in listed] + sorted((u for u in urls if u not in frozen), key=_by_name):
         size, mtime_ns = file_stat(url)
         old = frozen.get(url)
         if old and (inp.kind == "tar" or (old[0].size, old[0].mtime_ns) == (size, mtime_ns)):
             # a tar's membership is the tar: only its stat is refreshed (done markers compare it)
             current[url] = [replace(s, size=size, mtime_ns=mtime_ns) for s in old]
+            continue
+        if old:
+            current[url] = _split(url, _base_of(old), inp, size, mtime_ns)
         else:
-            current[url] = _split(url, inp, size, mtime_ns)
-            dropped += [s.stem for s in old or [] if s.stem not in {c.stem for c in current[url]}]
-    order = [u for u in frozen if u in current] + sorted((u for u in urls if u not in frozen), key=file_stem)
+            current[url] = _new_file(url, inp, used, size, mtime_ns)
+        used |= {c.stem for c in current[url]}
+        dropped += [s.stem for s in old or [] if s.stem not in {c.stem for c in current[url]}]
+    order = [u for u in frozen if u in current] + sorted((u for u in urls if u not in frozen), key=_by_name)
     return [s for u in order for s in current[u]], dropped
