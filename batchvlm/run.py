@@ -35,7 +35,7 @@ from typing import Any
 
 from . import __version__
 from .data.loader import Sample, ShardEnd, Stealing, load
-from .output.shardlist import plan
+from .output.shardlist import ShardList, plan
 from .data.sources import ShardRef, check_first_parquet, keep_fields, list_files
 from .device import for_device
 from .dist import Rank, my_shards
@@ -101,6 +101,7 @@ class RunSummary:
     errors: int = 0
     seconds: float = 0.0
     stopped_by_signal: bool = False
+    skipped: str = ""  # files of the input that are no images to label, and why (folder input)
 
     def line(self, out_dir: str) -> str:
         rate = self.images / self.seconds if self.seconds > 0 else 0.0
@@ -114,6 +115,8 @@ class RunSummary:
             parts.append(f"{len(self.shards_damaged)} DAMAGED ({', '.join(sorted(self.shards_damaged)[:3])})")
         if self.stopped_by_signal:
             parts.append("stopped by signal: unfinished shards left for the next run")
+        if self.skipped:
+            parts.append(self.skipped)
         return f"batchvlm: {', '.join(parts)} -> {out_dir}"
 
 
@@ -175,7 +178,7 @@ def _run(job: Job, layout: Layout, limit: int | None, clear: bool, rank: Rank, p
     shards = _open_folder(job, layout, clear, rank)
     claims = Claims(layout.meta) if job.runtime.work_stealing else None
     mine = shards if claims else my_shards(shards, rank)  # with claims every rank may take any shard
-    summary = RunSummary(len(shards), 0)
+    summary = RunSummary(len(shards), 0, skipped=shards.skipped_note())
     pending = _skip_done(layout, mine, summary)
     if not pending:
         plan(job.input, layout, freeze=True)
@@ -215,7 +218,7 @@ def _run(job: Job, layout: Layout, limit: int | None, clear: bool, rank: Rank, p
         stream.close()  # on every way out: the workers ignore SIGTERM, so exit would wait on them
 
 
-def _open_folder(job: Job, layout: Layout, clear: bool, rank: Rank) -> list[ShardRef]:
+def _open_folder(job: Job, layout: Layout, clear: bool, rank: Rank) -> ShardList:
     """Clear the folder (overwrite) or check that its labels were made with these settings;
     -> the shards to label: the frozen list plus what is new, not written back yet."""
     if clear and rank.world > 1:
@@ -251,12 +254,12 @@ def _freeze(job: Job, layout: Layout, pending: list[ShardRef]) -> None:
     appear last, which leaves every planned shard as it was); a shard this run is labelling
     that the list now holds differently means the input changed under the launch."""
     frozen = {s.stem: s for s in plan(job.input, layout, freeze=True)}
-    if changed := [s.stem for s in pending if s.planned and frozen.get(s.stem) not in (s, None)]:
+    if changed := [s.stem for s in pending if s.planned and s.stem in frozen and not s.same_images(frozen[s.stem])]:
         raise manifest.OutputConflict(f"input: shard {changed[0]} changed while this run started (another rank "
                                       "planned it differently); run again")
 
 
-def _start_output(job: Job, layout: Layout, rank: Rank, model: EngineModel | StaticModel, shards: list[ShardRef],
+def _start_output(job: Job, layout: Layout, rank: Rank, model: EngineModel | StaticModel, shards: ShardList,
                   claims: Claims | None) -> WriterThread:
     """The job record (rank 0, or whoever comes first) and the writer of finished shards."""
     info = model.info
@@ -265,7 +268,8 @@ def _start_output(job: Job, layout: Layout, rank: Rank, model: EngineModel | Sta
     if rank.rank == 0 or not layout.job_file.exists():
         manifest.write_job_record(layout, meta | {"label_fingerprint": job.label_fingerprint(),
                                                    "label_settings": job.label_settings(),
-                                                   "job_spec": job.model_dump(), "world_size": rank.world})
+                                                   "job_spec": job.model_dump(), "world_size": rank.world,
+                                                   "skipped_files": shards.skipped})
     return WriterThread(layout, schema(job.tasks, meta, keep_fields(job.input, shards), job.output.raw_text),
                         job.output.compression, on_written=claims.release if claims else None)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 
 class Strict(BaseModel):
@@ -28,6 +28,13 @@ class ObjectsArgs(Strict):
     objects: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1, description="Object names to find.")
     name: str | None = Field(None, description="Output column (default: the task kind).")
     max_objects: int | None = Field(None, ge=1, description="Overrides engine.max_objects.")
+
+    @field_validator("objects")
+    @classmethod
+    def _distinct(cls, objects: list[str]) -> list[str]:
+        if dupes := sorted({o for o in objects if objects.count(o) > 1}):
+            raise ValueError(f"{dupes[0]!r} is named twice (each name is searched once)")
+        return objects
 
 
 class CaptionTask(Strict):

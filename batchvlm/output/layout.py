@@ -6,7 +6,8 @@
         shards.json              the frozen shard list: which files / row ranges each shard holds
         shards.lock              held while a rank extends the shard list
         run-<rank>-of-<world>.lock  held by the run of one rank (output/lock.py)
-        <shard>.stats.json       rows, errors, timings; written last: the done marker
+        <shard>.stats.json       rows, errors, timings, the file it is for: the done marker
+        partial/<shard>.parquet  a shard cut short by --limit (complete: false), until it is redone
         <shard>.claim            work-stealing leases
         *.tmp-<host>-<pid>       files being written (a shard's Parquet is renamed up into <dir>)
 
@@ -73,6 +74,21 @@ class Layout:
 
     def stats(self, stem: str) -> Path:
         return self.meta / f"{stem}.stats.json"
+
+    @property
+    def partial_dir(self) -> Path:
+        return self.meta / "partial"
+
+    def partial(self, stem: str) -> Path:
+        """Where a shard that is not done keeps its rows: out of every reader's sight."""
+        return self.partial_dir / f"{stem}.parquet"
+
+    def file_of(self, stem: str, stats: dict | None) -> Path:
+        """The Parquet file a shard's stats describe: the labels when done, else its partial rows
+        (or, in folders written before partial/ existed, the top-level file)."""
+        if stats and not stats.get("complete") and self.partial(stem).exists():
+            return self.partial(stem)
+        return self.parquet(stem)
 
     def old_layout(self) -> bool:
         """`_job.json`, or a done marker of the first layout beside the Parquet files (one that

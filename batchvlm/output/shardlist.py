@@ -23,12 +23,14 @@ suffix where two directories or two files (`d1/x.tar`, `d2/x.tar`) would get the
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from ..data.sources import ShardRef, SourceError, file_stat, file_stem, list_files, parquet_rows, scan_folder
+from ..data.sources import (FolderScan, ShardRef, SourceError, file_stat, file_stem, list_files, parquet_rows,
+                            scan_folder)
 from ..job import InputSpec
 from .layout import Layout
 from .writer import atomic_write_bytes
@@ -36,7 +38,7 @@ from .writer import atomic_write_bytes
 VERSION = 1
 
 
-def plan(inp: InputSpec, layout: Layout | None = None, freeze: bool = False) -> list[ShardRef]:
+def plan(inp: InputSpec, layout: Layout | None = None, freeze: bool = False) -> ShardList:
     """The frozen shards of `layout` plus those for images added since. With `freeze`, the list is
     written back (under a lock, so concurrent ranks extend it one at a time) and outputs of
     Parquet row ranges that no longer exist are removed."""
@@ -47,12 +49,13 @@ def plan(inp: InputSpec, layout: Layout | None = None, freeze: bool = False) -> 
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         prior = _load(inp, layout)
         shards, dropped = _merge(inp, prior)
-        frozen = [s for s in shards if s.planned]
+        frozen = [replace(s, signature=None) for s in shards if s.planned]
         if frozen != prior:
             _save(inp, layout, frozen)
         for stem in dropped:
             layout.parquet(stem).unlink(missing_ok=True)
             layout.stats(stem).unlink(missing_ok=True)
+            layout.partial(stem).unlink(missing_ok=True)
         return shards
 
 
@@ -77,7 +80,7 @@ def _save(inp: InputSpec, layout: Layout, shards: list[ShardRef]) -> None:
     root = Path(inp.folder) if inp.folder else None
 
     def entry(s: ShardRef) -> dict[str, Any]:
-        e = {k: v for k, v in asdict(s).items() if v is not None}
+        e = {k: v for k, v in asdict(s).items() if v is not None and k != "signature"}
         if root:  # relative: the folder may move
             e["url"] = Path(s.url).relative_to(root).as_posix()
         return e
@@ -86,9 +89,25 @@ def _save(inp: InputSpec, layout: Layout, shards: list[ShardRef]) -> None:
     atomic_write_bytes(layout.shard_list, json.dumps(data, separators=(",", ":")).encode())
 
 
-def _merge(inp: InputSpec, prior: list[ShardRef]) -> tuple[list[ShardRef], list[str]]:
+class ShardList(list[ShardRef]):
+    """The planned shards, and the files a folder scan did not take: reason -> count."""
+
+    def __init__(self, shards: list[ShardRef], skipped: dict[str, int] | None = None):
+        super().__init__(shards)
+        self.skipped = skipped or {}
+
+    def skipped_note(self) -> str:
+        """`3 file(s) skipped (2 HEIC images ..., 1 macOS metadata ...)`, or ''."""
+        if not self.skipped:
+            return ""
+        parts = ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items(), key=lambda kv: -kv[1]))
+        return f"{sum(self.skipped.values())} file(s) skipped ({parts})"
+
+
+def _merge(inp: InputSpec, prior: list[ShardRef]) -> tuple[ShardList, list[str]]:
     """-> (all shards, stems of frozen shards that no longer exist)."""
     shards, dropped = (_merge_folder(inp, prior), []) if inp.folder else _merge_files(inp, prior)
+    shards = shards if isinstance(shards, ShardList) else ShardList(shards)
     stems = [s.stem for s in shards]
     if len(set(stems)) != len(stems):
         dupe = next(s for s in stems if stems.count(s) > 1)
@@ -106,7 +125,16 @@ def _dir_name(rel: str, used: set[str]) -> str:
     return name
 
 
-def _merge_folder(inp: InputSpec, prior: list[ShardRef]) -> list[ShardRef]:
+def _signature(scan: FolderScan, rel: str, files: tuple[str, ...]) -> str:
+    """A digest of the shard's images as they are now: replacing, touching or deleting one changes it."""
+    h = hashlib.sha256()
+    for name in files:
+        size, mtime_ns = scan.stat.get(f"{rel}/{name}" if rel != "." else name, (-1, -1))
+        h.update(f"{name}\0{size}\0{mtime_ns}\n".encode())
+    return h.hexdigest()[:32]
+
+
+def _merge_folder(inp: InputSpec, prior: list[ShardRef]) -> ShardList:
     root = Path(inp.folder)
     scan = scan_folder(root)
     by_dir: dict[str, list[ShardRef]] = {}
@@ -131,7 +159,9 @@ def _merge_folder(inp: InputSpec, prior: list[ShardRef]) -> list[ShardRef]:
             shards.append(ShardRef(f"{_dir_name(rel, used)}-00000", str(root / rel), "folder", None))
     if not shards:
         raise SourceError(f"input.folder: no images found in {root}")
-    return shards
+    signed = [replace(s, signature=_signature(scan, Path(s.url).relative_to(root).as_posix(), s.files))
+              if s.files is not None else s for s in shards]
+    return ShardList(signed, dict(scan.skipped))
 
 
 def _split(url: str, base: str, inp: InputSpec, size: int | None, mtime_ns: int | None) -> list[ShardRef]:
