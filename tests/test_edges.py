@@ -276,10 +276,25 @@ def test_15_validate_counts_the_shards_a_run_would_have(labelled):
     assert "/4 shards done" in out, out
 
 
+def test_15_validate_fails_on_a_folder_it_cannot_list(tmp_path):
+    (tmp_path / "img" / "locked").mkdir(parents=True)
+    (tmp_path / "img" / "a.png").write_bytes(png((1, 1, 1)))
+    (tmp_path / "img" / "locked").chmod(0)
+    try:
+        if os.access(tmp_path / "img" / "locked", os.R_OK):
+            pytest.skip("permissions do not stop this user (root) from listing a folder")
+        job = tmp_path / "job.yaml"
+        job.write_text(yaml.safe_dump({"name": "u", "input": {"folder": "img"}, "tasks": [{"caption": {}}],
+                                       "output": {"dir": "out"}}))
+        code, out = inproc(tmp_path, "validate", job)
+        assert code == 2 and "input.folder: cannot read" in out and "locked" in out, out
+    finally:
+        (tmp_path / "img" / "locked").chmod(0o755)
+
+
 def test_16_small_things_validation_lets_through(labelled, tmp_path):
     from batchvlm.data.sources import Encoded, read_shard
     from batchvlm.job import JobError, parse_job
-    from batchvlm.output.shardlist import plan
 
     root = labelled["root"]
     base = {"name": "j", "input": {"shards": "x.tar"}, "output": {"dir": "o"}}
@@ -295,6 +310,8 @@ def test_16_small_things_validation_lets_through(labelled, tmp_path):
     pq.write_table(pa.table({"image": [png((1, 1, 1))] * 3, "id": ["k", None, ""]}), tmp_path / "keys.parquet")
     keyed = parse_job({"name": "k", "input": {"parquet": "keys.parquet", "key_column": "id"},
                        "tasks": [{"caption": {}}], "output": {"dir": "o"}}, tmp_path)
+    from batchvlm.output.shardlist import plan
+
     encs = [e for e in read_shard(plan(keyed.input)[0], keyed.input) if isinstance(e, Encoded)]
     assert [(e.key, e.error) for e in encs] == [
         ("k", None), ("row 1", "key: null in input.key_column 'id'"), ("row 2", "key: empty in input.key_column 'id'")]

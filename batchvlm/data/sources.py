@@ -249,10 +249,11 @@ def check_parquet_columns(url: str, schema, inp: InputSpec) -> None:
 
 
 def check_first_parquet(shards: list[ShardRef], inp: InputSpec) -> None:
-    """validate / --dry-run: read the schema of the first Parquet input (its footer only)."""
+    """validate, --dry-run and run: read the schema of the first readable Parquet input (its
+    footer only; a file that could not be read fails its own shard)."""
     import pyarrow.parquet as pq
 
-    first = next((s for s in shards if s.kind == "parquet"), None)
+    first = next((s for s in shards if s.kind == "parquet" and s.planned), None)
     if first is None:
         return
     try:

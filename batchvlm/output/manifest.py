@@ -58,10 +58,14 @@ def done_stats(layout: Layout, ref: ShardRef) -> dict[str, Any] | None:
 
 
 def has_output(layout: Layout, stats: dict[str, Any]) -> bool:
-    """The shard's Parquet file is the one its stats were written for (markers written before
-    they named it: the file exists)."""
+    """The shard's Parquet file is the one its stats were written for: by its size, which a
+    copy of the folder keeps (mtimes it may not). Markers written before they named their file:
+    the file exists."""
     path = layout.file_of(str(stats.get("shard")), stats)
-    return output_stat(path) == stats["output"] if "output" in stats else path.exists()
+    if not isinstance(stats.get("output"), dict):
+        return path.exists()
+    now = output_stat(path)
+    return now is not None and now["size"] == stats["output"].get("size")
 
 
 def damaged_note(stem: str, rows: int) -> str:

@@ -1,6 +1,6 @@
 """Parquet output: one file per input shard, written whole under a temporary name in
 `__batchvlm__/`, fsynced, marked done by `__batchvlm__/<stem>.stats.json` (written atomically,
-naming the size and modification time of the file it is for), and only then renamed up into
+naming the size of the file it is for), and only then renamed up into
 the output folder. A shard that is not done (cut short by --limit) goes to
 `__batchvlm__/partial/` instead: readers of the output folder see done shards only.
 
@@ -106,7 +106,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def output_stat(path: Path) -> dict[str, int] | None:
-    """What a done marker remembers of its Parquet file (a rename keeps both)."""
+    """What a done marker remembers of its Parquet file (a rename keeps both; manifest.py
+    compares the size)."""
     try:
         st = path.stat()
     except FileNotFoundError:
