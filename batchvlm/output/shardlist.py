@@ -204,9 +204,11 @@ def _merge_files(inp: InputSpec, prior: list[ShardRef]) -> tuple[list[ShardRef],
     frozen: dict[str, list[ShardRef]] = {}
     for s in prior:
         frozen.setdefault(s.url, []).append(s)
-    used = {s.stem for s in prior}
-    current, dropped = {}, []
     listed = set(urls)
+    # names of files still listed; a frozen file no longer listed (moved with the project) lends
+    # its name to the file found in its place, so its done markers still apply
+    used = {s.stem for s in prior if s.url in listed}
+    current, dropped = {}, []
     for url in [u for u in frozen if u in listed] + sorted((u for u in urls if u not in frozen), key=_by_name):
         size, mtime_ns = file_stat(url)
         old = frozen.get(url)
