@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 
 class Strict(BaseModel):
@@ -28,6 +28,13 @@ class ObjectsArgs(Strict):
     objects: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1, description="Object names to find.")
     name: str | None = Field(None, description="Output column (default: the task kind).")
     max_objects: int | None = Field(None, ge=1, description="Overrides engine.max_objects.")
+
+    @field_validator("objects")
+    @classmethod
+    def _distinct(cls, objects: list[str]) -> list[str]:
+        if dupes := sorted({o for o in objects if objects.count(o) > 1}):
+            raise ValueError(f"{dupes[0]!r} is named twice (each name is searched once)")
+        return objects
 
 
 class OcrArgs(Strict):
@@ -111,6 +118,19 @@ def truncated_column(task: Task) -> str:
 def raw_column(task: Task) -> str | None:
     """With `output.raw_text`: the column of a detect / point task's decoded text (None for others)."""
     return f"{column_of(task)}_raw" if kind_of(task) in ("detect", "point") else None
+
+
+def label_columns(tasks: list[Task], raw_text: bool = False) -> list[tuple[str, int, str]]:
+    """The columns the tasks add to a row, in schema order, as (column, task index, what): each
+    task's column (with `raw_text`, a detect / point task's `<name>_raw` after it), then the
+    truncation flags. `what` is "label", "raw" or "truncated". Each column must be unique in the
+    row (job.py checks)."""
+    out = []
+    for i, t in enumerate(tasks):
+        out.append((column_of(t), i, "label"))
+        if raw_text and (raw := raw_column(t)):
+            out.append((raw, i, "raw"))
+    return out + [(truncated_column(t), i, "truncated") for i, t in enumerate(tasks)]
 
 
 def _clamp(v: float) -> float:
