@@ -216,7 +216,9 @@ def _run(job: Job, layout: Layout, limit: int | None, overwrite: bool, rank: Ran
             e = labeler.engine
             how = (f"batch {e.settings.max_batch_size}, {e.stats['kv_blocks']} KV blocks of {job.engine.block_size}, "
                    f"{e.stats['rows']} rows, {'pipelined' if e.pipelined else 'synchronous'}"
-                   + (f", CUDA graphs captured in {e.stats['graph_capture_s']:.1f} s" if e.runner.graphs else ""))
+                   + (f", CUDA graphs captured in {e.stats['graph_capture_s']:.1f} s" if e.runner.graphs else "")
+                   + (f", flex_attention compiled {e.stats['compiled_shapes']} shapes in {e.stats['compile_s']:.1f} s"
+                      if e.stats["compiled_shapes"] else ""))
         log(f"batchvlm: rank {rank.rank}/{rank.world}: {len(pending)} shard(s) to label; model {info.name} "
             f"({info.family}, {info.backend}, {info.dtype}, {info.device}) loaded in {t_load:.1f} s; labeler ready in "
             f"{time.time() - t_engine:.1f} s ({how}, {len(seqs)} sequences per image)")

@@ -21,6 +21,7 @@ import torch
 from ..job import EngineSpec
 from ..models.decoding import Decision, RawOutput
 from ..models.family import EngineModel, TaskSequence
+from ..models.fused_attention import COMPILED
 from .kv_cache import BlockManager
 from .labeler import WorkItem, sequence_seed
 from .memory import available_bytes
@@ -46,6 +47,9 @@ class Engine:
         settings = settings.model_copy(update={"max_batch_size": settings.batch_size_for(model.device.type)})
         self.model, self.seqs, self.settings, self.max_prefix_len = model, seqs, settings, max_prefix_len
         self.log = log
+        if model.device.type == "cuda":  # graph capture and side streams use the current device
+            torch.cuda.set_device(model.device)
+        self._compiled_before = (COMPILED.shapes, COMPILED.seconds)  # flex compiles are process-wide
         self.sampling = any(s.spec.temperature > 0 for s in seqs)
         bs = settings.block_size
         n_rows = settings.max_batch_size
@@ -71,6 +75,13 @@ class Engine:
         self.step = self._step_pipelined if self.pipelined else self._step_sync
         self.stats = {"steps": 0, "graph_steps": 0, "kv_blocks": n_blocks, "rows": n_rows,
                       "graph_capture_s": round(graphs.capture_s, 2) if graphs is not None else 0.0}
+        self._count_compiles()
+
+    def _count_compiles(self) -> None:
+        """flex_attention shapes compiled since this engine began (warm-up and graph capture included)."""
+        shapes, seconds = self._compiled_before
+        self.stats["compiled_shapes"] = COMPILED.shapes - shapes
+        self.stats["compile_s"] = round(COMPILED.seconds - seconds, 2)
 
     # ------------------------------------------------------------------ sizing
 
@@ -158,6 +169,7 @@ class Engine:
         r, stats = self.runner, self.stats
         stats["steps"] += 1
         stats["graph_steps"] = r.graph_steps
+        self._count_compiles()
         if r.oom_rows:  # the step still ran whole, in parts; later steps get half its rows
             rows = r.oom_rows[0]
             r.oom_rows.clear()
@@ -173,7 +185,8 @@ class Engine:
         s = self.stats
         share = s["graph_steps"] / s["steps"] if s["steps"] else 0.0
         return (f"{s['steps']} steps, {share:.0%} replayed a CUDA graph ({s['graph_capture_s']:.1f} s to capture), "
-                f"{s['rows']} rows, {s['kv_blocks']} KV blocks")
+                f"{s['rows']} rows, {s['kv_blocks']} KV blocks, flex_attention compiled {s['compiled_shapes']} shapes "
+                f"in {s['compile_s']:.1f} s")
 
     def _feed(self, items: Iterator[WorkItem]) -> bool:
         """Encode more images when the admission queue runs short. -> False once input is exhausted."""

@@ -29,6 +29,7 @@ import torch
 from ..models.attention import PAD, AttentionBatch, KVCache, PrefixGroup, SharedPrefix, TaskGroup, slot_of
 from ..models.decoding import Decision, RowState
 from ..models.family import EngineModel, Prepared
+from ..models.fused_attention import FusedAttention, MaskBounds
 from .graphs import DecodeGraphs
 from .plan import NEED_COORD, NEED_SIZE, NEED_TOKEN, PREFILL_TOKENS_PER_STEP, StepPlan
 from .split import split_plan, units
@@ -68,6 +69,8 @@ class Runner:
         # Per image slot: the family's features until the prefill step is collected.
         self.features: list[Any] = [None] * n_image_slots
         nbp = -(-max_prefix_len // self.bs)
+        if isinstance(cache.backend, FusedAttention):  # every step's masks padded to these: fixed compiled shapes
+            cache.backend.bounds = MaskBounds(n_rows, max_own_blocks, nbp, max_prompt, seqs_per_image)
         # Staging ints of the largest step: per row, per image slot (its padded prefix row
         # included) and per prefill token (at most one step's budget, or one whole image).
         capacity = (64 + n_rows * (28 + 2 * max_own_blocks + 5 * max_prompt + 2 * nbp + seqs_per_image)
@@ -230,7 +233,7 @@ class Runner:
             prefix = m.prefix_inputs([self.features[s] for s in plan.prefix_slots.tolist()])
             embeds.append(prefix.embeds_NC)
             write_slots.append(slot_of(prefix_tables[pre_img_t], pre_j_t, bs))
-            groups.append(PrefixGroup(q_pre_t, prefix_tables, prefix_lens, m.causal_prefix))
+            groups.append(PrefixGroup(q_pre_t, prefix_tables, prefix_lens, m.causal_prefix, _extent(plan.prefix_lens)[1]))
         if S:
             embeds.append(m.embed_tokens(prompt_tokens))
             own_pos.append(flat_pos_t)
