@@ -1,8 +1,9 @@
-"""flex_attention compiles a bounded set of shapes: one engine configuration stays within dynamo's
+"""flex_attention as CUDA runs it, checked on CPU. It compiles a bounded set of shapes: one engine configuration stays within dynamo's
 default recompile limit (8 entries per code object) over the KV-sizing warm-up, every CUDA-graph
 bucket and a real scheduler run, and running past the limit is an error, never a silent unfused
 fallback. Counted on CPU with dynamo's eager backend: the same tracing, guards and cache entries as
-inductor on CUDA, without the kernels."""
+inductor on CUDA, without the kernels. Its kernel tiles fit every supported KV block size, and
+the job refuses other block sizes on CUDA before any work."""
 
 import pytest
 import torch
@@ -12,12 +13,13 @@ from test_engine import TASKS
 from test_fused_attention import one_thread, random_batch, run  # noqa: F401 (autouse fixture)
 from test_moondream_loading import TINY
 
+from batchvlm.device import CUDA_BLOCK_SIZES, check_block_size
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs, buckets
 from batchvlm.engine.labeler import WorkItem
-from batchvlm.job import EngineSpec
+from batchvlm.job import EngineSpec, JobError
 from batchvlm.models import attention
-from batchvlm.models.fused_attention import COMPILED, FusedAttention
+from batchvlm.models.fused_attention import COMPILED, Q_BLOCK, FusedAttention, bucket, flex_tiles
 from batchvlm.models.moondream.config import MoondreamConfig
 from batchvlm.models.moondream.generate import generate
 
@@ -71,3 +73,35 @@ def test_hitting_the_recompile_limit_raises(counted, monkeypatch):
     with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
         run(backend, batch, N, 0)
     assert COMPILED.shapes > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_kernel_tiles_divide_every_supported_block_size(dtype):
+    """The tiles flex_tiles passes fit inductor's kernels: BLOCK_N divides the KV block, BLOCK_M the
+    mask's query block, the decode kernel's query tile (queries x group heads, >= 16) divides it
+    too, and no tile is larger than inductor's own sm_90 default (so it fits in shared memory)."""
+    from torch._inductor.template_heuristics.triton import CUDAConfigHeuristic
+
+    h100 = CUDAConfigHeuristic().h100_default_flex_config
+    for bs in CUDA_BLOCK_SIZES:
+        for head_dim in (64, 128):
+            for n in (1, 2, 8, 16, 64, 127, 128, 256, 1024):
+                for group in (1, 2, 4, 8, 3, 7):
+                    q_block, opts = flex_tiles(bs, dtype, head_dim, n, group)
+                    assert bs % opts["BLOCK_N"] == 0 and opts["BLOCK_N"] >= 16
+                    if n < 128 and group & (group - 1) == 0:  # the decode kernel picks its BLOCK_M
+                        assert "BLOCK_M" not in opts and q_block % max(16, bucket(n * group)) == 0
+                        assert opts["BLOCK_N"] <= 64
+                    else:
+                        default = h100[(dtype, head_dim)]
+                        assert q_block == Q_BLOCK and Q_BLOCK % opts["BLOCK_M"] == 0
+                        assert opts["BLOCK_M"] <= default.block_m and opts["BLOCK_N"] <= default.block_n
+                        assert opts.get("FORCE_USE_FLEX_ATTENTION", False) == (group & (group - 1) != 0)
+
+
+def test_cuda_block_sizes_are_checked_before_any_work():
+    for bs in CUDA_BLOCK_SIZES:
+        check_block_size(EngineSpec(block_size=bs), "cuda")
+    check_block_size(EngineSpec(block_size=4), "cpu")  # the reference attention takes any size
+    with pytest.raises(JobError, match=r"^engine.block_size: 8 on CUDA; use one of 16, 32, 64, 128"):
+        check_block_size(EngineSpec(block_size=8), "cuda")

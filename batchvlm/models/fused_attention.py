@@ -68,7 +68,6 @@ from .attention import AttentionBatch, PrefixGroup, TaskGroup
 log = logging.getLogger(__name__)
 
 Q_BLOCK = 128  # the mask's query block for the main kernel (its BLOCK_M, <= 128, divides it)
-CUDA_BLOCK_SIZES = (16, 32, 64, 128)  # KV block sizes the Triton kernels take (BLOCK_N divides them)
 RECOMPILE_LIMIT = 64  # compiled flex entries per process: a few engine configurations, 8 each
 
 
