@@ -16,6 +16,7 @@ import torch
 from ..attention import AttentionBatch, KVCache, attend, plan_groups
 from ..decoding import Decision, RowState, decide_text
 from ..family import ModelInfo, PrefixInputs
+from ..pinned import PinnedUpload
 from .model import Qwen3VLModel
 from .positions import prefix_positions
 from .preprocess import PreparedImage, Preprocessor
@@ -39,9 +40,10 @@ class Qwen3VLEngine:
         self.model, self.info = model, info
         self.device, self.dtype = model.device, model.dtype
         self.head = torch.tensor(head, dtype=torch.long, device=self.device)
-        self.vision_end = model.config.vision_end_id
+        self.vision_end = torch.tensor([model.config.vision_end_id], dtype=torch.long, device=self.device)
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
         self.pre = pre
+        self._upload = PinnedUpload(self.device)
 
     def new_kv_cache(self, n_blocks: int, block_size: int) -> KVCache:
         t = self.model.config.text
@@ -52,7 +54,13 @@ class Qwen3VLEngine:
         return 2 * t.n_layers * t.n_kv_heads * t.head_dim * self.dtype.itemsize
 
     def encode(self, images: list[PreparedImage]) -> list[ImageFeatures]:
-        out = self.model.visual([im.pixels.to(self.device, non_blocking=True) for im in images])
+        # One pinned staging copy and one upload for the batch; images differ in size, so flat.
+        flat = self._upload([im.pixels.reshape(-1) for im in images])
+        pixels, at = [], 0
+        for im in images:
+            pixels.append(flat[at : at + im.pixels.numel()].view(im.pixels.shape))
+            at += im.pixels.numel()
+        out = self.model.visual(pixels)
         deepstack = torch.stack(out.deepstack) if out.deepstack else out.features_TC.new_zeros(0, *out.features_TC.shape)
         feats, at = [], 0
         for im, n in zip(images, out.tokens):
@@ -70,7 +78,7 @@ class Qwen3VLEngine:
     def prefix_inputs(self, features: list[ImageFeatures]) -> PrefixInputs:
         h = len(self.head)
         head = self.model.embed(self.head)
-        end = self.model.embed(torch.tensor([self.vision_end], device=self.device))
+        end = self.model.embed(self.vision_end)
         embeds, positions, rows = [], [], []
         at = 0
         for f in features:
