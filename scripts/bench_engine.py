@@ -203,6 +203,8 @@ def main() -> int:
     ap.add_argument("--images", type=int, default=48)
     ap.add_argument("--batch", type=int, nargs="+", default=[256])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    ap.add_argument("--rows", nargs="+", default=None, metavar="WORKLOAD/BATCH",
+                    help="run these (workload, batch) rows in this order instead of --workloads x --batch")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--max-objects", type=int, default=10)
     ap.add_argument("--fixed-lengths", action="store_true", help="forbid EOS: every sequence runs to its limit")
@@ -221,6 +223,12 @@ def main() -> int:
     md = load_model(args.model, args.device, args.fixed_lengths)
     dev = md.model.device
     exact = md.model.dtype == torch.float32
+    if args.rows:
+        pairs = [r.rpartition("/") for r in args.rows]
+        args.workloads = list(dict.fromkeys(name for name, _, _ in pairs))
+        order = [(name, int(batch)) for name, _, batch in pairs]
+    else:
+        order = [(name, batch) for name in args.workloads for batch in args.batch]
     workloads = [parse_workload(w) for w in args.workloads]
     image_sets = {size: images(args.images, md, seed=1, size=size) for size in {size for _, size in workloads}}
     host = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
@@ -230,12 +238,14 @@ def main() -> int:
           f"fixed_lengths={args.fixed_lengths} repeat={args.repeat} (best of; set-up untimed)")
     results = []
     started = time.perf_counter()
-    rows = [(name, tasks, size, batch) for name, (tasks, size) in zip(args.workloads, workloads) for batch in args.batch]
+    parsed = dict(zip(args.workloads, workloads))
+    rows = [(name, *parsed[name], batch) for name, batch in order]
     for name, tasks, size, batch in rows:
         if args.deadline_s is not None and time.perf_counter() - started > args.deadline_s:
             print(f"# deadline: {args.deadline_s:.0f} s passed, rows from {name} / {batch} on not run", flush=True)
             break
         prepared = image_sets[size]
+        torch._dynamo.reset()  # each row compiles its own flex shapes (its runners share them), counted in its stats
         seqs = md.sequences(WORKLOADS[tasks], args.max_new_tokens, args.max_objects)
         specs = [s.spec for s in seqs]
         row = {"workload": name, "batch": batch, "sequences_per_image": len(specs),
@@ -252,9 +262,6 @@ def main() -> int:
                                                               not args.no_cuda_graphs, args.kv_blocks)
         reference = None
         for label, setup in setups.items():
-            # Each runner compiles its own flex_attention shapes (counted in its stats), well
-            # inside dynamo's limit; inductor's on-disk cache makes a repeated shape cheap.
-            torch._dynamo.reset()
             sync(dev)
             t0 = time.perf_counter()
             engine, fn = setup()
