@@ -190,3 +190,21 @@ def test_the_warm_up_runs_the_largest_mixed_step(tiny, batch, prefill):
     assert len(plan.decode_rows) == (batch - len(seqs) if prefill < 2 * md.P else 0)
     d = engine._run_largest_step(batch, prefill)
     assert d.code.shape == (batch,) and d.value.shape == (batch, 2)
+
+
+def test_a_vision_batch_never_outgrows_the_warm_up(tiny, monkeypatch):
+    """The KV-sizing warm-up measures a vision batch of MAX_VISION_COST; an image that would push a
+    batch past it waits for the next batch (and is labelled like every other)."""
+    md, prepared, seqs, reference = tiny
+    monkeypatch.setattr(engine_mod, "MAX_VISION_COST", 3)
+    costs = [p.cost for p in prepared]
+    engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=64), md.P)
+    batches = []
+    encode = engine.runner.encode
+    monkeypatch.setattr(engine.runner, "encode", lambda images, slots: (batches.append([p.cost for p in images]),
+                                                                       encode(images, slots)))
+    out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
+           for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
+    assert [out[i] for i in range(len(prepared))] == reference
+    assert sorted(c for b in batches for c in b) == sorted(costs) and max(costs) > 1
+    assert all(sum(b) <= 3 or len(b) == 1 for b in batches), batches

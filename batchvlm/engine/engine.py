@@ -69,6 +69,7 @@ class Engine:
         self.scheduler = Scheduler(BlockManager(n_blocks, bs), n_rows, n_slots,
                                    admit_rows=max(1, n_rows // 8) if graphs is not None else 1)
         self.inflight: deque[InFlight] = deque()
+        self._held: WorkItem | None = None  # the next image, when it did not fit in the last vision batch
         # On CPU a launch runs the whole forward before returning: pipelining would only add a
         # zombie row per finish and a step of admission lag.
         self.pipelined = model.device.type == "cuda" if settings.pipelined == "auto" else settings.pipelined
@@ -197,11 +198,15 @@ class Engine:
             slot = sched.take_image_slot()
             if slot is None:
                 break
-            item = next(items, None)
+            item, self._held = self._held or next(items, None), None
             if item is None:
                 sched.free_image_slots.append(slot)
                 self._encode(batch)
                 return False
+            if batch and cost + item.image.cost > MAX_VISION_COST:  # the warm-up measured at most this
+                self._held = item
+                sched.free_image_slots.append(slot)
+                break
             image = Image(item.ticket, item.image, item.key, item.image.prefix_len, item.image.next_pos)
             image.seqs = [Sequence(image, j, s.spec, sequence_seed(self.settings.seed, item.key, j))
                           for j, s in enumerate(self.seqs)]
