@@ -23,15 +23,16 @@ DRY=0
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-CALL_BUDGET_1=270
-CALL_BUDGET_2=330
+SCALE=$(( DRY ? 4 : 1 ))  # the dry run's tiny steps on a (shared) CPU get 4x the GPU budgets
+CALL_BUDGET_1=$(( 270 * SCALE ))
+CALL_BUDGET_2=$(( 330 * SCALE ))
 KV_BLOCKS=8192  # one KV size for every bench_engine row: 8192 x 16 tokens, 25.8 GB at Moondream 2 bf16
 
 # Each step: name, budget in seconds, the command. It runs under `timeout`, its output goes to
 # $OUT/<log> and the console; a failure is recorded and the call goes on to the next step.
 FAILED=()
 step() {
-    local name=$1 budget=$2 log=$3; shift 3
+    local name=$1 budget=$(( $2 * SCALE )) log=$3; shift 3
     local t0=$SECONDS
     if declare -F "$1" >/dev/null; then set -- bash -c "$*"; fi  # a step function, run by a child bash
     echo "== [$CALL] $name (budget ${budget} s, $(( $(budget_left) )) s left in the call): $*"
@@ -130,13 +131,13 @@ call_1() {
     step "environment" 20 env.txt environment || { (( DRY )) || return; }
     if (( DRY )); then
         step "flex smoke test" 90 flex_smoke.log $PY scripts/flex_smoke.py --small
-        step "bench_attention" 50 bench_attention.log $PY scripts/bench_attention.py --images 2 --rows 5 --prefix 37 \
-            --layers 2 --steps 1 --block-sizes 16 64
+        step "bench_attention" 50 bench_attention.log $PY scripts/bench_attention.py --images 2 --rows 3 --prefix 37 \
+            --own-max 20 --layers 1 --steps 1 --block-sizes 16 64
     else
         step "flex smoke test" 90 flex_smoke.log $PY scripts/flex_smoke.py
         step "bench_attention" 50 bench_attention.log $PY scripts/bench_attention.py --block-sizes 16 64
     fi
-    step "GPU tests" $(( $(budget_left) - 5 )) gpu_tests.log gpu_tests
+    step "GPU tests" $(( $(budget_left) / SCALE - 5 )) gpu_tests.log gpu_tests
 }
 
 call_2() {
@@ -159,8 +160,8 @@ call_2() {
     step "bench_engine" 230 bench.log $PY scripts/bench_engine.py "${bench_args[@]}" --json "$OUT/bench.json"
     local left
     left=$(budget_left)
-    if (( left > 90 )); then  # Qwen3-VL-2B shapes, random weights (writes a ~4.5 GB checkpoint)
-        step "bench_qwen3vl" $(( left - 10 )) bench_qwen3vl.log $PY scripts/bench_qwen3vl.py "${qwen_args[@]}" \
+    if (( left > 90 * SCALE )); then  # Qwen3-VL-2B shapes, random weights (writes a ~4.5 GB checkpoint)
+        step "bench_qwen3vl" $(( left / SCALE - 10 )) bench_qwen3vl.log $PY scripts/bench_qwen3vl.py "${qwen_args[@]}" \
             --json "$OUT/bench_qwen3vl.json"
     else
         echo "== [2] bench_qwen3vl: not run, only ${left} s left (needs > 90 s)" | tee -a "$OUT/summary-2.txt"
@@ -169,7 +170,8 @@ call_2() {
 
 plan() {
     cat <<EOF
-gpu_check plan (budgets in seconds; each step runs under its own timeout)
+gpu_check plan (budgets in seconds on the GPU; each step runs under its own timeout; the dry run
+walks the same steps at tiny sizes on CPU with 4x these budgets)
 call 1, ${CALL_BUDGET_1} s:
   set-up            ~10   install .whl/ into /tmp/site, check modules, find the parity fixtures
   environment        20   nvidia-smi, python / torch / CUDA / Triton versions, assert torch.cuda.is_available()

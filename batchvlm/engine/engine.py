@@ -62,8 +62,17 @@ class Engine:
         n_rows = max(1, min(n_rows, (n_blocks - 1 - n_prefix) // min(self.own_blocks)))
         self.images_to_fill = math.ceil(n_rows / len(seqs))
         cache = model.new_kv_cache(n_blocks, bs)
-        self.runner = Runner(model, cache, n_rows, n_slots, max_prefix_len, max(self.own_blocks),
-                             max(len(s.spec.prompt) for s in seqs), len(seqs), settings.cuda_graphs, self.sampling)
+        runner_args = (model, cache, n_rows, n_slots, max_prefix_len, max(self.own_blocks),
+                       max(len(s.spec.prompt) for s in seqs), len(seqs))
+        try:
+            self.runner = Runner(*runner_args, settings.cuda_graphs, self.sampling)
+        except torch.OutOfMemoryError:  # capturing the graphs: run every step eagerly instead
+            if not settings.cuda_graphs:
+                raise
+            torch.cuda.empty_cache()
+            log("batchvlm: out of accelerator memory capturing CUDA graphs; every step runs eagerly "
+                "(engine.cuda_graphs: false skips the capture; a smaller engine.kv_memory_fraction leaves room for it)")
+            self.runner = Runner(*runner_args, False, self.sampling)
         graphs = self.runner.graphs
         # With graphs, admit once an eighth of the rows is free: steps that admit run eagerly.
         self.scheduler = Scheduler(BlockManager(n_blocks, bs), n_rows, n_slots,
