@@ -35,7 +35,7 @@ from .data.sources import ShardRef, keep_fields, list_files
 from .device import for_device
 from .dist import Rank, my_shards
 from .engine.engine import EngineLabeler
-from .engine.labeler import WorkItem
+from .models.family import WorkItem
 from .job import Job
 from .models import registry
 from .models.family import PARSE_FAILURES, StaticModel

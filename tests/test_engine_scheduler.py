@@ -6,11 +6,12 @@ from collections import deque
 import numpy as np
 import pytest
 
-from batchvlm.engine.kv_cache import BlockManager, OutOfBlocks
+from batchvlm.cache.blocks import BlockManager, OutOfBlocks
 from batchvlm.engine.staging import Emissions
 from batchvlm.engine.scheduler import Scheduler
-from batchvlm.engine.sequence import Image, SeqState, Sequence
-from batchvlm.models.decoding import EMIT_NONE, MODE_DETECT, MODE_POINT, MODE_TEXT, SeqSpec
+from batchvlm.engine.sequence import Image, Prefix, SeqState, Sequence
+from batchvlm.models.decoding import EMIT_NONE, MODE_TEXT, SeqSpec
+from batchvlm.models.moondream.grammar import MODE_DETECT, MODE_POINT, spec
 
 
 def test_block_refcounts():
@@ -29,16 +30,16 @@ def test_block_refcounts():
 
 
 SPECS = [SeqSpec(MODE_TEXT, (1, 2, 3), 6), SeqSpec(MODE_TEXT, (1, 2, 3, 4, 5, 6, 7), 3),
-         SeqSpec(MODE_DETECT, (1, 9, 3), 4), SeqSpec(MODE_POINT, (1, 10, 3), 2)]
+         spec(MODE_DETECT, (1, 9, 3), 4), spec(MODE_POINT, (1, 10, 3), 2)]
 
 
 def make_images(n: int, rng: random.Random, prefix_len: int | None = None) -> list[Image]:
     """Images with 1..all of SPECS; prefix lengths vary per image unless given."""
     images = []
     for i in range(n):
-        image = Image(ticket=i, prepared=None, key=str(i), prefix_len=prefix_len or rng.randint(3, 24), next_pos=0)
+        image = Image(ticket=i, prepared=None, key=str(i), prefixes=[Prefix((), prefix_len or rng.randint(3, 24), 0)])
         specs = rng.sample(SPECS, rng.randint(1, len(SPECS)))
-        image.seqs = [Sequence(image, j, s, seed=0) for j, s in enumerate(specs)]
+        image.seqs = [Sequence(image, image.prefixes[0], j, s, seed=0) for j, s in enumerate(specs)]
         images.append(image)
     return images
 
@@ -89,7 +90,7 @@ def test_random_finishes_never_leak_or_overcommit(seed, pipelined, batched):
                 returned.append(image.ticket)
                 # Prefix blocks are held while any of the image's sequences is not retired.
                 live = [s for s in image.seqs if s.state is not SeqState.RETIRED]
-                for b in image.prefix_blocks:
+                for b in image.prefixes[0].blocks:
                     assert blocks.refs(b) == len(live)
         elif plan is None:
             assert sched.idle or pending, "stalled"
@@ -103,13 +104,13 @@ def test_plan_holds_prefix_once_and_own_blocks_per_sequence():
     blocks = BlockManager(64, 4)
     sched = Scheduler(blocks, 8, n_image_slots=2)
     image = make_images(1, random.Random(3), prefix_len=13)[0]
-    image.seqs = [Sequence(image, j, s, seed=0) for j, s in enumerate(SPECS)]
+    image.seqs = [Sequence(image, image.prefixes[0], j, s, seed=0) for j, s in enumerate(SPECS)]
     sched.add_encoded(image, sched.take_image_slot())
     plan = sched.schedule()
     assert plan.prefix_tables.shape == (1, 4)  # ceil(13 / 4) prefix blocks, once
     assert plan.prompt_image.tolist() == [0, 0, 0, 0]
     assert plan.prompt_tables.shape == (4, 2)  # own blocks in use: ceil(7 / 4)
-    for b in image.prefix_blocks:
+    for b in image.prefixes[0].blocks:
         assert blocks.refs(b) == 4
     assert plan.needs.tolist() == [1, 1, 3, 3]  # text: token head; spatial: token + x
 

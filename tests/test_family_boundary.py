@@ -53,3 +53,13 @@ def test_nothing_outside_models_imports_a_family():
     assert offenders == []
     assert all("moondream" not in line for p in paths for line in p.read_text().splitlines()
                if not line.lstrip().startswith("#"))
+
+
+def test_models_import_nothing_from_the_engine():
+    """The layers: engine/ drives models/ through the interface; models/ (and the neutral
+    cache/ both share) never import engine/, not even for type checking."""
+    engine_import = re.compile(r"^\s*(from|import)\s+(\.\.+|batchvlm\.)engine\b", re.M)
+    paths = [p for d in ("models", "cache") for p in (ROOT / d).rglob("*.py")]
+    assert [str(p.relative_to(ROOT)) for p in paths if engine_import.search(p.read_text())] == []
+    models_import = re.compile(r"^\s*(from|import)\s+(\.\.+|batchvlm\.)(models|engine)\b", re.M)
+    assert [str(p.relative_to(ROOT)) for p in (ROOT / "cache").rglob("*.py") if models_import.search(p.read_text())] == []

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from batchvlm.models.attention import AttentionBatch, KVCache, attend, plan_groups
-from batchvlm.models.decoding import MODE_TEXT, RowState, SeqSpec, decide_text
+from batchvlm.cache.specs import PagedKV
+from batchvlm.models.attention import AttentionBatch, attend, plan_groups
+from batchvlm.models.decoding import MODE_TEXT, RowState, SeqSpec, decide_text, emit_text
 from batchvlm.models.family import ModelInfo, PrefixInputs
 
 DIM, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB, PIXELS = 32, 4, 2, 8, 2, 40, 6
@@ -74,11 +75,11 @@ class ToyModel:
         self.stop_ids = torch.tensor([STOP])
 
     # --- the engine's interface (models/family.py EngineModel)
-    def new_kv_cache(self, n_blocks: int, block_size: int) -> KVCache:
-        return KVCache.allocate(LAYERS, n_blocks, block_size, KV_HEADS, HEAD_DIM, self.dtype, self.device)
+    def state_specs(self) -> list[PagedKV]:
+        return [PagedKV("attn", LAYERS, KV_HEADS, HEAD_DIM, self.dtype)]
 
-    def kv_bytes_per_token(self) -> int:
-        return 2 * LAYERS * KV_HEADS * HEAD_DIM * 4
+    def prefix_layout(self, image: ToyImage, prompt: tuple[int, ...]) -> tuple[int, int]:
+        return image.prefix_len, image.next_pos
 
     def encode(self, images: list[ToyImage]) -> list[torch.Tensor]:
         return [torch.tanh(im.pixels @ self.vision) for im in images]
@@ -86,7 +87,7 @@ class ToyModel:
     def largest_vision_batch(self) -> list[ToyImage]:
         return [ToyImage(torch.zeros(300, PIXELS))]
 
-    def prefix_inputs(self, features: list[torch.Tensor]) -> PrefixInputs:
+    def prefix_inputs(self, features: list[torch.Tensor], prompts) -> PrefixInputs:
         return PrefixInputs(torch.cat(features), torch.cat([prefix_positions(f.shape[0]) for f in features], dim=1))
 
     def own_positions(self, pos_N: torch.Tensor) -> torch.Tensor:
@@ -98,10 +99,13 @@ class ToyModel:
     def embed_inputs(self, kind_N, token_N, value_N2) -> torch.Tensor:
         return self.wte[token_N]
 
-    def forward(self, embeds_NC, positions, batch: AttentionBatch, cache: KVCache, prefix=None) -> torch.Tensor:
-        plans = plan_groups(batch, cache)
+    def forward(self, embeds_NC, positions, batch: AttentionBatch, cache, prefix=None) -> torch.Tensor:
+        kv = cache.paged["attn"]
+        plans = plan_groups(batch, kv)
         return self._layers(embeds_NC, positions,
-                            lambda i, q, k, v: attend(q, k, v, cache.k[i], cache.v[i], batch, plans))
+                            lambda i, q, k, v: attend(q, k, v, kv.k[i], kv.v[i], batch, plans))
+
+    emit = staticmethod(emit_text)
 
     def decide(self, hidden_BC, state: RowState, sampling: bool, heads):
         return decide_text(self.logits(hidden_BC), state, self.stop_ids, sampling)

@@ -18,17 +18,19 @@ from typing import Any
 
 import torch
 
+from ..cache.blocks import BlockManager, SnapshotSlots
+from ..cache.specs import bytes_per_slot, bytes_per_state, has_recurrent
+from ..cache.tensors import EngineCache
 from ..job import EngineSpec
-from ..models.decoding import Decision, RawOutput
-from ..models.family import EngineModel, TaskSequence
-from ..models.fused_attention import COMPILED
-from .kv_cache import BlockManager
-from .labeler import WorkItem, sequence_seed
+from ..models.decoding import Decision, RawOutput, sequence_seed
+from ..models.family import EngineModel, TaskSequence, WorkItem
+from ..models import attention
+from ..models.fused_attention import COMPILED, FusedAttention, MaskBounds
 from .memory import available_bytes
 from .plan import PREFILL_TOKENS_PER_STEP, StepPlan
 from .runner import Runner
 from .scheduler import Scheduler
-from .sequence import Image, Sequence
+from .sequence import Image, Prefix, Sequence
 from .staging import InFlight
 from .warmup import largest_step
 
@@ -45,25 +47,35 @@ class Engine:
                  log: Callable[[str], None] = print_stderr):
         # the device's default batch size where the job gives none
         settings = settings.model_copy(update={"max_batch_size": settings.batch_size_for(model.device.type)})
-        self.model, self.seqs, self.settings, self.max_prefix_len = model, seqs, settings, max_prefix_len
+        self.model, self.seqs, self.settings = model, seqs, settings
+        # A prefix is the image's features then its sequences' prefix prompt.
+        self.max_prefix_len = max_prefix_len = max_prefix_len + max(len(s.spec.prefix_prompt) for s in seqs)
         self.log = log
         if model.device.type == "cuda":  # graph capture and side streams use the current device
             torch.cuda.set_device(model.device)
         self._compiled_before = (COMPILED.shapes, COMPILED.seconds)  # flex compiles are process-wide
         self.sampling = any(s.spec.temperature > 0 for s in seqs)
+        self.specs = model.state_specs()
         bs = settings.block_size
         n_rows = settings.max_batch_size
         blocks_for = lambda n: -(-n // bs)  # noqa: E731
-        n_prefix = blocks_for(max_prefix_len)
+        prompts = [s.spec.prefix_prompt for s in seqs]
+        self.prefixes_per_image = len(set(prompts))
+        self.seqs_per_prefix = max(prompts.count(p) for p in prompts)
+        n_prefix = blocks_for(max_prefix_len) * self.prefixes_per_image
         self.own_blocks = [blocks_for(len(s.spec.prompt) + s.spec.budget) for s in seqs]
         n_slots = max(settings.max_images_in_flight, 1)
+        # Snapshot holders: the prefixes of the images prefilled in one step (at most one feature
+        # slot each; scheduler.py admits no new image while one still has waiting sequences).
+        self.n_snapshots = n_slots * self.prefixes_per_image if has_recurrent(self.specs) else 0
         n_blocks, n_rows = self._kv_blocks(n_rows, n_prefix, max(self.own_blocks), bs)
         # Rows beyond what the blocks can hold at once would never run: their staging is waste.
         n_rows = max(1, min(n_rows, (n_blocks - 1 - n_prefix) // min(self.own_blocks)))
         self.images_to_fill = math.ceil(n_rows / len(seqs))
-        cache = model.new_kv_cache(n_blocks, bs)
-        runner_args = (model, cache, n_rows, n_slots, max_prefix_len, max(self.own_blocks),
-                       max(len(s.spec.prompt) for s in seqs), len(seqs))
+        cache = EngineCache.allocate(self.specs, n_blocks, bs, n_rows, self.n_snapshots, model.device)
+        self._bound_attention(cache, n_rows)
+        runner_args = (model, cache, n_rows, n_slots * self.prefixes_per_image, max_prefix_len,
+                       max(self.own_blocks), self.seqs_per_prefix)
         try:
             self.runner = Runner(*runner_args, settings.cuda_graphs, self.sampling)
         except torch.OutOfMemoryError:  # capturing the graphs: run every step eagerly instead
@@ -76,16 +88,31 @@ class Engine:
         graphs = self.runner.graphs
         # With graphs, admit once an eighth of the rows is free: steps that admit run eagerly.
         self.scheduler = Scheduler(BlockManager(n_blocks, bs), n_rows, n_slots,
-                                   admit_rows=max(1, n_rows // 8) if graphs is not None else 1)
+                                   admit_rows=max(1, n_rows // 8) if graphs is not None else 1,
+                                   snapshots=SnapshotSlots(self.n_snapshots) if self.n_snapshots else None,
+                                   emit=model.emit)
         self.inflight: deque[InFlight] = deque()
         self._held: WorkItem | None = None  # the next image, when it did not fit in the last vision batch
         # On CPU a launch runs the whole forward before returning: pipelining would only add a
         # zombie row per finish and a step of admission lag.
         self.pipelined = model.device.type == "cuda" if settings.pipelined == "auto" else settings.pipelined
         self.step = self._step_pipelined if self.pipelined else self._step_sync
-        self.stats = {"steps": 0, "graph_steps": 0, "kv_blocks": n_blocks, "rows": n_rows,
+        self.stats = {"steps": 0, "graph_steps": 0, "vision_images": 0, "kv_blocks": n_blocks, "rows": n_rows,
                       "graph_capture_s": round(graphs.capture_s, 2) if graphs is not None else 0.0}
         self._count_compiles()
+
+    def _bound_attention(self, cache: EngineCache, n_rows: int) -> None:
+        """Pick each paged cache's attention backend now (else on first use) and give a fused one
+        this engine's maxima: every mask it builds, graph captures included, is padded to them, so
+        its compiled kernel shapes are fixed (models/fused_attention.py)."""
+        bs = self.settings.block_size
+        bounds = MaskBounds(n_rows, max(self.own_blocks), -(-self.max_prefix_len // bs),
+                            max(len(s.spec.prompt) for s in self.seqs), self.seqs_per_prefix)
+        for kv in cache.paged.values():
+            if kv.backend is None:
+                kv.backend = attention.backend_for(kv.k.device)
+            if isinstance(kv.backend, FusedAttention):
+                kv.backend.bounds = bounds
 
     def _count_compiles(self) -> None:
         """flex_attention shapes compiled since this engine began (warm-up and graph capture included)."""
@@ -106,8 +133,9 @@ class Engine:
             reserve, n_rows = self._warmup_peak_bytes(n_rows)
         images_to_fill = math.ceil(n_rows / len(self.seqs))
         wanted = 1 + 2 * images_to_fill * n_prefix + n_rows * max_own + sum(self.own_blocks)
-        per_block = model.kv_bytes_per_token() * bs
+        per_block = bytes_per_slot(self.specs) * bs
         room = int((available_bytes(model.device) - reserve) * self.settings.kv_memory_fraction)
+        room -= bytes_per_state(self.specs) * (n_rows + 1 + self.n_snapshots)  # recurrent kinds: fixed
         fits = room // per_block
         one_image = 1 + n_prefix + max_own
         if fits < one_image:
@@ -148,13 +176,14 @@ class Engine:
         model, seqs, bs = self.model, self.seqs, self.settings.block_size
         feats = model.encode(model.largest_vision_batch())
         max_prompt = max(len(s.spec.prompt) for s in seqs)
-        plan = largest_step(n_rows, len(seqs), self.max_prefix_len, max_prompt,
-                            max(len(s.spec.prompt) + s.spec.budget for s in seqs), bs, prefill_tokens)
-        runner = Runner(model, model.new_kv_cache(2, bs), n_rows, max(len(plan.prefix_slots), 1),
-                        self.max_prefix_len, max(self.own_blocks), max_prompt, len(seqs), False, self.sampling)
-        for slot in plan.prefix_slots.tolist():
-            runner.features[slot] = feats[slot % len(feats)]
-        return runner._eager(plan, runner.slots[0])
+        plan = largest_step(n_rows, self.seqs_per_prefix, self.max_prefix_len, max_prompt,
+                            max(len(s.spec.prompt) + s.spec.budget for s in seqs), bs, prefill_tokens,
+                            max(len(s.spec.prefix_prompt) for s in seqs), bool(self.n_snapshots))
+        scratch = EngineCache.allocate(self.specs, 2, bs, n_rows, max(self.n_snapshots, 1), model.device)
+        self._bound_attention(scratch, n_rows)
+        runner = Runner(model, scratch, n_rows, max(len(plan.prefix_slots), 1),
+                        self.max_prefix_len, max(self.own_blocks), self.seqs_per_prefix, False, self.sampling)
+        return runner.warm_up(plan, feats)
 
     # ------------------------------------------------------------------ the loop
 
@@ -176,19 +205,15 @@ class Engine:
 
     def _launch(self, plan: StepPlan) -> InFlight:
         inflight = self.runner.launch(plan)
-        r, stats = self.runner, self.stats
+        stats = self.stats
         stats["steps"] += 1
-        stats["graph_steps"] = r.graph_steps
+        stats["graph_steps"] = self.runner.graph_steps
         self._count_compiles()
-        if r.oom_rows:  # the step still ran whole, in parts; later steps get half its rows
-            rows = r.oom_rows[0]
-            r.oom_rows.clear()
-            sched = self.scheduler
-            sched.row_cap = max(1, min(sched.row_cap, rows // 2))
-            sched.admit_rows = min(sched.admit_rows, max(1, sched.row_cap // 8))
+        if inflight.oom_rows:  # the step still ran whole, in parts; later steps get half its rows
+            cap = self.scheduler.shrink(inflight.oom_rows // 2)
             stats["oom_halvings"] = stats.get("oom_halvings", 0) + 1
-            self.log(f"batchvlm: out of accelerator memory in a step of {rows} sequences; it ran in parts, "
-                     f"and steps now hold at most {sched.row_cap} sequences")
+            self.log(f"batchvlm: out of accelerator memory in a step of {inflight.oom_rows} sequences; it ran "
+                     f"in parts, and steps now hold at most {cap} sequences")
         return inflight
 
     def summary(self) -> str:
@@ -216,9 +241,15 @@ class Engine:
                 self._held = item
                 sched.free_image_slots.append(slot)
                 break
-            image = Image(item.ticket, item.image, item.key, item.image.prefix_len, item.image.next_pos)
-            image.seqs = [Sequence(image, j, s.spec, sequence_seed(self.settings.seed, item.key, j))
-                          for j, s in enumerate(self.seqs)]
+            image = Image(item.ticket, item.image, item.key)
+            by_prompt: dict[tuple[int, ...], Prefix] = {}
+            for s in self.seqs:
+                if s.spec.prefix_prompt not in by_prompt:
+                    by_prompt[s.spec.prefix_prompt] = Prefix(s.spec.prefix_prompt,
+                                                             *self.model.prefix_layout(item.image, s.spec.prefix_prompt))
+            image.prefixes = list(by_prompt.values())
+            image.seqs = [Sequence(image, by_prompt[s.spec.prefix_prompt], j, s.spec,
+                                   sequence_seed(self.settings.seed, item.key, j)) for j, s in enumerate(self.seqs)]
             batch.append((image, slot))
             cost += item.image.cost
         self._encode(batch)
@@ -228,6 +259,7 @@ class Engine:
         if not batch:
             return
         self.runner.encode([im.prepared for im, _ in batch], [slot for _, slot in batch])
+        self.stats["vision_images"] += len(batch)
         for image, slot in batch:
             image.prepared = None  # crops are on the device now
             self.scheduler.add_encoded(image, slot)

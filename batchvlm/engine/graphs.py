@@ -12,28 +12,20 @@ every row here (fixed shapes). Prefix tables are as wide as the widest prefix th
 from __future__ import annotations
 
 import time
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from ..models.attention import AttentionBatch
+from ..cache.spans import StateSpans
+from ..models.attention import AttentionBatch, bucket
 from ..models.decoding import Decision
+from .inputs import NO_DECODE, DecodeInputs, decode_inputs, pad_decode
 from .plan import StepPlan
-from .staging import Slot, rows_by_image
+from .staging import Slot
 
 if TYPE_CHECKING:
     from .runner import Runner
-
-FIELDS = ("rows", "own", "pos", "tables", "image_tables", "image_lens", "by_image", "slot")
-
-
-def bucket(n: int) -> int:
-    b = 1
-    while b < n:
-        b *= 2
-    return b
-
 
 def key_of(n_rows: int, n_images: int, max_rows: int) -> tuple[int, int]:
     return min(bucket(n_rows), max_rows), min(bucket(n_images), max_rows)
@@ -66,21 +58,17 @@ class DecodeGraphs:
     def _capture(self, n_rows: int, n_images: int):
         r = self.r
         dev = r.device
-        static = {"rows": torch.full((n_rows,), r.n_rows, dtype=torch.long, device=dev),
-                  "own": torch.zeros(n_rows, dtype=torch.long, device=dev),
-                  "pos": torch.zeros(n_rows, dtype=torch.long, device=dev),
-                  "tables": torch.zeros(n_rows, self.own, dtype=torch.long, device=dev),
-                  "image_tables": torch.zeros(n_images, self.nbp, dtype=torch.long, device=dev),
-                  "image_lens": torch.ones(n_images, dtype=torch.long, device=dev),
-                  "by_image": torch.full((n_images, self.per_image), n_rows, dtype=torch.long, device=dev),
-                  "slot": torch.full((n_rows, 1), n_images * self.per_image, dtype=torch.long, device=dev)}
+        # The inputs of an all-padding step, as device buffers the graph reads (run() fills them).
+        pad = pad_decode(NO_DECODE, n_rows, n_images, self.per_image, self.own, self.nbp, r.n_rows)
+        static = DecodeInputs(*(torch.from_numpy(getattr(pad, f.name)).to(dev) for f in fields(DecodeInputs)))
 
         def body() -> Decision:
             embeds, own_pos, groups, write_slots = [], [], [], []
-            r.decode_group(*(static[k] for k in FIELDS), 0, embeds, own_pos, write_slots, groups)
-            batch = AttentionBatch(write_slots[0], groups, r.bs)
+            r.decode_group(static, 0, embeds, own_pos, write_slots, groups)
+            states = StateSpans([], [], [], [], static.rows, 0) if r.recurrent else None
+            batch = AttentionBatch(write_slots[0], groups, r.bs, 0, states)
             hidden = r.model.forward(embeds[0], r.model.own_positions(own_pos[0]), batch, r.cache)
-            return r.decide(static["rows"], hidden, None)
+            return r.decide(static.rows, hidden, None)
 
         if not self.capture:
             self.graphs[(n_rows, n_images)] = (None, static, body)
@@ -100,33 +88,12 @@ class DecodeGraphs:
 
     def run(self, plan: StepPlan, slot: Slot) -> Decision:
         r = self.r
-        D, I = len(plan.decode_rows), len(plan.decode_image_tables)
-        key = key_of(D, I, r.n_rows)
+        key = key_of(len(plan.decode_rows), len(plan.decode_image_tables), r.n_rows)
         graph, static, out = self.graphs[key]  # captured at start-up
-        n_rows, n_images = key
-        rows = np.full(n_rows, r.n_rows, dtype=np.int64)
-        rows[:D] = plan.decode_rows
-        own = np.zeros(n_rows, dtype=np.int64)
-        own[:D] = plan.decode_own
-        pos = np.zeros(n_rows, dtype=np.int64)
-        pos[:D] = plan.decode_pos
-        tables = np.zeros((n_rows, self.own), dtype=np.int64)
-        tables[:D, : plan.decode_tables.shape[1]] = plan.decode_tables
-        image_tables = np.zeros((n_images, self.nbp), dtype=np.int64)
-        image_tables[:I, : plan.decode_image_tables.shape[1]] = plan.decode_image_tables
-        image_lens = np.ones(n_images, dtype=np.int64)
-        image_lens[:I] = plan.decode_image_lens
-        grouped, slot_actual = rows_by_image(plan.decode_image, np.arange(D, dtype=np.int64)[:, None], I, n_rows)
-        by_image = np.full((n_images, self.per_image), n_rows, dtype=np.int64)
-        by_image[:I, : grouped.shape[1]] = grouped
-        # The same slots, in the graph's fixed [n_images, per_image] layout.
-        M = max(grouped.shape[1], 1)
-        q_slot = np.full((n_rows, 1), n_images * self.per_image, dtype=np.int64)
-        q_slot[:D, 0] = slot_actual[:, 0] // M * self.per_image + slot_actual[:, 0] % M
-        uploaded, _ = slot.upload([rows, own, pos, tables, image_tables, image_lens, by_image, q_slot], [],
-                                  r.device, r.compute)
-        for k, v in zip(FIELDS, uploaded):
-            static[k].copy_(v)
+        d = pad_decode(decode_inputs(plan, 0, key[0]), *key, self.per_image, self.own, self.nbp, r.n_rows)
+        d = slot.upload(d, r.device, r.compute)
+        for f in fields(DecodeInputs):
+            getattr(static, f.name).copy_(getattr(d, f.name))
         if graph is None:
             return out()  # the uncaptured body
         graph.replay()

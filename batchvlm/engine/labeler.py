@@ -1,21 +1,7 @@
-"""What the run loop hands the engine: one image to label, with a handle to get it back."""
+"""Where the engine's callers found WorkItem and sequence_seed before they moved beside the
+family interface (models/ imports nothing from engine/)."""
 
-from __future__ import annotations
+from ..models.decoding import sequence_seed
+from ..models.family import WorkItem
 
-import zlib
-from dataclasses import dataclass
-from typing import Any
-
-from ..models.family import Prepared
-
-
-@dataclass
-class WorkItem:
-    ticket: Any  # the caller's handle, returned with the result
-    image: Prepared
-    key: str  # sample key: with the job seed it seeds sampling, whatever the batch
-
-
-def sequence_seed(job_seed: int, key: str, seq: int) -> int:
-    """Sampling seed of one sequence: a function of the job seed, sample key and task alone."""
-    return zlib.crc32(f"{job_seed}/{key}/{seq}".encode())
+__all__ = ["WorkItem", "sequence_seed"]

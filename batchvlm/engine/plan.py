@@ -1,9 +1,9 @@
 """StepPlan: the only contract between the scheduler (host bookkeeping) and the runner (device).
 
 Host arrays only; the runner turns them into one forward. Emissions come back in the order
-`new_rows` then `decode_rows`. Block tables of sequences list only their own blocks: the image
-prefix is attended once per image (models/attention.py, TaskGroup). Prefix tables are padded
-with the null block to the widest image of the step; `*_lens` say how many slots are real.
+`new_rows` then `decode_rows`. Block tables of sequences list only their own blocks: a prefix
+is attended once per prefix (models/attention.py, TaskGroup). Prefix tables are padded with the
+null block to the widest prefix of the step; `*_lens` say how many slots are real.
 """
 
 from __future__ import annotations
@@ -14,17 +14,20 @@ import numpy as np
 
 from .sequence import Sequence
 
-NEED_TOKEN, NEED_COORD, NEED_SIZE = 1, 2, 4
 PREFILL_TOKENS_PER_STEP = 4096  # image-prefix tokens prefilled per step (at least one image)
 
 
 @dataclass
 class StepPlan:
     step: int
-    # Image prefixes prefilled in this step: their feature slots, lengths and prefix blocks.
+    # Prefixes prefilled in this step: their image's feature slot (prefixes of one image share
+    # it), lengths, blocks, prefix prompts and recurrent-state snapshot slot (-1: none).
     prefix_slots: np.ndarray  # [I] int64
     prefix_lens: np.ndarray  # [I] int64
     prefix_tables: np.ndarray  # [I, n_prefix_blocks] int64
+    prefix_tokens: np.ndarray  # [sum of prefix prompt lengths] int64
+    prefix_prompt_lens: np.ndarray  # [I] int64
+    prefix_snapshot: np.ndarray  # [I] int64
     # Sequences admitted in this step: device-state rows, initial state, prompt and own blocks.
     new_rows: np.ndarray  # [S] int64
     new_int: np.ndarray  # [S, 3] int64: mode, limit, seed
@@ -33,7 +36,8 @@ class StepPlan:
     prompt_lens: np.ndarray  # [S] int64
     prompt_pos0: np.ndarray  # [S] int64: rotary position of each prompt's first token
     prompt_tables: np.ndarray  # [S, n_own_blocks] int64
-    prompt_image: np.ndarray  # [S] int64: index into prompt_image_tables
+    prompt_fork: np.ndarray  # [S] int64: snapshot slot each prompt's recurrent state forks from (-1: none)
+    prompt_image: np.ndarray  # [S] int64: index into prompt_image_tables (its prefix)
     prompt_image_tables: np.ndarray  # [I_p, n_prefix_blocks] int64: prefixes the prompts attend to
     prompt_image_lens: np.ndarray  # [I_p] int64
     # Running sequences decoding one token each; their inputs are already on the device.
@@ -41,10 +45,10 @@ class StepPlan:
     decode_own: np.ndarray  # [D] int64: own index of the token being fed
     decode_pos: np.ndarray  # [D] int64: its rotary position
     decode_tables: np.ndarray  # [D, n_own_blocks] int64
-    decode_image: np.ndarray  # [D] int64: index into decode_image_tables
+    decode_image: np.ndarray  # [D] int64: index into decode_image_tables (its prefix)
     decode_image_tables: np.ndarray  # [I_d, n_prefix_blocks] int64
     decode_image_lens: np.ndarray  # [I_d] int64
-    # Which output heads each emitting row needs (NEED_* bits), known from its grammar phase:
+    # Which output heads each emitting row needs (bit b: head b; SeqSpec.heads), known from its grammar phase:
     # the host can predict it because a sequence that leaves the cycle has finished.
     needs: np.ndarray  # [S + D] int64
     # Host bookkeeping (the runner ignores it): who each emission belongs to.

@@ -26,23 +26,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..models.attention import PAD, AttentionBatch, KVCache, PrefixGroup, SharedPrefix, TaskGroup, slot_of
+from ..cache.spans import StateSpans
+from ..cache.tensors import EngineCache
+from ..models.attention import AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
 from ..models.decoding import Decision, RowState
 from ..models.family import EngineModel, Prepared
-from ..models.fused_attention import FusedAttention, MaskBounds
 from .graphs import DecodeGraphs
-from .plan import NEED_COORD, NEED_SIZE, NEED_TOKEN, PREFILL_TOKENS_PER_STEP, StepPlan
+from .inputs import DecodeInputs, step_inputs
+from .plan import StepPlan
 from .split import split_plan, units
-from .staging import Emissions, InFlight, Slot, rows_by_image
+from .staging import Emissions, InFlight, Slot
 
 STATE_INT = ("mode", "phase", "count", "limit", "seed")
+STATE_FLOAT = ("temperature", "top_p")
 
 
 def _extent(lens: np.ndarray) -> tuple[int, bool]:
-    """(longest prefix, every prefix that long) of a step's images, from the host's plan."""
+    """(longest prefix, every prefix that long) of a step's prefixes, from the host's plan."""
     n = int(lens.max())
     return n, bool((lens == n).all())
-STATE_FLOAT = ("temperature", "top_p")
 
 
 class HostEvent:
@@ -51,14 +53,15 @@ class HostEvent:
 
 
 class Runner:
-    def __init__(self, model: EngineModel, cache: KVCache, n_rows: int, n_image_slots: int, max_prefix_len: int,
-                 max_own_blocks: int, max_prompt: int, seqs_per_image: int, cuda_graphs: bool, sampling: bool):
+    def __init__(self, model: EngineModel, cache: EngineCache, n_rows: int, n_image_slots: int, max_prefix_len: int,
+                 max_own_blocks: int, seqs_per_image: int, cuda_graphs: bool, sampling: bool):
         self.model = model
         self.cache = cache
         self.device = dev = model.device
         self.bs = cache.block_size
         self.n_rows = n_rows
         self.sampling = sampling
+        self.recurrent = bool(cache.recurrent)
         R = n_rows + 1  # the last row is scratch for padding
         self.state_int = {f: torch.zeros(R, dtype=torch.long, device=dev) for f in STATE_INT}
         self.state_float = {f: torch.zeros(R, dtype=torch.float32, device=dev) for f in STATE_FLOAT}
@@ -69,13 +72,8 @@ class Runner:
         # Per image slot: the family's features until the prefill step is collected.
         self.features: list[Any] = [None] * n_image_slots
         nbp = -(-max_prefix_len // self.bs)
-        if isinstance(cache.backend, FusedAttention):  # every step's masks padded to these: fixed compiled shapes
-            cache.backend.bounds = MaskBounds(n_rows, max_own_blocks, nbp, max_prompt, seqs_per_image)
-        # Staging ints of the largest step: per row, per image slot (its padded prefix row
-        # included) and per prefill token (at most one step's budget, or one whole image).
-        capacity = (64 + n_rows * (28 + 2 * max_own_blocks + 5 * max_prompt + 2 * nbp + seqs_per_image)
-                    + n_image_slots * (3 + nbp + max_prefix_len) + 2 * max(PREFILL_TOKENS_PER_STEP, max_prefix_len))
-        self.slots = [Slot(dev, capacity, n_rows), Slot(dev, capacity, n_rows)]
+        # Staging grows on demand (staging.py); this is room for a few hundred rows' steps.
+        self.slots = [Slot(dev, 1 << 16, n_rows), Slot(dev, 1 << 16, n_rows)]
         self._next_slot = 0
         cuda = dev.type == "cuda"
         self.compute = torch.cuda.current_stream(dev) if cuda else None
@@ -83,7 +81,6 @@ class Runner:
         self.vision_stream = torch.cuda.Stream(dev) if cuda else None
         self.vision_events: list[torch.cuda.Event | HostEvent | None] = [None] * n_image_slots
         self.graph_steps = 0  # steps that replayed a graph (or ran its fixed-shape body)
-        self.oom_rows: list[int] = []  # rows of each step that ran out of memory (then split)
         self.graphs = DecodeGraphs(self, nbp, max_own_blocks, seqs_per_image) \
             if (cuda and cuda_graphs) else None
 
@@ -125,7 +122,10 @@ class Runner:
     # ------------------------------------------------------------------ steps
 
     def launch(self, plan: StepPlan) -> InFlight:
+        """Start one step. InFlight.oom_rows: the rows of the step if it ran out of memory (it
+        still ran whole, in parts), else 0."""
         slot = self.slots[self._next_slot]
+        oom: list[int] = []
         self._next_slot ^= 1
         for event in self.vision_waits(plan.prefix_slots):
             if self.compute is not None:
@@ -135,13 +135,20 @@ class Runner:
                 self.graph_steps += 1
                 decision = self.graphs.run(plan, slot)
             else:
-                decision = self._eager_fitting(plan, slot)
+                decision = self._eager_fitting(plan, slot, oom)
             self._download(decision, plan.n_out, slot)
-        return InFlight(plan, slot)
+        return InFlight(plan, slot, oom[0] if oom else 0)
 
-    def _eager_fitting(self, plan: StepPlan, slot: Slot) -> Decision:
+    @torch.inference_mode()
+    def warm_up(self, plan: StepPlan, features: list[Any]) -> Decision:
+        """Run a plan eagerly with the given features per prefix slot (start-up sizing only)."""
+        for slot in plan.prefix_slots.tolist():
+            self.features[slot] = features[slot % len(features)]
+        return self._eager(plan, self.slots[0])
+
+    def _eager_fitting(self, plan: StepPlan, slot: Slot, oom: list[int]) -> Decision:
         """The eager step; on out-of-memory, the same work as two half plans, recursively, so no
-        row is lost (split.py). Records the failed plan's rows in `oom_rows` for the engine.
+        row is lost (split.py). Appends the failed plan's rows to `oom`.
 
         Rare and off the hot path, so it synchronizes: the device must be done with the failed
         attempt (and each part's upload) before the slot's pinned inputs are overwritten. A
@@ -154,13 +161,13 @@ class Runner:
         except torch.OutOfMemoryError:
             if units(plan) < 2:
                 raise
-        self.oom_rows.append(plan.n_out)
+        oom.append(plan.n_out)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         parts = []
         for part in split_plan(plan):
-            parts.append(self._eager_fitting(part, slot))
+            parts.append(self._eager_fitting(part, slot, oom))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         return Decision(*(torch.cat([getattr(d, f.name) for d in parts]) for f in fields(Decision)))
@@ -195,88 +202,54 @@ class Runner:
             slot.done.record(self.copy_stream)
 
     def _eager(self, plan: StepPlan, slot: Slot) -> Decision:
-        m, bs, dev = self.model, self.bs, self.device
+        m, bs = self.model, self.bs
+        x, layout = step_inputs(plan, self.recurrent, self.cache.snapshot_index)
+        x = slot.upload(x, self.device, self.compute)
         I, S, D = len(plan.prefix_slots), len(plan.new_rows), len(plan.decode_rows)
-        n_pre = int(plan.prefix_lens.sum())
-        L = int(plan.prefix_lens.max()) if I else 0
-        T = int(plan.prompt_lens.max()) if S else 0
-        n_prompt = int(plan.prompt_lens.sum())
-        N = n_pre + n_prompt + D
-        # Prefix tokens: image i's token j sits at flat row pre_start[i] + j.
-        pre_start = np.cumsum(plan.prefix_lens) - plan.prefix_lens
-        pre_img = np.repeat(np.arange(I), plan.prefix_lens)
-        pre_j = np.arange(n_pre) - pre_start[pre_img]
-        q_pre = np.full((I, L), N, dtype=np.int64)
-        q_pre[pre_img, pre_j] = np.arange(n_pre)
-        # Prompt tokens: sequence s's own token j at flat row n_pre + prompt_start[s] + j.
-        prompt_start = np.cumsum(plan.prompt_lens) - plan.prompt_lens
-        flat_seq = np.repeat(np.arange(S), plan.prompt_lens)
-        flat_own = np.arange(n_prompt) - prompt_start[flat_seq]
-        flat_pos = plan.prompt_pos0[flat_seq] + flat_own
-        q_prompt = np.full((S, T), N, dtype=np.int64)
-        q_prompt[flat_seq, flat_own] = n_pre + np.arange(n_prompt)
-        own_prompt = np.full((S, T), PAD, dtype=np.int64)
-        own_prompt[flat_seq, flat_own] = flat_own
-        prompt_by_image, prompt_slot = rows_by_image(plan.prompt_image, q_prompt, len(plan.prompt_image_tables), N)
-        decode_flat = np.arange(n_pre + n_prompt, N, dtype=np.int64)[:, None]
-        decode_by_image, decode_slot = rows_by_image(plan.decode_image, decode_flat, len(plan.decode_image_tables), N)
-        last = np.concatenate([q_prompt[np.arange(S), plan.prompt_lens - 1], decode_flat[:, 0]])
-        lm, co, sz = (np.flatnonzero(plan.needs & bit) for bit in (NEED_TOKEN, NEED_COORD, NEED_SIZE))
-        ints, floats = slot.upload(
-            [plan.prefix_lens, plan.prefix_tables, q_pre, pre_img, pre_j,
-             plan.new_rows, plan.new_int, plan.prompt_tokens, plan.prompt_lens, plan.prompt_tables,
-             plan.prompt_image_tables, plan.prompt_image_lens, q_prompt, own_prompt, prompt_by_image, prompt_slot,
-             flat_seq, flat_own, flat_pos,
-             plan.decode_rows, plan.decode_own, plan.decode_pos, plan.decode_tables, plan.decode_image_tables,
-             plan.decode_image_lens, decode_by_image, decode_slot, last, lm, co, sz],
-            [plan.new_float], dev, self.compute)
-        (prefix_lens, prefix_tables, q_pre_t, pre_img_t, pre_j_t,
-         new_rows, new_int, prompt_tokens, prompt_lens, prompt_tables,
-         prompt_image_tables, prompt_image_lens, q_prompt_t, own_prompt_t, prompt_by_image_t, prompt_slot_t,
-         flat_seq_t, flat_own_t, flat_pos_t,
-         decode_rows, decode_own, decode_pos, decode_tables, decode_image_tables,
-         decode_image_lens, decode_by_image_t, decode_slot_t, last_t, lm_t, co_t, sz_t) = ints
-        (new_float,) = floats
-
         if S:
-            self._init_rows(new_rows, new_int, new_float)
+            self._init_rows(x.new_rows, x.new_int, x.new_float)
         embeds, own_pos, groups, write_slots = [], [], [], []
         prefix = None
         if I:
-            prefix = m.prefix_inputs([self.features[s] for s in plan.prefix_slots.tolist()])
+            prefix = m.prefix_inputs([self.features[s] for s in plan.prefix_slots.tolist()],
+                                     list(x.prefix_tokens.split(plan.prefix_prompt_lens.tolist())))
             embeds.append(prefix.embeds_NC)
-            write_slots.append(slot_of(prefix_tables[pre_img_t], pre_j_t, bs))
-            groups.append(PrefixGroup(q_pre_t, prefix_tables, prefix_lens, m.causal_prefix, _extent(plan.prefix_lens)[1]))
+            write_slots.append(slot_of(x.prefix_tables[x.pre_img], x.pre_j, bs))
+            groups.append(PrefixGroup(x.q_pre, x.prefix_tables, x.prefix_lens, m.causal_prefix,
+                                      _extent(plan.prefix_lens)[1]))
         if S:
-            embeds.append(m.embed_tokens(prompt_tokens))
-            own_pos.append(flat_pos_t)
-            write_slots.append(slot_of(prompt_tables[flat_seq_t], flat_own_t, bs))
-            groups.append(TaskGroup(q_prompt_t, own_prompt_t, prompt_tables, prompt_lens,
-                                    SharedPrefix(prompt_image_tables, prompt_image_lens, prompt_by_image_t,
-                                                 prompt_slot_t, *_extent(plan.prompt_image_lens))))
+            embeds.append(m.embed_tokens(x.prompt_tokens))
+            own_pos.append(x.flat_pos)
+            write_slots.append(slot_of(x.prompt_tables[x.flat_seq], x.flat_own, bs))
+            groups.append(TaskGroup(x.q_prompt, x.own_prompt, x.prompt_tables, x.prompt_lens,
+                                    SharedPrefix(x.prompt_image_tables, x.prompt_image_lens, x.prompt_by_image,
+                                                 x.prompt_slot, *_extent(plan.prompt_image_lens))))
+        first_decode = layout.n_pre + layout.n_prompt
         if D:
-            self.decode_group(decode_rows, decode_own, decode_pos, decode_tables, decode_image_tables,
-                              decode_image_lens, decode_by_image_t, decode_slot_t, n_pre + n_prompt,
-                              embeds, own_pos, write_slots, groups, _extent(plan.decode_image_lens))
+            self.decode_group(x.decode, first_decode, embeds, own_pos, write_slots, groups,
+                              _extent(plan.decode_image_lens))
         positions = m.own_positions(torch.cat(own_pos)) if own_pos else None
         if prefix is not None:
             positions = prefix.positions if positions is None else torch.cat([prefix.positions, positions], dim=-1)
-        batch = AttentionBatch(torch.cat(write_slots), groups, bs)
+        states = None
+        if self.recurrent:
+            states = StateSpans(layout.span_start, layout.span_len, layout.span_read, layout.span_write,
+                                x.decode.rows, first_decode, x.cu_seqlens, x.span_read, x.span_write)
+        batch = AttentionBatch(torch.cat(write_slots), groups, bs, layout.n_pre, states)
         hidden = m.forward(torch.cat(embeds), positions, batch, self.cache, prefix)
-        rows = torch.cat([new_rows, decode_rows])
-        return self.decide(rows, hidden[last_t], (lm_t, co_t, sz_t))
+        return self.decide(torch.cat([x.new_rows, x.decode.rows]), hidden[x.last], x.heads)
 
-    def decode_group(self, rows, own, pos, tables, image_tables, image_lens, by_image, slot, first_row,
-                     embeds, own_pos, write_slots, groups, extent: tuple[int | None, bool] = (None, False)) -> None:
+    def decode_group(self, d: DecodeInputs, first_row: int, embeds, own_pos, write_slots, groups,
+                     extent: tuple[int | None, bool] = (None, False)) -> None:
         """Append the decode tokens (inputs read from the device buffers) at flat rows first_row...
         `extent`: the host's (longest prefix, all prefixes that long), when it knows them."""
-        D = rows.shape[0]
+        rows = d.rows
         embeds.append(self.model.embed_inputs(self.next_kind[rows], self.next_token[rows], self.next_value[rows]))
-        own_pos.append(pos)
-        write_slots.append(slot_of(tables, own, self.bs))
-        flat = torch.arange(first_row, first_row + D, device=self.device)
-        groups.append(TaskGroup(flat[:, None], own[:, None], tables, own + 1,
-                                SharedPrefix(image_tables, image_lens, by_image, slot, *extent)))
+        own_pos.append(d.pos)
+        write_slots.append(slot_of(d.tables, d.own, self.bs))
+        flat = torch.arange(first_row, first_row + rows.shape[0], device=self.device)
+        groups.append(TaskGroup(flat[:, None], d.own[:, None], d.tables, d.own + 1,
+                                SharedPrefix(d.image_tables, d.image_lens, d.by_image, d.slot, *extent)))
 
     def _init_rows(self, rows: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor) -> None:
         self.state_int["mode"][rows] = ints[:, 0]

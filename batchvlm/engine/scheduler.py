@@ -3,8 +3,10 @@
 It never touches tensors: it turns host bookkeeping into a StepPlan and a step's Emissions back
 into bookkeeping.
 
-Admission is per image, then per sequence. An image is admitted when its prefix blocks (by
-its own prefix length, which may differ from image to image) and at least one sequence fit; its prefix is prefilled once, in that step. Its sequences start as rows
+Admission is per image, then per sequence. An image is admitted when the blocks of its prefixes
+(by their own lengths, which may differ from image to image), their snapshot slots (models
+with recurrent state) and at least one sequence fit; its prefixes are prefilled once, in that
+step. Its sequences start as rows
 and blocks allow (waiting sequences of admitted images go before new images, oldest first),
 each reserving its prompt + budget at once, so a running sequence never waits for memory and
 nothing is preempted. Capacity is whatever the block manager has left.
@@ -21,22 +23,34 @@ Two knobs bound a step's rows beyond the free rows:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
-from .kv_cache import BlockManager
+from ..cache.blocks import BlockManager, SnapshotSlots
+from ..models.decoding import RawOutput, SeqSpec, emit_text
 from .plan import PREFILL_TOKENS_PER_STEP, StepPlan
+from .sequence import Image, Prefix, SeqState, Sequence
 from .staging import Emissions
-from .sequence import Image, SeqState, Sequence
 
 
-def _lens(images: list[Image]) -> np.ndarray:
-    return np.array([im.prefix_len for im in images], dtype=np.int64)
+Emit = Callable[[RawOutput, SeqSpec, int, int, float, float], None]
+
+
+def _lens(prefixes: list[Prefix]) -> np.ndarray:
+    return np.array([p.length for p in prefixes], dtype=np.int64)
+
+
+def _ints(values) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, n_rows: int, n_image_slots: int, admit_rows: int = 1):
+    def __init__(self, blocks: BlockManager, n_rows: int, n_image_slots: int, admit_rows: int = 1,
+                 snapshots: SnapshotSlots | None = None, emit: Emit = emit_text):
         self.blocks = blocks
+        self.emit = emit  # the family's host half of its grammar
+        self.snapshots = snapshots  # None: the model keeps no recurrent state
         self.admit_rows = admit_rows
         self.row_cap = n_rows
         self._rows_left = n_rows  # rows this step may still start (set per schedule())
@@ -46,6 +60,7 @@ class Scheduler:
         self.admitted: deque[Image] = deque()  # prefix admitted, some sequences still waiting
         self.running: list[Sequence] = []  # started, not yet retired
         self.slot_of: dict[int, int] = {}  # id(image) -> feature slot, until its prefill is committed
+        self._forked: list[Image] = []  # admitted earlier, every sequence started in this step
         self.step = 0
 
     # ------------------------------------------------------------------ images in
@@ -57,12 +72,23 @@ class Scheduler:
         self.slot_of[id(image)] = slot
         self.encoded.append(image)
 
+    def shrink(self, rows: int) -> int:
+        """After a step ran out of memory: at most `rows` sequences per step from now. -> the cap."""
+        self.row_cap = max(1, min(self.row_cap, rows))
+        self.admit_rows = min(self.admit_rows, max(1, self.row_cap // 8))
+        return self.row_cap
+
     def _seq_blocks(self, s: Sequence) -> int:
         return self.blocks.blocks_for(len(s.spec.prompt) + s.spec.budget)
 
     def _fits(self, s: Sequence, extra_blocks: int = 0) -> bool:
         return (bool(self.free_rows) and self._rows_left > 0
                 and self.blocks.free >= self._seq_blocks(s) + extra_blocks)
+
+    def _image_fits(self, image: Image) -> bool:
+        if self.snapshots is not None and self.snapshots.free < len(image.prefixes):
+            return False
+        return self._fits(image.seqs[0], sum(self.blocks.blocks_for(p.length) for p in image.prefixes))
 
     # ------------------------------------------------------------------ plan
 
@@ -77,42 +103,53 @@ class Scheduler:
             self._admit(new, prefilled)
         if not new and not decoding:
             return None
-        prompt_images: dict[int, Image] = {}
+        prompt_prefixes: dict[int, Prefix] = {}
         for s in new:
-            prompt_images.setdefault(id(s.image), s.image)
-        decode_images: dict[int, Image] = {}
+            prompt_prefixes.setdefault(id(s.prefix), s.prefix)
+        decode_prefixes: dict[int, Prefix] = {}
         for s in decoding:
-            decode_images.setdefault(id(s.image), s.image)
-        prompt_index = {k: i for i, k in enumerate(prompt_images)}
-        decode_index = {k: i for i, k in enumerate(decode_images)}
+            decode_prefixes.setdefault(id(s.prefix), s.prefix)
+        prompt_index = {k: i for i, k in enumerate(prompt_prefixes)}
+        decode_index = {k: i for i, k in enumerate(decode_prefixes)}
+        pre = [(self.slot_of[id(im)], p) for im in prefilled for p in im.prefixes]
         plan = StepPlan(
             step=self.step,
-            prefix_slots=np.array([self.slot_of[id(im)] for im in prefilled], dtype=np.int64),
-            prefix_lens=_lens(prefilled),
-            prefix_tables=self._prefix_tables(prefilled),
+            prefix_slots=_ints([slot for slot, _ in pre]),
+            prefix_lens=_lens([p for _, p in pre]),
+            prefix_tables=self._prefix_tables([p for _, p in pre]),
+            prefix_tokens=_ints([t for _, p in pre for t in p.prompt]),
+            prefix_prompt_lens=_ints([len(p.prompt) for _, p in pre]),
+            prefix_snapshot=_ints([p.snapshot for _, p in pre]),
             new_rows=np.array([s.row for s in new], dtype=np.int64),
             new_int=np.array([[s.spec.mode, s.spec.limit, s.seed] for s in new], dtype=np.int64).reshape(-1, 3),
             new_float=np.array([[s.spec.temperature, s.spec.top_p] for s in new], dtype=np.float32).reshape(-1, 2),
             prompt_tokens=np.array([t for s in new for t in s.spec.prompt], dtype=np.int64),
             prompt_lens=np.array([len(s.spec.prompt) for s in new], dtype=np.int64),
-            prompt_pos0=np.array([s.image.next_pos for s in new], dtype=np.int64),
+            prompt_pos0=np.array([s.prefix.next_pos for s in new], dtype=np.int64),
             prompt_tables=self._own_tables(new, [len(s.spec.prompt) for s in new]),
-            prompt_image=np.array([prompt_index[id(s.image)] for s in new], dtype=np.int64),
-            prompt_image_tables=self._prefix_tables(list(prompt_images.values())),
-            prompt_image_lens=_lens(list(prompt_images.values())),
+            prompt_fork=_ints([s.prefix.snapshot for s in new]),
+            prompt_image=np.array([prompt_index[id(s.prefix)] for s in new], dtype=np.int64),
+            prompt_image_tables=self._prefix_tables(list(prompt_prefixes.values())),
+            prompt_image_lens=_lens(list(prompt_prefixes.values())),
             decode_rows=np.array([s.row for s in decoding], dtype=np.int64),
             decode_own=np.array([s.own_len for s in decoding], dtype=np.int64),
-            decode_pos=np.array([s.image.next_pos + s.own_len for s in decoding], dtype=np.int64),
+            decode_pos=np.array([s.prefix.next_pos + s.own_len for s in decoding], dtype=np.int64),
             decode_tables=self._own_tables(decoding, [s.own_len + 1 for s in decoding]),
-            decode_image=np.array([decode_index[id(s.image)] for s in decoding], dtype=np.int64),
-            decode_image_tables=self._prefix_tables(list(decode_images.values())),
-            decode_image_lens=_lens(list(decode_images.values())),
+            decode_image=np.array([decode_index[id(s.prefix)] for s in decoding], dtype=np.int64),
+            decode_image_tables=self._prefix_tables(list(decode_prefixes.values())),
+            decode_image_lens=_lens(list(decode_prefixes.values())),
             needs=np.array([s.needs(0) for s in new] + [s.needs(s.decode_steps + 1) for s in decoding],
                            dtype=np.int64),
             seqs=new + decoding,
         )
         for s in new:
             s.own_len = len(s.spec.prompt)
+        for im in prefilled:  # their snapshots are freed after the last fork was planned (above)
+            if im not in self.admitted:
+                self._drop_snapshots(im)
+        for im in self._forked:
+            self._drop_snapshots(im)
+        self._forked.clear()
         for s in decoding:
             s.own_len += 1
             s.decode_steps += 1
@@ -123,42 +160,53 @@ class Scheduler:
 
     def _admit(self, new: list[Sequence], prefilled: list[Image]) -> None:
         while self.admitted and self._start_waiting(self.admitted[0], new):
-            self.admitted.popleft()
+            self._forked.append(self.admitted.popleft())
         budget = PREFILL_TOKENS_PER_STEP
-        while (not self.admitted and self.encoded and (not prefilled or budget >= self.encoded[0].prefix_len)
-               and self._fits(self.encoded[0].seqs[0], self.blocks.blocks_for(self.encoded[0].prefix_len))):
+        while (not self.admitted and self.encoded
+               and (not prefilled or budget >= sum(p.length for p in self.encoded[0].prefixes))
+               and self._image_fits(self.encoded[0])):
             image = self.encoded.popleft()
-            image.prefix_blocks = self.blocks.allocate(self.blocks.blocks_for(image.prefix_len))
+            for p in image.prefixes:
+                p.blocks = self.blocks.allocate(self.blocks.blocks_for(p.length))
+                if self.snapshots is not None:
+                    p.snapshot = self.snapshots.take()
             image.unfinished = len(image.seqs)
             prefilled.append(image)
-            budget -= image.prefix_len
+            budget -= sum(p.length for p in image.prefixes)
             if not self._start_waiting(image, new):
                 self.admitted.append(image)
 
     def _start_waiting(self, image: Image, new: list[Sequence]) -> bool:
         """Start the image's waiting sequences while they fit. -> True when none is left waiting;
-        the image then drops its own reference to the prefix (its sequences hold the rest)."""
+        the image then drops its own reference to its prefixes (its sequences hold the rest)."""
         for s in image.seqs:
             if s.state is not SeqState.WAITING:
                 continue
             if not self._fits(s):
                 return False
             s.blocks = self.blocks.allocate(self._seq_blocks(s))
-            self.blocks.share(image.prefix_blocks)
+            self.blocks.share(s.prefix.blocks)
             s.row = self.free_rows.pop()
             self._rows_left -= 1
             s.state = SeqState.RUNNING
             self.running.append(s)
             new.append(s)
-        self.blocks.release(image.prefix_blocks)
+        for p in image.prefixes:
+            self.blocks.release(p.blocks)
         return True
 
+    def _drop_snapshots(self, image: Image) -> None:
+        for p in image.prefixes:
+            if p.snapshot >= 0:
+                self.snapshots.give(p.snapshot)
+                p.snapshot = -1
+
     @staticmethod
-    def _prefix_tables(images: list[Image]) -> np.ndarray:
-        """Prefix blocks of each image, padded with the null block to the widest."""
-        table = np.zeros((len(images), max((len(im.prefix_blocks) for im in images), default=0)), dtype=np.int64)
-        for i, im in enumerate(images):
-            table[i, : len(im.prefix_blocks)] = im.prefix_blocks
+    def _prefix_tables(prefixes: list[Prefix]) -> np.ndarray:
+        """Blocks of each prefix, padded with the null block to the widest."""
+        table = np.zeros((len(prefixes), max((len(p.blocks) for p in prefixes), default=0)), dtype=np.int64)
+        for i, p in enumerate(prefixes):
+            table[i, : len(p.blocks)] = p.blocks
         return table
 
     def _own_tables(self, seqs: list[Sequence], used: list[int]) -> np.ndarray:
@@ -176,7 +224,7 @@ class Scheduler:
         done: list[Image] = []
         for i, s in enumerate(plan.seqs):
             if s.state is SeqState.RUNNING:  # a zombie's emission (already finished) is ignored
-                s.output.apply(s.spec.mode, int(em.code[i]), int(em.token[i]), float(em.value[i, 0]),
+                self.emit(s.output, s.spec, int(em.code[i]), int(em.token[i]), float(em.value[i, 0]),
                                float(em.value[i, 1]))
                 if em.finished[i]:
                     s.state = SeqState.FINISHED
@@ -186,13 +234,13 @@ class Scheduler:
             s.inflight -= 1
             if s.state is SeqState.FINISHED and s.inflight == 0:
                 self._retire(s)
-        for slot in plan.prefix_slots.tolist():
+        for slot in dict.fromkeys(plan.prefix_slots.tolist()):  # an image's prefixes share its slot
             self.free_image_slots.append(int(slot))
         return done
 
     def _retire(self, s: Sequence) -> None:
         s.state = SeqState.RETIRED
-        self.blocks.release(s.blocks + s.image.prefix_blocks)
+        self.blocks.release(s.blocks + s.prefix.blocks)
         self.free_rows.append(s.row)
         self.running.remove(s)
 

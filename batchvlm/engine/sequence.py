@@ -1,4 +1,11 @@
-"""Images and their task sequences, with an explicit lifecycle.
+"""Images, their prefix segments and their task sequences, with an explicit lifecycle.
+
+Prefix:   a read-only segment every sequence on it attends to or forks from: the image's
+          features followed by the sequences' `prefix_prompt` (empty for decoder-only families:
+          the image prefix; an encoder-decoder's (image, prompt) encoding). Its blocks are
+          refcounted (each running sequence holds a reference, the image one until all its
+          sequences have started); its recurrent-state snapshot slot (models with a Recurrent
+          spec) is held until every sequence on it has been planned to fork from it.
 
 Image:    QUEUED -> ENCODED (features on the device) -> ADMITTED (prefix + prompts planned)
           -> DONE when every sequence has finished (its result can be handed out)
@@ -16,7 +23,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from ..models.decoding import MODE_DETECT, MODE_POINT, RawOutput, SeqSpec
+from ..models.decoding import RawOutput, SeqSpec
 from ..models.family import Prepared
 
 
@@ -28,13 +35,20 @@ class SeqState(Enum):
 
 
 @dataclass(eq=False)
+class Prefix:
+    prompt: tuple[int, ...]  # tokens of the segment after the image's features
+    length: int  # KV slots of the segment
+    next_pos: int  # rotary position of the first own token of every sequence on it
+    blocks: list[int] = field(default_factory=list)
+    snapshot: int = -1  # snapshot slot (cache/blocks.py SnapshotSlots) while forks are pending
+
+
+@dataclass(eq=False)
 class Image:
     ticket: Any
     prepared: Prepared | None  # dropped once encoded (its pixels are on the device then)
     key: str
-    prefix_len: int  # KV slots of the image prefix
-    next_pos: int  # rotary position of the first own token of every sequence on it
-    prefix_blocks: list[int] = field(default_factory=list)
+    prefixes: list[Prefix] = field(default_factory=list)  # distinct prefix prompts, first use first
     seqs: list[Sequence] = field(default_factory=list)
     unfinished: int = 0
 
@@ -42,6 +56,7 @@ class Image:
 @dataclass(eq=False)
 class Sequence:
     image: Image
+    prefix: Prefix
     index: int  # position in the image's sequence list
     spec: SeqSpec
     seed: int
@@ -54,13 +69,9 @@ class Sequence:
     output: RawOutput = field(default_factory=RawOutput.empty)
 
     def needs(self, k: int) -> int:
-        """Heads needed after step k (0 = the prompt): a bit set of plan.NEED_* (1 token,
-        2 coordinate, 4 size). Point cycles TOKEN(+x), Y; detect TOKEN(+x), Y, SIZE."""
-        if self.spec.mode == MODE_POINT:
-            return 3 if k % 2 == 0 else 2
-        if self.spec.mode == MODE_DETECT:
-            return (3, 2, 4)[k % 3]
-        return 1
+        """Heads needed after step k (0 = the prompt): the family's schedule (SeqSpec.heads)."""
+        heads = self.spec.heads
+        return heads[k % len(heads)]
 
     @property
     def max_decode_steps(self) -> int:

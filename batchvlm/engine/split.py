@@ -38,10 +38,14 @@ def split_plan(plan: StepPlan) -> tuple[StepPlan, StepPlan]:
 
 def _part(plan: StepPlan, im: slice, new: slice, dec: slice) -> StepPlan:
     starts = np.concatenate([[0], np.cumsum(plan.prompt_lens)])
+    pre_starts = np.concatenate([[0], np.cumsum(plan.prefix_prompt_lens)])
     S = len(plan.new_rows)
     return replace(
         plan,
         prefix_slots=plan.prefix_slots[im], prefix_lens=plan.prefix_lens[im], prefix_tables=plan.prefix_tables[im],
+        prefix_tokens=plan.prefix_tokens[pre_starts[im.start]:pre_starts[im.stop]],
+        prefix_prompt_lens=plan.prefix_prompt_lens[im], prefix_snapshot=plan.prefix_snapshot[im],
+        prompt_fork=plan.prompt_fork[new],
         new_rows=plan.new_rows[new], new_int=plan.new_int[new], new_float=plan.new_float[new],
         prompt_tokens=plan.prompt_tokens[starts[new.start]:starts[new.stop]], prompt_lens=plan.prompt_lens[new],
         prompt_pos0=plan.prompt_pos0[new], prompt_tables=plan.prompt_tables[new], prompt_image=plan.prompt_image[new],

@@ -8,7 +8,8 @@ never overwrites memory a DMA still reads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -24,6 +25,27 @@ class Emissions:
     token: np.ndarray
     finished: np.ndarray
     value: np.ndarray  # [n, 2]
+
+
+T = TypeVar("T")
+
+
+def _leaves(obj) -> list[np.ndarray]:
+    out = []
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        out += _leaves(v) if is_dataclass(v) else list(v) if isinstance(v, tuple) else [v]
+    return out
+
+
+def _rebuild(obj: T, values) -> T:
+    """`obj` with its arrays replaced, in `_leaves` order, by the next of `values`."""
+    new = {}
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        new[f.name] = (_rebuild(v, values) if is_dataclass(v)
+                       else tuple(next(values) for _ in v) if isinstance(v, tuple) else next(values))
+    return replace(obj, **new)
 
 
 class Slot:
@@ -43,17 +65,25 @@ class Slot:
         """Contiguous [3, n] int and [n, 2] float views of the emission buffers."""
         return self.out_ints[: 3 * n].view(3, n), self.out_floats[: 2 * n].view(n, 2)
 
-    def upload(self, ints: list[np.ndarray], floats: list[np.ndarray], device: torch.device,
-               stream) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Pack arrays into the slot's pinned buffers, copy up once per dtype, return device views."""
-        return self._up(ints, self.ints, device, stream), self._up(floats, self.floats, device, stream)
+    def upload(self, inputs: T, device: torch.device, stream) -> T:
+        """Pack a dataclass of int64 / float32 arrays (nested dataclasses and tuples of arrays
+        included) into the slot's pinned buffers, copy up once per dtype, return the same
+        dataclass of device views."""
+        arrays = _leaves(inputs)
+        floats = [a for a in arrays if a.dtype == np.float32]
+        ints = [a for a in arrays if a.dtype != np.float32]
+        up_i = iter(self._up(ints, "ints", device, stream))
+        up_f = iter(self._up(floats, "floats", device, stream))
+        return _rebuild(inputs, (next(up_f) if a.dtype == np.float32 else next(up_i) for a in arrays))
 
-    @staticmethod
-    def _up(arrays: list[np.ndarray], buf: torch.Tensor, device: torch.device, stream) -> list[torch.Tensor]:
-        sizes = [a.size for a in arrays]
-        total = sum(sizes)
+    def _up(self, arrays: list[np.ndarray], name: str, device: torch.device, stream) -> list[torch.Tensor]:
+        total = sum(a.size for a in arrays)
+        buf = getattr(self, name)
         if total > buf.numel():
-            raise ValueError(f"staging capacity {buf.numel()} < {total}")
+            # Grow (rare: a bigger step than any before). A copy still reading the old buffer keeps
+            # it alive: the pinned allocator frees a block only after its recorded copies finish.
+            buf = torch.empty(max(total, 2 * buf.numel()), dtype=buf.dtype, pin_memory=self.pinned)
+            setattr(self, name, buf)
         if total:
             np.concatenate([a.reshape(-1) for a in arrays], out=buf.numpy()[:total])
         if device.type == "cpu":
@@ -72,6 +102,7 @@ class Slot:
 class InFlight:
     plan: StepPlan
     slot: Slot
+    oom_rows: int = 0  # rows of the step when it ran out of memory (and ran in parts)
 
 
 def rows_by_image(image_of_row: np.ndarray, q_rows: np.ndarray, n_images: int, pad: int

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from .plan import NEED_COORD, NEED_SIZE, NEED_TOKEN, PREFILL_TOKENS_PER_STEP, StepPlan
+from ..models.decoding import N_HEADS
+from .plan import PREFILL_TOKENS_PER_STEP, StepPlan
 
 
 def largest_step(n_rows: int, seqs_per_image: int, max_prefix_len: int, max_prompt: int, max_own_len: int,
-                 block_size: int, prefill_tokens: int = PREFILL_TOKENS_PER_STEP) -> StepPlan:
-    """max_own_len: the most own tokens (prompt + budget) a sequence of the job can hold."""
+                 block_size: int, prefill_tokens: int = PREFILL_TOKENS_PER_STEP, prefix_prompt: int = 0,
+                 recurrent: bool = False) -> StepPlan:
+    """max_own_len: the most own tokens (prompt + budget) a sequence of the job can hold;
+    prefix_prompt: the longest prefix prompt (part of max_prefix_len); recurrent: every prefix
+    writes (and every prompt forks from) snapshot slot 0."""
     P, bs = max_prefix_len, block_size
     nbp = -(-P // bs)
     I = max(1, prefill_tokens // P)
@@ -32,7 +36,10 @@ def largest_step(n_rows: int, seqs_per_image: int, max_prefix_len: int, max_prom
     return StepPlan(
         step=0,
         prefix_slots=np.arange(I, dtype=np.int64), prefix_lens=np.full(I, P, dtype=np.int64),
-        prefix_tables=ones(I, nbp),
+        prefix_tables=ones(I, nbp), prefix_tokens=np.zeros(I * prefix_prompt, dtype=np.int64),
+        prefix_prompt_lens=np.full(I, prefix_prompt, dtype=np.int64),
+        prefix_snapshot=np.full(I, 0 if recurrent else -1, dtype=np.int64),
+        prompt_fork=np.full(S, 0 if recurrent else -1, dtype=np.int64),
         new_rows=np.arange(S, dtype=np.int64),
         new_int=np.tile(np.array([[0, 1, 0]], dtype=np.int64), (S, 1)),
         new_float=np.tile(np.array([[0.0, 1.0]], dtype=np.float32), (S, 1)),
@@ -44,5 +51,5 @@ def largest_step(n_rows: int, seqs_per_image: int, max_prefix_len: int, max_prom
         decode_pos=np.full(D, P + own, dtype=np.int64), decode_tables=ones(D, max_own_blocks),
         decode_image=np.arange(D, dtype=np.int64) // seqs_per_image,
         decode_image_tables=ones(I_d, nbp), decode_image_lens=np.full(I_d, P, dtype=np.int64),
-        needs=np.full(n_rows, NEED_TOKEN | NEED_COORD | NEED_SIZE, dtype=np.int64),
+        needs=np.full(n_rows, (1 << N_HEADS) - 1, dtype=np.int64),
     )

@@ -3,11 +3,12 @@
 The KV cache is one tensor of slots: `[n_layers, n_blocks * block_size, n_kv_heads, head_dim]`.
 Block 0 is the null block: padding tokens write there and padded keys read from there.
 
-Every sequence is an image prefix shared by all tasks on that image, then the task's own
-tokens (its prompt, then what it generates). The two live in separate blocks: an image's
-prefix blocks hold its L prefix tokens (index j < L, the tail of the last block unused) and a
-sequence's own blocks hold own token o at index o. So the prefix blocks are shared copy-free
-by every task on the image (engine/kv_cache.py refcounts them), and L may differ per image.
+Every sequence is a prefix segment (an image prefix, shared by all tasks on that image; or an
+(image, prompt) encoding) then the task's own tokens (its prompt, then what it generates). The
+two live in separate blocks: a prefix's blocks hold its L prefix tokens (index j < L, the tail
+of the last block unused) and a sequence's own blocks hold own token o at index o. So prefix
+blocks are shared copy-free by every sequence on the prefix (cache/blocks.py refcounts them),
+and L may differ per prefix (it may be 0).
 
 Visibility:
   prefix token j   sees prefix keys j' < L: all of them (bidirectional prefix) or j' <= j (causal)
@@ -22,22 +23,50 @@ Two kinds of group:
                several tasks per image this divides the dominant memory traffic by their number.
 Rotary positions are applied before attention and play no part here.
 
+What a call reads and writes (`reads`, a family's choice per layer):
+  PREFIX_AND_OWN  decoder-only layers: prefix and own keys in one softmax (cascade), every row of
+                  the step writes its K/V (prefix rows into the prefix's blocks).
+  OWN             an encoder-decoder's decoder self-attention: own keys only; own rows write.
+                  Prefix groups are not queried (their rows come back as zeros).
+  PREFIX          cross-attention: prefix keys only, read-only for own tokens. `k`/`v` hold the
+                  step's prefix rows only ([n_prefix, ...], what the family computed from its
+                  encoder output); they are written into the prefix's blocks.
+
 Backends. This file is the plain reference (gathers, float32 softmax): CPU and tests. CUDA uses
 the fused kernels of models/fused_attention.py, which read the cache in place. The backend is
-picked once, by device, when the cache is allocated (`KVCache.backend`); a family calls
-`plan_groups(batch, cache)` once per forward and `attend(...)` per layer, whatever the backend.
+picked once per device (`KVCache.backend`, set on first use when the allocator left it None); a
+family calls `plan_groups(batch, kv)` once per forward and `attend(...)` per layer, whatever the
+backend.
 Tests force the fused path anywhere by setting `cache.backend`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from enum import Enum
+import functools
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from ..cache.spans import StateSpans
+from ..cache.tensors import KVCache
+
+__all__ = ["KVCache", "StateSpans"]  # re-exported: families and tests build batches from here
+
 PAD = 2**30  # own index of a padding query: later than any real token
+
+
+def bucket(n: int) -> int:
+    """Smallest power of two >= n (>= 1): the padded sizes of compiled kernels and CUDA graphs."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class Reads(Enum):
+    PREFIX_AND_OWN = "prefix+own"
+    OWN = "own"
+    PREFIX = "prefix"
 
 
 @dataclass
@@ -75,6 +104,8 @@ class AttentionBatch:
     write_slots: torch.Tensor  # [N] long: cache slot of each token's k/v; padding -> null slot
     groups: list[PrefixGroup | TaskGroup]
     block_size: int
+    n_prefix: int = 0  # flat rows [0, n_prefix) are prefix tokens (host int)
+    states: StateSpans | None = None  # where each sequence's tokens sit, for recurrent layers
 
 
 def slot_of(table: torch.Tensor, index: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -121,9 +152,10 @@ def _plan_reference(batch: AttentionBatch) -> list[GroupPlan]:
         j = torch.arange(k_slots.shape[1], device=k_slots.device)
         mask = (j[None, None, :] < g.own_len[:, None, None]) & (j[None, None, :] <= g.q_own[:, :, None])
         p = g.prefix
-        prefix_slots = _all_slots(p.tables, bs)[:, : p.max_len]
+        empty = p.max_len == 0  # read one masked slot: the query sees no key (output 0, LSE -inf)
+        prefix_slots = _all_slots(p.tables, bs)[:, : 1 if empty else p.max_len]
         jp = torch.arange(prefix_slots.shape[1], device=k_slots.device)
-        prefix_mask = None if p.all_full else (jp[None, :] < p.lens[:, None])[:, None, None, :]
+        prefix_mask = None if p.all_full and not empty else (jp[None, :] < p.lens[:, None])[:, None, None, :]
         plans.append(GroupPlan(g, k_slots, mask[:, None], prefix_slots, prefix_mask))
     return plans
 
@@ -138,12 +170,12 @@ def _attend_lse(q_BHTD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor
     scores = (q_BHTD.float() * q_BHTD.shape[-1] ** -0.5) @ k_BHLD.float().transpose(-1, -2)
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
-    # Every query sees at least one key, so the row max is finite. In place: the scores are the
-    # largest tensor here.
-    m = scores.amax(dim=-1, keepdim=True)
+    # A query that sees no key (an empty prefix, a padding query) gets output 0 and LSE -inf,
+    # which weighs 0 in the merge. In place: the scores are the largest tensor here.
+    m = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
     p = scores.sub_(m).exp_()
     total = p.sum(dim=-1)
-    return (p @ v_BHLD.float()) / total[..., None], m[..., 0] + total.log()
+    return (p @ v_BHLD.float()) / total.clamp(min=1e-30)[..., None], m[..., 0] + total.log()
 
 
 def _attend_reference(
@@ -154,15 +186,17 @@ def _attend_reference(
     v_cache: torch.Tensor,
     batch: AttentionBatch,
     plans: list[GroupPlan],
+    reads: Reads = Reads.PREFIX_AND_OWN,
 ) -> torch.Tensor:
-    k_cache.index_copy_(0, batch.write_slots, k_NHD.to(k_cache.dtype))
-    v_cache.index_copy_(0, batch.write_slots, v_NHD.to(v_cache.dtype))
+    write_kv(k_NHD, v_NHD, k_cache, v_cache, batch, reads)
     N, H, D = q_NHD.shape
     q_pad = torch.cat([q_NHD, q_NHD.new_zeros(1, H, D)])
     out = q_NHD.new_zeros(N + 1, H, D)
     for plan in plans:
         g = plan.group
         q_BHTD = q_pad[g.q_rows].transpose(1, 2)
+        if isinstance(g, PrefixGroup) and reads is not Reads.PREFIX_AND_OWN:
+            continue
         k_BHLD = k_cache[plan.k_slots].transpose(1, 2).to(q_NHD.dtype)
         v_BHLD = v_cache[plan.k_slots].transpose(1, 2).to(q_NHD.dtype)
         if isinstance(g, PrefixGroup):
@@ -172,6 +206,9 @@ def _attend_reference(
             out[g.q_rows] = o_BHTD.transpose(1, 2)
             continue
         own, own_lse = _attend_lse(q_BHTD, k_BHLD, v_BHLD, plan.mask)  # [B, H, Tq, D], [B, H, Tq]
+        if reads is Reads.OWN:
+            out[g.q_rows] = own.transpose(1, 2).to(out.dtype)
+            continue
         p = g.prefix
         q_IHMD = q_pad[p.q_rows].transpose(1, 2)
         pre, pre_lse = _attend_lse(q_IHMD, k_cache[plan.prefix_slots].transpose(1, 2),
@@ -182,6 +219,9 @@ def _attend_reference(
         pre_flat = torch.cat([pre.transpose(1, 2).reshape(I * M, H, D), pre.new_zeros(1, H, D)])
         lse_flat = torch.cat([pre_lse.transpose(1, 2).reshape(I * M, H), pre_lse.new_zeros(1, H)])
         o2, l2 = pre_flat[p.q_slot], lse_flat[p.q_slot]  # [B, Tq, H, D], [B, Tq, H]
+        if reads is Reads.PREFIX:
+            out[g.q_rows] = o2.to(out.dtype)
+            continue
         o1, l1 = own.transpose(1, 2), own_lse.transpose(1, 2)
         m = torch.maximum(l1, l2)
         w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
@@ -194,18 +234,33 @@ class AttentionBackend(Protocol):
         """Per-forward tensors shared by all layers, for a cache of n_slots slots per layer."""
 
     def attend(self, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, batch: AttentionBatch, plans: Any) -> torch.Tensor:
+               v_cache: torch.Tensor, batch: AttentionBatch, plans: Any,
+               reads: Reads = Reads.PREFIX_AND_OWN) -> torch.Tensor:
         """Write this step's keys/values into their slots, then attend every group. -> [N, H, D]."""
+
+
+def write_kv(k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             batch: AttentionBatch, reads: Reads) -> None:
+    """The writes of one attention call (see `Reads`)."""
+    slots = batch.write_slots
+    if reads is Reads.OWN:
+        slots, k_NHD, v_NHD = slots[batch.n_prefix:], k_NHD[batch.n_prefix:], v_NHD[batch.n_prefix:]
+    elif reads is Reads.PREFIX:
+        slots = slots[: batch.n_prefix]
+    k_cache.index_copy_(0, slots, k_NHD.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v_NHD.to(v_cache.dtype))
 
 
 class ReferenceAttention:
     def plan(self, batch: AttentionBatch, n_slots: int) -> list[GroupPlan]:
         return _plan_reference(batch)
 
-    def attend(self, q_NHD, k_NHD, v_NHD, k_cache, v_cache, batch, plans) -> torch.Tensor:
-        return _attend_reference(q_NHD, k_NHD, v_NHD, k_cache, v_cache, batch, plans)
+    def attend(self, q_NHD, k_NHD, v_NHD, k_cache, v_cache, batch, plans,
+               reads: Reads = Reads.PREFIX_AND_OWN) -> torch.Tensor:
+        return _attend_reference(q_NHD, k_NHD, v_NHD, k_cache, v_cache, batch, plans, reads)
 
 
+@functools.cache
 def backend_for(device: torch.device) -> AttentionBackend:
     """The one attention path of a device: fused, compiled kernels on CUDA; the reference elsewhere."""
     if device.type == "cuda":
@@ -221,34 +276,34 @@ class Plans:
     groups: Any  # the backend's per-group plans
 
 
-def plan_groups(batch: AttentionBatch, cache: KVCache) -> Plans:
-    """Once per forward: what every layer's `attend` shares."""
-    return Plans(cache.backend, cache.backend.plan(batch, cache.k.shape[1]))
+def plan_groups(batch: AttentionBatch, kv: KVCache) -> Plans:
+    """Once per forward (per paged kind): what every layer's `attend` shares."""
+    if kv.backend is None:
+        kv.backend = backend_for(kv.k.device)
+    return Plans(kv.backend, kv.backend.plan(batch, kv.k.shape[1]))
 
 
 def attend(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cache: torch.Tensor,
-           v_cache: torch.Tensor, batch: AttentionBatch, plans: Plans) -> torch.Tensor:
+           v_cache: torch.Tensor, batch: AttentionBatch, plans: Plans,
+           reads: Reads = Reads.PREFIX_AND_OWN) -> torch.Tensor:
     """Write this step's keys/values into their slots, then attend every group. -> [N, H, D]."""
-    return plans.backend.attend(q_NHD, k_NHD, v_NHD, k_cache, v_cache, batch, plans.groups)
+    if reads is Reads.PREFIX_AND_OWN:  # keeps backends that predate `reads` working
+        return plans.backend.attend(q_NHD, k_NHD, v_NHD, k_cache, v_cache, batch, plans.groups)
+    return plans.backend.attend(q_NHD, k_NHD, v_NHD, k_cache, v_cache, batch, plans.groups, reads)
 
 
-@dataclass
-class KVCache:
-    """All layers' keys and values: one allocation, per-layer views by indexing dim 0."""
-
-    k: torch.Tensor  # [n_layers, n_blocks * block_size, n_kv_heads, head_dim]
-    v: torch.Tensor
-    block_size: int
-    backend: AttentionBackend = field(default_factory=ReferenceAttention)  # picked by device in allocate
-
-    @classmethod
-    def allocate(cls, n_layers: int, n_blocks: int, block_size: int, n_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> KVCache:
-        shape = (n_layers, n_blocks * block_size, n_kv_heads, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device),
-                   torch.zeros(shape, dtype=dtype, device=device), block_size, backend_for(torch.device(device)))
-
-    @property
-    def n_blocks(self) -> int:
-        return self.k.shape[1] // self.block_size
-
+def prefix_self_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, group: PrefixGroup,
+                          causal: bool = False) -> torch.Tensor:
+    """Dense attention among each prefix's own rows of this step, nothing cached (an encoder whose
+    K/V is never stored). -> [N, H, D], zeros outside the group's rows."""
+    N, H, D = q_NHD.shape
+    pad = lambda x: torch.cat([x, x.new_zeros(1, *x.shape[1:])])[group.q_rows].transpose(1, 2)  # noqa: E731
+    j = torch.arange(group.q_rows.shape[1], device=q_NHD.device)
+    mask = (j[None, :] < group.lens[:, None])[:, None, None, :]
+    if causal:
+        mask = mask & (j[None, :] <= j[:, None])[None, None]
+    o = F.scaled_dot_product_attention(pad(q_NHD), pad(k_NHD), pad(v_NHD), attn_mask=mask,
+                                       enable_gqa=k_NHD.shape[1] != H)
+    out = q_NHD.new_zeros(N + 1, H, D)
+    out[group.q_rows] = o.transpose(1, 2)
+    return out[:N]

@@ -1,39 +1,49 @@
 """Per-row decoding state shared by every family: what a sequence is, its device state, one
 step's decision, counter-based sampling, and the host-side record of what a sequence emitted.
 
-A family's `decide` turns a step's hidden states into a `Decision` on the device (no host round
-trip); text families use `decide_text` below, Moondream adds its point / detect grammar
-(models/moondream/decoding.py). The host reads emissions one step behind and applies them to a
-`RawOutput`.
+The grammar belongs to the family: its `decide` turns a step's hidden states into a `Decision`
+on the device (no host round trip), and its `emit` applies a step's emissions to a `RawOutput`
+on the host, one step behind. The engine carries modes, codes, tokens and values opaquely, and a
+per-sequence head schedule (`SeqSpec.heads`). Text families use `decide_text` / `emit_text`
+below; Moondream's point / detect grammar is in models/moondream/grammar.py.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
 
-MODE_TEXT, MODE_POINT, MODE_DETECT = 0, 1, 2
-EMIT_NONE, EMIT_TOKEN, EMIT_X, EMIT_Y, EMIT_SIZE = 0, 1, 2, 3, 4
-# Kinds of a step's input at a position: a token id, a coordinate value or a (w, h) size.
-INPUT_TOKEN, INPUT_COORD, INPUT_SIZE = 0, 1, 2
+MODE_TEXT = 0  # a family's other modes are its own (values above 0)
+EMIT_NONE, EMIT_TOKEN = 0, 1  # a family's other emission codes are its own (values above 1)
+INPUT_TOKEN = 0  # the kind of a step's input: a token id (a family may add kinds)
+HEAD_TOKEN = 1  # bit 0 of a head set: the token head. A family has at most N_HEADS output heads.
+N_HEADS = 3
 
 
 @dataclass(frozen=True)
 class SeqSpec:
     """One sequence to run on an image: a caption, a query, or one object of point / detect."""
 
-    mode: int  # MODE_TEXT | MODE_POINT | MODE_DETECT
+    mode: int  # MODE_TEXT or a family's own mode (the row state's `mode`, opaque to the engine)
     prompt: tuple[int, ...]  # token ids after the image prefix
     limit: int  # max_new_tokens (text) or max_objects (spatial)
     temperature: float = 0.0
     top_p: float = 1.0
+    # Tokens that belong to the sequence's prefix segment, after the image (an encoder-decoder's
+    # encoder prompt; a prompt shared by several sequences): sequences of an image with equal
+    # prefix prompts share one prefix. Empty for decoder-only families: the image prefix.
+    prefix_prompt: tuple[int, ...] = ()
+    # The output heads each step needs, as bit sets cycling with the step (0 = the prompt's last
+    # token): step k needs heads[k % len(heads)]. One emitted item (a token, an object) takes one
+    # cycle, so `limit` items take at most len(heads) * limit positions.
+    heads: tuple[int, ...] = (HEAD_TOKEN,)
 
     @property
     def budget(self) -> int:
         """Positions the sequence may write after its prompt (an upper bound)."""
-        per_step = {MODE_TEXT: 1, MODE_POINT: 2, MODE_DETECT: 3}[self.mode]
-        return per_step * self.limit
+        return len(self.heads) * self.limit
 
 
 @dataclass
@@ -62,6 +72,11 @@ class Decision:
     next_kind: torch.Tensor  # [B] long: INPUT_* of the next step
     next_token: torch.Tensor  # [B] long
     next_value: torch.Tensor  # [B, 2] float
+
+
+def sequence_seed(job_seed: int, key: str, seq: int) -> int:
+    """Sampling seed of one sequence: a function of the job seed, sample key and task alone."""
+    return zlib.crc32(f"{job_seed}/{key}/{seq}".encode())
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -125,32 +140,16 @@ def decide_text(logits_BV: torch.Tensor, state: RowState, stop_ids: torch.Tensor
 
 @dataclass
 class RawOutput:
-    """What one sequence emitted, assembled on the host: token ids, or points / boxes.
-
-    Boxes are computed in float64 from the float32 centre and size, as the Moondream reference
-    does, and are not clamped.
-    """
+    """What one sequence emitted, assembled on the host by its family's `emit`: token ids, or
+    objects (family-defined tuples, e.g. points / boxes), with `pending` as the family's scratch."""
 
     tokens: list[int]
     objects: list[tuple[float, ...]]
-    _pending: list[float]
+    pending: list[float]
 
     @classmethod
     def empty(cls) -> RawOutput:
         return cls([], [], [])
-
-    def apply(self, mode: int, code: int, token: int, v0: float, v1: float) -> None:
-        if code == EMIT_TOKEN:
-            self.tokens.append(token)
-        elif code == EMIT_X:
-            self._pending = [v0]
-        elif code == EMIT_Y:
-            self._pending.append(v0)
-            if mode == MODE_POINT:
-                self.objects.append((self._pending[0], self._pending[1]))
-        elif code == EMIT_SIZE:
-            x, y = self._pending
-            self.objects.append((x - v0 / 2, y - v1 / 2, x + v0 / 2, y + v1 / 2))
 
     def hit_limit(self, spec: SeqSpec) -> bool:
         """The sequence stopped because of its limit, not by itself: its label may be cut short.
@@ -158,10 +157,7 @@ class RawOutput:
         return len(self.tokens if spec.mode == MODE_TEXT else self.objects) >= spec.limit
 
 
-def apply_decision(outputs: list[RawOutput], modes: list[int], d: Decision) -> list[bool]:
-    """Copy one step's emissions to the host outputs (one transfer); -> finished per row."""
-    code, token, finished = d.code.tolist(), d.token.tolist(), d.finished.tolist()
-    value = d.value.tolist()
-    for out, mode, c, t, (v0, v1) in zip(outputs, modes, code, token, value):
-        out.apply(mode, c, t, v0, v1)
-    return finished
+def emit_text(out: RawOutput, spec: SeqSpec, code: int, token: int, v0: float, v1: float) -> None:
+    """The host half of plain text decoding: keep emitted tokens."""
+    if code == EMIT_TOKEN:
+        out.tokens.append(token)

@@ -6,16 +6,60 @@ A family has two halves:
                builds it). Preprocessing for the loader workers, the sequences each task
                becomes, raw outputs -> typed column values, and `load()` for the weights.
   EngineModel  device side of a native family, driven by batchvlm's engine (engine/): vision
-               stage, the image prefix (its length, positions and attention), embeddings, one
-               forward over a flat token batch with paged KV, and per-row decoding.
+               stage, prefix segments (their length, positions and inputs), embeddings, one
+               forward over a flat token batch, and its grammar (per-row `decide` on the device,
+               `emit` on the host).
   StaticModel  device side of a family that brings its own batching (the transformers
                backend): it labels work items itself.
 
-Flat token batches are laid out [image prefixes | prompt tokens | decode tokens]. Positions are
-the family's rotary positions, `[..., N]` long tensors (`[N]` for 1-D rotary, `[3, N]` for
+Flat token batches are laid out [prefixes | prompt tokens | decode tokens]. Positions are the
+family's rotary positions, `[..., N]` long tensors (`[N]` for 1-D rotary, `[3, N]` for
 multimodal rotary); they need not equal KV slot indices. A sequence's own tokens (its prompt,
-then what it generates) have scalar positions `prefix.next_pos + own index`; the family expands
-them with `own_positions`.
+then what it generates) have scalar positions `next_pos + own index`, `next_pos` from
+`prefix_layout`; the family expands them with `own_positions`.
+
+Engine contract v2: how each kind of model plugs in.
+
+  State kinds. `state_specs()` declares what the layers keep (cache/specs.py): PagedKV (full
+  attention), CrossKV (read-only K/V of a prefix), Recurrent (a fixed-size state per sequence).
+  The engine sizes memory for all of them, allocates an EngineCache and hands it to `forward`;
+  `attend(..., reads=...)` (models/attention.py) reads and writes paged kinds, `run_recurrent`
+  (models/recurrent.py) runs the family's scan over recurrent ones.
+
+  Prefixes. A prefix segment is an image's features followed by a prefix prompt
+  (`SeqSpec.prefix_prompt`): sequences of an image with equal prefix prompts share it. It is
+  prefilled once (`prefix_inputs` gets each prefix's features, encoded once per image, and its
+  prompt ids), read-only afterwards, refcounted by the sequences on it.
+
+  (a) Hybrid linear attention (Qwen3.5). Full layers use PagedKV; Gated DeltaNet layers declare
+      Recurrent({"conv": (layers, channels, kernel-1), "ssm": (layers, heads, key_dim,
+      value_dim)}). In `forward`, `batch.states` (StateSpans) says where each prefix and prompt
+      span sits and which state index it starts from and writes: a prefix from zero into its
+      snapshot, each prompt from its prefix's snapshot (a copy) into its row, decode tokens one
+      per row in place. The family's chunked scan runs per span (`cu_seqlens` / `read` / `write`
+      are on the device for a varlen kernel). tests/toy_states.py HybridToy is the worked example.
+  (b) Encoder-decoder (Florence-2). `prefix_layout` gives (image tokens + prompt tokens, 0): the
+      decoder's positions start at 0. `prefix_inputs` embeds features + prompt; in `forward` the
+      family runs its encoder densely over rows [0, batch.n_prefix) (`prefix_self_attention`,
+      nothing stored), computes every decoder layer's cross K/V from the encoder output and
+      passes it to `attend(..., Reads.PREFIX)` (written into the prefix's CrossKV blocks, read by
+      own tokens); decoder self-attention is `attend(..., Reads.OWN)`. Features are encoded once
+      per image (`stats["vision_images"]`); each (image, prompt) gets its own encoder K/V.
+      tests/toy_states.py EncDecToy is the worked example.
+  (c) Classify (choices). The shared prompt minus its last token is the prefix prompt (one
+      prefix segment per image and prompt, prefilled once); each choice is a sequence whose own
+      prompt is [last prompt token] + the choice's tokens, with limit 1 (it finishes at its
+      first decision: one prefill step, no decode loop). Its score, the sum of the choice
+      tokens' log-probs, needs the logits of every own prompt row, where `decide` sees the last
+      row only: the one addition is a model flag asking the runner to also pass the step's
+      prompt rows (hidden [n_prompt, C], their ids and [S + 1] offsets, all already on the
+      device) to `decide`, which reduces them per row into `Decision.value`.
+  (d) JSON / constrained decoding. A grammar object owned by the family keeps its state per row
+      on the device (e.g. a state id in `RowState.phase`) and a mask table [n_states, V] (or a
+      packed bitmask) on the device: `decide` masks the logits with table[phase] before the
+      batch-invariant sampler (`sample_tokens`) and advances the state from the sampled token,
+      so no step waits for the host. A host-built mask (one step behind, kestrel style) would
+      travel as a family input of the next step; `emit` keeps the host-side view.
 """
 
 from __future__ import annotations
@@ -27,13 +71,14 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from PIL import Image
 
-from .decoding import Decision, RowState, SeqSpec
+from .decoding import Decision, RawOutput, RowState, SeqSpec
 
 if TYPE_CHECKING:
-    from ..engine.labeler import WorkItem
+    from ..cache.specs import StateSpec
+    from ..cache.tensors import EngineCache
     from ..job import EngineSpec
     from ..tasks import Task
-    from .attention import AttentionBatch, KVCache
+    from .attention import AttentionBatch
 
 
 PARSE_FAILURES = "_parse_failures"  # see Family.columns
@@ -137,6 +182,15 @@ class StaticModel(Protocol):
     def labeler(self, seqs: list[TaskSequence], engine: EngineSpec) -> Labeler: ...
 
 
+@dataclass
+class WorkItem:
+    """What the run loop hands a labeler: one image to label, with a handle to get it back."""
+
+    ticket: Any  # the caller's handle, returned with the result
+    image: Prepared
+    key: str  # sample key: with the job seed it seeds sampling, whatever the batch
+
+
 class Labeler(Protocol):
     def label(self, items: Iterable[WorkItem]) -> Iterator[tuple[Any, list[Any]]]:
         """-> (ticket, raw output per sequence) for each item, in any order."""
@@ -148,9 +202,13 @@ class EngineModel(Protocol):
     dtype: torch.dtype
     causal_prefix: bool  # False: the image prefix attends to itself bidirectionally
 
-    def new_kv_cache(self, n_blocks: int, block_size: int) -> KVCache: ...
+    def state_specs(self) -> list[StateSpec]:
+        """The state kinds of the model's layers (cache/specs.py); the engine sizes, allocates and
+        accounts them, and passes them to `forward` as an EngineCache keyed by spec name."""
 
-    def kv_bytes_per_token(self) -> int: ...
+    def prefix_layout(self, image: Prepared, prompt: tuple[int, ...]) -> tuple[int, int]:
+        """-> (KV slots, rotary position of own token 0) of the prefix segment made of the image
+        and a prefix prompt (SeqSpec.prefix_prompt)."""
 
     def encode(self, images: list[Prepared]) -> list[Any]:
         """Vision stage for a batch of images -> one opaque features object per image."""
@@ -158,7 +216,9 @@ class EngineModel(Protocol):
     def largest_vision_batch(self) -> list[Prepared]:
         """Images of the largest vision batch the engine may run (sizes memory at start-up)."""
 
-    def prefix_inputs(self, features: list[Any]) -> PrefixInputs: ...
+    def prefix_inputs(self, features: list[Any], prompts: list[torch.Tensor]) -> PrefixInputs:
+        """The step's prefixes in plan order: one image's features (the same object for every
+        prefix of that image: encoded once) and each prefix's prompt ids ([T] long, device)."""
 
     def own_positions(self, pos_N: torch.Tensor) -> torch.Tensor:
         """Scalar positions of own tokens -> the family's `[..., N]` positions."""
@@ -168,11 +228,15 @@ class EngineModel(Protocol):
     def embed_inputs(self, kind_N: torch.Tensor, token_N: torch.Tensor, value_N2: torch.Tensor) -> torch.Tensor:
         """Embeddings of decode inputs (INPUT_* kinds), computed for every row (fixed shapes)."""
 
-    def forward(self, embeds_NC: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, cache: KVCache,
+    def forward(self, embeds_NC: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, cache: EngineCache,
                 prefix: PrefixInputs | None = None) -> torch.Tensor:
-        """Flat tokens -> hidden states [N, C]; writes every token's K/V into `cache`."""
+        """Flat tokens -> hidden states [N, C]; writes every token's state into `cache` (K/V by
+        `attend`, recurrent states by `run_recurrent`)."""
 
     def decide(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
-               heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> Decision:
-        """One step of every row's decoding; updates `state` in place. `heads` = (token rows,
-        coordinate rows, size rows) that need each output head (None: every row, every head)."""
+               heads: tuple[torch.Tensor, ...] | None) -> Decision:
+        """One step of every row's decoding; updates `state` in place. `heads[b]`: the rows whose
+        head schedule (SeqSpec.heads) needs head b this step (None: every row, every head)."""
+
+    def emit(self, out: RawOutput, spec: SeqSpec, code: int, token: int, v0: float, v1: float) -> None:
+        """The host half of the grammar: apply one emission of a sequence (one step behind)."""

@@ -63,17 +63,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from .attention import AttentionBatch, PrefixGroup, TaskGroup
+from .attention import AttentionBatch, PrefixGroup, Reads, TaskGroup, bucket, write_kv
 
 log = logging.getLogger(__name__)
 
 Q_BLOCK = 128  # the mask's query block for the main kernel (its BLOCK_M, <= 128, divides it)
 RECOMPILE_LIMIT = 64  # compiled flex entries per process: a few engine configurations, 8 each
-
-
-def bucket(n: int) -> int:
-    """Smallest power of two >= n (>= 1)."""
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def flex_tiles(block_size: int, dtype: torch.dtype, head_dim: int, n_queries: int, group: int
@@ -293,9 +288,9 @@ class FusedAttention:
         return o[:B, :, :Tq].transpose(1, 2), aux.lse[:B, :, :Tq].transpose(1, 2)
 
     def attend(self, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, batch: AttentionBatch, plans: list[FusedPlan]) -> torch.Tensor:
-        k_cache.index_copy_(0, batch.write_slots, k_NHD.to(k_cache.dtype))
-        v_cache.index_copy_(0, batch.write_slots, v_NHD.to(v_cache.dtype))
+               v_cache: torch.Tensor, batch: AttentionBatch, plans: list[FusedPlan],
+               reads: Reads = Reads.PREFIX_AND_OWN) -> torch.Tensor:
+        write_kv(k_NHD, v_NHD, k_cache, v_cache, batch, reads)
         N, H, D = q_NHD.shape
         Hkv = k_NHD.shape[1]
         q_pad = torch.cat([q_NHD, q_NHD.new_zeros(1, H, D)])
@@ -304,6 +299,8 @@ class FusedAttention:
         k_1HSD, v_1HSD = k_cache[None].transpose(1, 2), v_cache[None].transpose(1, 2)
         for plan in plans:
             g = plan.group
+            if isinstance(g, PrefixGroup) and reads is not Reads.PREFIX_AND_OWN:
+                continue  # prefix rows are queried by prefix+own layers only
             if isinstance(g, PrefixGroup):
                 # This step's own K/V rows of the prefix (just computed; not read back from the cache).
                 k_pad = torch.cat([k_NHD, k_NHD.new_zeros(1, Hkv, D)])
@@ -314,7 +311,10 @@ class FusedAttention:
                                                         is_causal=g.causal, enable_gqa=Hkv != H)
                 out[g.q_rows] = o_BHLD.transpose(1, 2)
                 continue
-            o1, l1 = self._paged(q_pad, k_1HSD, v_1HSD, plan.own)  # [B, Tq, H, D], [B, Tq, H]
+            o1, l1 = self._paged(q_pad, k_1HSD, v_1HSD, plan.own) if reads is not Reads.PREFIX else (None, None)
+            if reads is Reads.OWN:
+                out[g.q_rows] = o1.to(out.dtype)
+                continue
             pre, pre_lse = self._paged(q_pad, k_1HSD, v_1HSD, plan.prefix)  # [I, M, H, D], [I, M, H]
             # Per-image results to the group's [B, Tq] layout (padding reads an appended zero slot).
             p = g.prefix
@@ -322,6 +322,9 @@ class FusedAttention:
             pre_flat = torch.cat([pre.reshape(I * M, H, D), pre.new_zeros(1, H, D)])
             lse_flat = torch.cat([pre_lse.reshape(I * M, H), pre_lse.new_zeros(1, H)])
             o2, l2 = pre_flat[p.q_slot], lse_flat[p.q_slot]  # [B, Tq, H, D], [B, Tq, H]
+            if reads is Reads.PREFIX:
+                out[g.q_rows] = o2.to(out.dtype)
+                continue
             # A query that sees no key in one part has LSE -inf there: weight 0. Padding queries
             # may see none at all; the clamps keep them finite (their outputs are discarded).
             m = torch.maximum(l1, l2).clamp(min=torch.finfo(torch.float32).min)

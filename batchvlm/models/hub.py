@@ -150,3 +150,24 @@ def load_tokenizer(folder: Path, fallback_repo: str | None = None):
         return Tokenizer.from_file(hf_hub_download(fallback_repo, "tokenizer.json"))
     except Exception as e:  # noqa: BLE001 - any failure means: no tokenizer available
         raise ModelLoadError(f"{folder}: no tokenizer.json and cannot fetch {fallback_repo}: {e}") from e
+
+
+class TokenizerAdapter:
+    """A `tokenizers.Tokenizer` as families use it: ids without added specials; decoding skips
+    special tokens or keeps them (`skip_special`)."""
+
+    def __init__(self, tok, skip_special: bool = False):
+        self._tok = tok
+        self.skip_special = skip_special
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self.skip_special)
+
+    def id_of(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def token_of(self, id_: int) -> str | None:
+        return self._tok.id_to_token(id_)

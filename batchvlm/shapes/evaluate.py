@@ -7,7 +7,8 @@ import random
 
 from PIL import Image
 
-from ..models.decoding import MODE_DETECT, MODE_POINT, MODE_TEXT, SeqSpec
+from ..models.decoding import MODE_TEXT, SeqSpec
+from ..models.moondream.grammar import MODE_DETECT, MODE_POINT, spec
 from ..models.moondream.generate import generate
 from ..models.moondream.model import MoondreamModel
 from ..models.moondream.preprocess import Preprocessor
@@ -35,8 +36,8 @@ def score_model(model: MoondreamModel, tokenizer, pre: Preprocessor, n_images: i
         q, d, p = TEMPLATES["query"], TEMPLATES["detect"], TEMPLATES["point"]
         specs = [SeqSpec(MODE_TEXT, tuple(TEMPLATES["caption"]["normal"]), 40)]
         specs += [SeqSpec(MODE_TEXT, tuple(q["prefix"] + tokenizer.encode(x) + q["suffix"] * 2), 8) for x in questions]
-        specs += [SeqSpec(MODE_DETECT, tuple(d["prefix"] + tokenizer.encode(" " + x) + d["suffix"]), 10) for x in queries]
-        specs += [SeqSpec(MODE_POINT, tuple(p["prefix"] + tokenizer.encode(" " + x) + p["suffix"]), 10) for x in queries]
+        specs += [spec(MODE_DETECT, tuple(d["prefix"] + tokenizer.encode(" " + x) + d["suffix"]), 10) for x in queries]
+        specs += [spec(MODE_POINT, tuple(p["prefix"] + tokenizer.encode(" " + x) + p["suffix"]), 10) for x in queries]
         outs = generate(model, [pre(image)], specs)[0]
         scores.add_caption(scene, tokenizer.decode(outs[0].tokens))
         for x, o in zip(questions, outs[1:]):

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..models.decoding import INPUT_COORD, INPUT_SIZE, INPUT_TOKEN
+from ..models.decoding import INPUT_TOKEN
+from ..models.moondream.grammar import INPUT_COORD, INPUT_SIZE
 from ..models.moondream.preprocess import Preprocessor
 from .vocab import ID, TEMPLATES
 from .world import COLOURS, COUNT_QUESTION, KINDS, TRAINING, Scene, colour_question, draw_scene

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ..decoding import (EMIT_NONE, EMIT_SIZE, EMIT_TOKEN, EMIT_X, EMIT_Y, INPUT_COORD, INPUT_SIZE, INPUT_TOKEN,
-                        MODE_DETECT, MODE_POINT, MODE_TEXT, Decision, RowState, sample_tokens)
+from ..decoding import EMIT_NONE, EMIT_TOKEN, INPUT_TOKEN, MODE_TEXT, Decision, RowState, sample_tokens
+from .grammar import EMIT_SIZE, EMIT_X, EMIT_Y, INPUT_COORD, INPUT_SIZE, MODE_DETECT, MODE_POINT
 from .model import MoondreamModel
 
 PHASE_TOKEN, PHASE_Y, PHASE_SIZE = 0, 1, 2

@@ -13,10 +13,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...tasks import args_of, box_values, column_of, kind_of, point_values, truncated_column
+from ...cache.specs import PagedKV, bytes_per_slot
+from ...cache.tensors import EngineCache
 from ..attention import AttentionBatch, KVCache
-from ..decoding import MODE_DETECT, MODE_POINT, MODE_TEXT, Decision, RawOutput, RowState, SeqSpec
+from ..decoding import MODE_TEXT, Decision, RawOutput, RowState, SeqSpec
+from . import grammar
+from .grammar import MODE_DETECT, MODE_POINT
 from ..family import FamilyError, ModelInfo, PrefixInputs, TaskSequence
-from ..hub import load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
+from ..hub import TokenizerAdapter, load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
 from ..pinned import PinnedUpload
 from .config import MoondreamConfig
 from .decoding import decide
@@ -27,17 +31,6 @@ from .weights import TOKENIZER_REPO, build_model, load_weights, read_config
 if TYPE_CHECKING:
     from ...job import EngineSpec
     from ...tasks import Task
-
-
-class TokenizerAdapter:
-    def __init__(self, tok):
-        self._tok = tok
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
 
 
 class Moondream:
@@ -88,8 +81,8 @@ class Moondream:
             return [(None, SeqSpec(MODE_TEXT, tuple(prompt), a.max_new_tokens or e.max_new_tokens, e.temperature,
                                    e.top_p))]
         mode = MODE_DETECT if kind == "detect" else MODE_POINT
-        return [(obj, SeqSpec(mode, tuple(tpl["prefix"] + self.tokenizer.encode(" " + obj) + tpl["suffix"]),
-                              a.max_objects or e.max_objects))
+        return [(obj, grammar.spec(mode, tuple(tpl["prefix"] + self.tokenizer.encode(" " + obj) + tpl["suffix"]),
+                                   a.max_objects or e.max_objects))
                 for obj in a.objects]
 
     def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput]) -> dict[str, Any]:
@@ -127,12 +120,18 @@ class MoondreamEngine:
         self.P = model.config.prefix_len
         self._upload = PinnedUpload(self.device)
 
+    def state_specs(self) -> list[PagedKV]:
+        t = self.model.config.text
+        return [PagedKV("attn", t.n_layers, t.n_kv_heads, t.head_dim, self.dtype)]
+
     def new_kv_cache(self, n_blocks: int, block_size: int) -> KVCache:
         return self.model.new_kv_cache(n_blocks, block_size)
 
     def kv_bytes_per_token(self) -> int:
-        t = self.model.config.text
-        return 2 * t.n_layers * t.n_kv_heads * t.head_dim * self.dtype.itemsize
+        return bytes_per_slot(self.state_specs())
+
+    def prefix_layout(self, image: PreparedImage, prompt: tuple[int, ...]) -> tuple[int, int]:
+        return image.prefix_len, image.next_pos
 
     def encode(self, images: list[PreparedImage]) -> list[torch.Tensor]:
         crops = self._upload([im.crops for im in images])
@@ -142,7 +141,7 @@ class MoondreamEngine:
         s = self.model.config.vision.crop_size
         return [PreparedImage(torch.zeros(1, s, s, 3, dtype=torch.uint8), (1, 1), self.P)] * 128
 
-    def prefix_inputs(self, features: list[torch.Tensor]) -> PrefixInputs:
+    def prefix_inputs(self, features: list[torch.Tensor], prompts: list[torch.Tensor]) -> PrefixInputs:
         embeds = self.model.prefix_embeds(torch.stack(features)).reshape(len(features) * self.P, -1)
         return PrefixInputs(embeds, torch.arange(self.P, device=self.device).repeat(len(features)))
 
@@ -155,9 +154,11 @@ class MoondreamEngine:
     def embed_inputs(self, kind_N: torch.Tensor, token_N: torch.Tensor, value_N2: torch.Tensor) -> torch.Tensor:
         return self.model.input_embeds(kind_N, token_N, value_N2)
 
-    def forward(self, embeds_NC: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, cache: KVCache,
+    def forward(self, embeds_NC: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, cache: EngineCache,
                 prefix: PrefixInputs | None = None) -> torch.Tensor:
-        return self.model.text(embeds_NC, positions, batch, cache)
+        return self.model.text(embeds_NC, positions, batch, cache.paged["attn"])
+
+    emit = staticmethod(grammar.emit)
 
     def decide(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
                heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> Decision:

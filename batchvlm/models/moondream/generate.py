@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from ..attention import PAD, AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
-from ..decoding import RawOutput, RowState, SeqSpec, apply_decision
+from ..decoding import RawOutput, RowState, SeqSpec
+from .grammar import apply_decision
 from .decoding import decide
 from .model import MoondreamModel
 from .preprocess import PreparedImage
@@ -109,7 +110,7 @@ def generate(
     # 3. Step all unfinished sequences together (one token each, grouped by image).
     while True:
         d = decide(model, hidden_BC, state, sampling)
-        finished = apply_decision([outputs[b] for b in active], [modes[b] for b in active], d)
+        finished = apply_decision([outputs[b] for b in active], [specs[b % S] for b in active], d)
         keep = [k for k, f in enumerate(finished) if not f]
         if not keep:
             break

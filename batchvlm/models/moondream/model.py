@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..attention import AttentionBatch, KVCache
-from ..decoding import INPUT_COORD, INPUT_SIZE
+from ..attention import AttentionBatch, KVCache, backend_for
+from .grammar import INPUT_COORD, INPUT_SIZE
 from .config import MoondreamConfig
 from .region import RegionModel
 from .text import TextModel
@@ -61,4 +61,4 @@ class MoondreamModel(nn.Module):
     def new_kv_cache(self, n_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> KVCache:
         t = self.config.text
         return KVCache.allocate(t.n_layers, n_blocks, block_size, t.n_kv_heads, t.head_dim,
-                                dtype or self.dtype, self.device)
+                                dtype or self.dtype, self.device, backend_for(self.device))

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import AttentionBatch, KVCache, attend, plan_groups
-from ..decoding import Decision, RowState, decide_text
+from ...cache.specs import PagedKV
+from ...cache.tensors import EngineCache
+from ..attention import AttentionBatch, attend, plan_groups
+from ..decoding import Decision, RowState, decide_text, emit_text
 from ..family import ModelInfo, PrefixInputs
 from ..pinned import PinnedUpload
 from .model import Qwen3VLModel
@@ -45,13 +47,12 @@ class Qwen3VLEngine:
         self.pre = pre
         self._upload = PinnedUpload(self.device)
 
-    def new_kv_cache(self, n_blocks: int, block_size: int) -> KVCache:
+    def state_specs(self) -> list[PagedKV]:
         t = self.model.config.text
-        return KVCache.allocate(t.n_layers, n_blocks, block_size, t.n_kv_heads, t.head_dim, self.dtype, self.device)
+        return [PagedKV("attn", t.n_layers, t.n_kv_heads, t.head_dim, self.dtype)]
 
-    def kv_bytes_per_token(self) -> int:
-        t = self.model.config.text
-        return 2 * t.n_layers * t.n_kv_heads * t.head_dim * self.dtype.itemsize
+    def prefix_layout(self, image: PreparedImage, prompt: tuple[int, ...]) -> tuple[int, int]:
+        return image.prefix_len, image.next_pos
 
     def encode(self, images: list[PreparedImage]) -> list[ImageFeatures]:
         # One pinned staging copy and one upload for the batch; images differ in size, so flat.
@@ -75,7 +76,7 @@ class Qwen3VLEngine:
         im = PreparedImage(torch.zeros(side, side, 3, dtype=torch.uint8), (side // f, side // f), len(self.head))
         return [im] * max(1, -(-128 // im.cost))
 
-    def prefix_inputs(self, features: list[ImageFeatures]) -> PrefixInputs:
+    def prefix_inputs(self, features: list[ImageFeatures], prompts: list[torch.Tensor]) -> PrefixInputs:
         h = len(self.head)
         head = self.model.embed(self.head)
         end = self.model.embed(self.vision_end)
@@ -99,14 +100,17 @@ class Qwen3VLEngine:
     def embed_inputs(self, kind_N: torch.Tensor, token_N: torch.Tensor, value_N2: torch.Tensor) -> torch.Tensor:
         return self.model.embed(token_N)  # every input is a token
 
-    def forward(self, embeds_NC: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, cache: KVCache,
+    def forward(self, embeds_NC: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, cache: EngineCache,
                 prefix: PrefixInputs | None = None) -> torch.Tensor:
-        plans = plan_groups(batch, cache)
+        kv = cache.paged["attn"]
+        plans = plan_groups(batch, kv)
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return attend(q, k, v, cache.k[layer], cache.v[layer], batch, plans)
+            return attend(q, k, v, kv.k[layer], kv.v[layer], batch, plans)
 
         return self.model.text(embeds_NC, positions, attention, prefix.extras if prefix is not None else None)
+
+    emit = staticmethod(emit_text)
 
     def decide(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
                heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> Decision:

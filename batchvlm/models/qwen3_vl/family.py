@@ -17,7 +17,7 @@ import torch
 from ...tasks import args_of, kind_of
 from ..decoding import MODE_TEXT, RawOutput, SeqSpec
 from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence
-from ..hub import load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
+from ..hub import TokenizerAdapter, load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
 from .chat import ChatTemplate, read_template, special_tokens
 from .config import ConfigError, Qwen3VLConfig
 from .engine_model import Qwen3VLEngine
@@ -35,29 +35,14 @@ DETECT = 'Locate every instance that belongs to the following categories: "{obje
 POINT = "Locate every {object} in this image with points. Output the point coordinates in JSON format."
 
 
-class Tokenizer:
-    """The checkpoint's tokenizer.json; decoding skips special tokens."""
-
-    def __init__(self, tok):
-        self._tok = tok
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
-
-    def id_of(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
-    def token_of(self, id_: int) -> str:
-        token = self._tok.id_to_token(id_)
-        if token is None:
-            raise ConfigError(f"token id {id_} is not in the tokenizer")
-        return token
+def _token(tokenizer: TokenizerAdapter, id_: int) -> str:
+    token = tokenizer.token_of(id_)
+    if token is None:
+        raise ConfigError(f"token id {id_} is not in the tokenizer")
+    return token
 
 
-def stop_ids(folder: Path, tokenizer: Tokenizer) -> list[int]:
+def stop_ids(folder: Path, tokenizer: TokenizerAdapter) -> list[int]:
     """<|im_end|>, the tokenizer's eos_token and generation_config.json's eos_token_id."""
     ids = {tokenizer.id_of("<|im_end|>")}
     eos = special_tokens(folder).get("eos_token")
@@ -78,10 +63,10 @@ class Qwen3VL:
                  revision: str | None, min_pixels: int | None = None, max_pixels: int | None = None):
         self.config, self.folder, self.model_name, self.revision = config, folder, model_name, revision
         self.settings = settings
-        self.tokenizer = Tokenizer(tokenizer)
+        self.tokenizer = TokenizerAdapter(tokenizer, skip_special=True)
         self.template = ChatTemplate(read_template(folder), special_tokens(folder),
-                                     self.tokenizer.token_of(config.image_token_id),
-                                     self.tokenizer.token_of(config.vision_end_id))
+                                     _token(self.tokenizer, config.image_token_id),
+                                     _token(self.tokenizer, config.vision_end_id))
         self.head = self.tokenizer.encode(self.template.head())
         self.stop_ids = stop_ids(folder, self.tokenizer)
         self.pre = Preprocessor.create(config.vision, settings, len(self.head), min_pixels, max_pixels)

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from PIL import Image
 
-from ...engine.labeler import WorkItem, sequence_seed
 from ...job import EngineSpec
+from ..decoding import sequence_seed
+from ..family import WorkItem
 from .prompts import Prompt
 
 

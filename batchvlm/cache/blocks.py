@@ -1,8 +1,9 @@
-"""KV block manager: reference-counted blocks of the paged cache (no tensors here).
+"""Host-side accounting of the engine cache (no tensors here): refcounted KV blocks and
+recurrent-state snapshot slots.
 
-Block 0 is the null block (padding writes land there) and is never handed out. An image's
-prefix blocks are shared by every task sequence on that image: each holder takes a reference,
-and the blocks return to the free list when the last reference is dropped.
+Block 0 is the null block (padding writes land there) and is never handed out. A prefix's
+blocks are shared by every sequence on that prefix: each holder takes a reference, and the
+blocks return to the free list when the last reference is dropped.
 """
 
 from __future__ import annotations
@@ -56,3 +57,23 @@ class BlockManager:
 
     def refs(self, block: int) -> int:
         return self._refs[block]
+
+
+class SnapshotSlots:
+    """Free list of recurrent-state snapshot slots (EngineCache.snapshot_index). A prefix holds
+    one from its prefill until every sequence on it has been planned to fork from it; device
+    steps run in plan order, so a slot freed at planning time is rewritten only after the forks."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self._free = list(range(n - 1, -1, -1))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        return self._free.pop()
+
+    def give(self, s: int) -> None:
+        self._free.append(s)

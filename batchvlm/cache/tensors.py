@@ -1,0 +1,61 @@
+"""The tensors that hold sequences' state, one set per declared spec (specs.py).
+
+Paged kinds share one slot space: slot = block * block_size + index, block 0 the null block
+(padding writes land there, padded keys read from there). Recurrent kinds share one state
+index space: rows 0..n_rows-1 are the device-state rows of running sequences, n_rows is the
+scratch row padding reads and writes, and n_rows + 1 + s is snapshot slot s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .specs import PagedKV, Recurrent, StateSpec
+
+
+@dataclass
+class KVCache:
+    """All layers' keys and values of one paged kind: one allocation, per-layer views by dim 0."""
+
+    k: torch.Tensor  # [n_layers, n_blocks * block_size, n_kv_heads, head_dim]
+    v: torch.Tensor
+    block_size: int
+    backend: Any = None  # models/attention.py's AttentionBackend; None: picked by device on first use
+
+    @classmethod
+    def allocate(cls, n_layers: int, n_blocks: int, block_size: int, n_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device, backend: Any = None) -> KVCache:
+        shape = (n_layers, n_blocks * block_size, n_kv_heads, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(shape, dtype=dtype, device=device), block_size, backend)
+
+    @property
+    def n_blocks(self) -> int:
+        return self.k.shape[1] // self.block_size
+
+
+@dataclass
+class EngineCache:
+    """Everything the engine allocated for a model, by spec name."""
+
+    paged: dict[str, KVCache]
+    recurrent: dict[str, dict[str, torch.Tensor]]  # name -> {part: [n_rows + 1 + n_snapshots, *shape]}
+    block_size: int
+    n_rows: int
+
+    def snapshot_index(self, s: int) -> int:
+        return self.n_rows + 1 + s
+
+    @classmethod
+    def allocate(cls, specs: list[StateSpec], n_blocks: int, block_size: int, n_rows: int, n_snapshots: int,
+                 device: torch.device) -> EngineCache:
+        paged = {s.name: KVCache.allocate(s.layers, n_blocks, block_size, s.kv_heads, s.head_dim, s.dtype, device)
+                 for s in specs if isinstance(s, PagedKV)}
+        n = n_rows + 1 + n_snapshots
+        recurrent = {s.name: {part: torch.zeros(n, *shape, dtype=s.dtype, device=device)
+                              for part, shape in s.shapes.items()}
+                     for s in specs if isinstance(s, Recurrent)}
+        return cls(paged, recurrent, block_size, n_rows)

@@ -1,0 +1,153 @@
+"""StepInputs: one step's device inputs as named fields, built once on the host from a StepPlan
+and uploaded in one copy per dtype (staging.py `Slot.upload`). The eager path reads all of
+them; the CUDA-graph path reads `DecodeInputs` only, padded to the captured bucket. Fields
+are numpy arrays on the host and device tensors (same shapes) after the upload.
+
+Flat token layout of one step: [prefixes (ragged) | prompts (ragged) | decode tokens]; a query
+row that pads a group points at flat row N (a zero scratch row the backends append).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cache.spans import ZERO
+from ..models.attention import PAD
+from ..models.decoding import N_HEADS
+from .plan import StepPlan
+from .staging import rows_by_image
+
+Array = np.ndarray  # on the host; torch.Tensor of the same shape on the device after upload
+
+
+@dataclass
+class DecodeInputs:
+    rows: Array  # [D] device-state rows; padding -> the scratch row
+    own: Array  # [D] own index of the token each row feeds
+    pos: Array  # [D] its rotary position
+    tables: Array  # [D, n_own_blocks] own blocks; padding -> 0 (null block)
+    image_tables: Array  # [I_d, n_prefix_blocks] blocks of each prefix decoded against
+    image_lens: Array  # [I_d]
+    by_image: Array  # [I_d, M] flat rows of each prefix's queries; padding -> the scratch flat row
+    slot: Array  # [D, 1] where each query sits in [I_d * M]
+
+
+@dataclass
+class StepInputs:
+    # Prefixes prefilled: token j of prefix i at flat row pre_start[i] + j.
+    prefix_tokens: Array  # [sum of prefix prompt lengths] prefix prompt ids
+    prefix_lens: Array  # [I]
+    prefix_tables: Array  # [I, n_prefix_blocks]
+    q_pre: Array  # [I, L] flat rows of each prefix's tokens
+    pre_img: Array  # [n_pre] prefix of each prefix token
+    pre_j: Array  # [n_pre] its index in the prefix
+    # Sequences admitted: own prompt token j of sequence s at flat row n_pre + prompt_start[s] + j.
+    new_rows: Array  # [S]
+    new_int: Array  # [S, 3] mode, limit, seed
+    new_float: Array  # [S, 2] temperature, top_p
+    prompt_tokens: Array  # [n_prompt]
+    prompt_lens: Array  # [S]
+    prompt_tables: Array  # [S, n_own_blocks]
+    prompt_image_tables: Array  # [I_p, n_prefix_blocks]
+    prompt_image_lens: Array  # [I_p]
+    q_prompt: Array  # [S, T] flat rows of each prompt's tokens
+    own_prompt: Array  # [S, T] their own indices; padding -> PAD
+    prompt_by_image: Array  # [I_p, M] flat rows of each prefix's prompt queries
+    prompt_slot: Array  # [S, T] where each prompt query sits in [I_p * M]
+    flat_seq: Array  # [n_prompt] sequence of each prompt token
+    flat_own: Array  # [n_prompt] its own index
+    flat_pos: Array  # [n_prompt] its rotary position
+    decode: DecodeInputs
+    last: Array  # [S + D] flat row of each emitting row's last token
+    heads: tuple[Array, ...]  # N_HEADS x [rows needing head b], indices into the emitting rows
+    # Recurrent layers (cache/spans.py): per span (prefixes, then prompts).
+    span_read: Array  # [K]
+    span_write: Array  # [K]
+    cu_seqlens: Array  # [K + 1]
+
+
+@dataclass
+class StepLayout:
+    """Host facts of a step that the forward needs besides its uploaded inputs."""
+
+    n_pre: int
+    n_prompt: int
+    span_start: list[int]
+    span_len: list[int]
+    span_read: list[int]
+    span_write: list[int]
+
+
+def _ints(values) -> Array:
+    return np.asarray(values, dtype=np.int64)
+
+
+def decode_inputs(plan: StepPlan, first_row: int, pad_row: int) -> DecodeInputs:
+    """The decode rows' inputs, unpadded: queries at flat rows first_row ..."""
+    q = (first_row + np.arange(len(plan.decode_rows), dtype=np.int64))[:, None]
+    by_image, slot = rows_by_image(plan.decode_image, q, len(plan.decode_image_tables), pad_row)
+    return DecodeInputs(plan.decode_rows, plan.decode_own, plan.decode_pos, plan.decode_tables,
+                        plan.decode_image_tables, plan.decode_image_lens, by_image, slot)
+
+
+NO_DECODE = DecodeInputs(*(np.zeros(shape, dtype=np.int64) for shape in
+                           ((0,), (0,), (0,), (0, 0), (0, 0), (0,), (0, 0), (0, 1))))
+
+
+def pad_decode(d: DecodeInputs, n_rows: int, n_images: int, per_image: int, own_blocks: int,
+               prefix_blocks: int, scratch_row: int) -> DecodeInputs:
+    """Decode inputs made with `decode_inputs(plan, 0, n_rows)`, in a CUDA graph's fixed shapes
+    (graphs.py): n_rows queries at flat rows 0..n_rows-1, padding rows on the scratch state row
+    and the null block, padding images with a one-slot prefix in the null block and no queries."""
+    D = len(d.rows)
+
+    def pad(a: Array, shape: tuple[int, ...], fill: int) -> Array:
+        out = np.full(shape, fill, dtype=np.int64)
+        out[tuple(slice(0, n) for n in a.shape)] = a
+        return out
+
+    M = max(d.by_image.shape[1], 1)
+    slot = np.full((n_rows, 1), n_images * per_image, dtype=np.int64)
+    slot[:D, 0] = d.slot[:, 0] // M * per_image + d.slot[:, 0] % M  # [I, M] -> the graph's [n_images, per_image]
+    return DecodeInputs(pad(d.rows, (n_rows,), scratch_row), pad(d.own, (n_rows,), 0), pad(d.pos, (n_rows,), 0),
+                        pad(d.tables, (n_rows, own_blocks), 0), pad(d.image_tables, (n_images, prefix_blocks), 0),
+                        pad(d.image_lens, (n_images,), 1), pad(d.by_image, (n_images, per_image), n_rows), slot)
+
+
+def step_inputs(plan: StepPlan, recurrent: bool, snapshot_index) -> tuple[StepInputs, StepLayout]:
+    I, S, D = len(plan.prefix_slots), len(plan.new_rows), len(plan.decode_rows)
+    n_pre, n_prompt = int(plan.prefix_lens.sum()), int(plan.prompt_lens.sum())
+    L = int(plan.prefix_lens.max()) if I else 0
+    T = int(plan.prompt_lens.max()) if S else 0
+    N = n_pre + n_prompt + D
+    pre_start = np.cumsum(plan.prefix_lens) - plan.prefix_lens
+    pre_img = np.repeat(np.arange(I), plan.prefix_lens)
+    pre_j = np.arange(n_pre) - pre_start[pre_img]
+    q_pre = np.full((I, L), N, dtype=np.int64)
+    q_pre[pre_img, pre_j] = np.arange(n_pre)
+    prompt_start = np.cumsum(plan.prompt_lens) - plan.prompt_lens
+    flat_seq = np.repeat(np.arange(S), plan.prompt_lens)
+    flat_own = np.arange(n_prompt) - prompt_start[flat_seq]
+    q_prompt = np.full((S, T), N, dtype=np.int64)
+    q_prompt[flat_seq, flat_own] = n_pre + np.arange(n_prompt)
+    own_prompt = np.full((S, T), PAD, dtype=np.int64)
+    own_prompt[flat_seq, flat_own] = flat_own
+    prompt_by_image, prompt_slot = rows_by_image(plan.prompt_image, q_prompt, len(plan.prompt_image_tables), N)
+    decode = decode_inputs(plan, n_pre + n_prompt, N)
+    last = np.concatenate([q_prompt[np.arange(S), plan.prompt_lens - 1], n_pre + n_prompt + np.arange(D)])
+    layout = StepLayout(n_pre, n_prompt, [], [], [], [])
+    if recurrent:  # prefixes from a zero state into their snapshots, prompts from those into their rows
+        layout.span_start = pre_start.tolist() + (n_pre + prompt_start).tolist()
+        layout.span_len = plan.prefix_lens.tolist() + plan.prompt_lens.tolist()
+        layout.span_read = [ZERO] * I + [snapshot_index(f) for f in plan.prompt_fork.tolist()]
+        layout.span_write = [snapshot_index(s) for s in plan.prefix_snapshot.tolist()] + plan.new_rows.tolist()
+    inputs = StepInputs(
+        plan.prefix_tokens, plan.prefix_lens, plan.prefix_tables, q_pre, pre_img, pre_j,
+        plan.new_rows, plan.new_int, plan.new_float, plan.prompt_tokens, plan.prompt_lens, plan.prompt_tables,
+        plan.prompt_image_tables, plan.prompt_image_lens, q_prompt, own_prompt, prompt_by_image, prompt_slot,
+        flat_seq, flat_own, plan.prompt_pos0[flat_seq] + flat_own, decode, _ints(last),
+        tuple(np.flatnonzero(plan.needs & (1 << b)) for b in range(N_HEADS)),
+        _ints(layout.span_read), _ints(layout.span_write), _ints(np.concatenate([[0], np.cumsum(layout.span_len)])))
+    return inputs, layout
