@@ -49,6 +49,9 @@ PROMPTS = ["Describe this image.", "What is in the picture?",
 CONFIGS = {
     "mid": dict(text_dim=512, heads=8, kv_heads=4, head_dim=64, layers=6, section=(12, 10, 10), vision_dim=384,
                 vision_heads=6, depth=6, pos_embeddings=256, deepstack=(1, 3), vocab=4096, shard_size="200MB"),
+    # for scripts/gpu_check.sh --dry-run: the script itself, in seconds
+    "tiny": dict(text_dim=64, heads=4, kv_heads=2, head_dim=16, layers=2, section=(4, 2, 2), vision_dim=64,
+                 vision_heads=2, depth=2, pos_embeddings=256, deepstack=(0,), vocab=1024, shard_size="50MB"),
     # Qwen3-VL-2B-Instruct's shapes (random weights)
     "2b": dict(text_dim=2048, heads=16, kv_heads=8, head_dim=128, layers=28, section=(24, 20, 20), ff=6144,
                vision_dim=1024, vision_heads=16, depth=24, vision_ff=4096, pos_embeddings=2304,

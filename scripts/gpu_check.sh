@@ -148,7 +148,7 @@ call_2() {
     if (( DRY )); then
         bench_args=(--model demo --device cpu --images 2 --repeat 1 --max-new-tokens 3 --max-objects 1
                     --rows mixed/4 mixed@1024x768/4 --one-at-a-time-images 1 --kv-blocks 300 --deadline-s 120)
-        qwen_args=(--config mid --dtype float32 --images 2 --batch 8 --hf-batch 8 --max-new-tokens 3 --skip-one-at-a-time)
+        qwen_args=(--config tiny --dtype float32 --images 2 --batch 8 --hf-batch 8 --max-new-tokens 3 --skip-one-at-a-time)
     else
         # rows in order of importance; rows stop starting after the deadline (a row takes < 60 s)
         bench_args=(--model full-random --images 128 --fixed-lengths --max-new-tokens 32 --max-objects 6
