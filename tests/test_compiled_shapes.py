@@ -66,11 +66,10 @@ def test_one_engine_configuration_compiles_at_most_8_shapes(tmp_path, counted):
     assert engine.stats["compiled_shapes"] == shapes and engine.stats["compile_s"] > 0
 
 
-def test_hitting_the_recompile_limit_raises(counted, monkeypatch):
+def test_hitting_the_recompile_limit_raises(counted):
     backend = FusedAttention(compile=True, backend="eager")  # raises dynamo's limit to RECOMPILE_LIMIT
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 3)
     batch, N = random_batch(0, False, n_pad_rows=0)  # prompt and decode groups, own and prefix parts: 4 shapes
-    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+    with torch._dynamo.config.patch(recompile_limit=3), pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
         run(backend, batch, N, 0)
     assert COMPILED.shapes > 0
 
