@@ -233,7 +233,7 @@ class FusedAttention:
     `compile=True` runs flex_attention through torch.compile (the fused kernel; what CUDA uses);
     `compile=False` runs flex's eager implementation, which materializes scores over the whole
     cache: slow, but it evaluates the same block masks and mask_mods, so CPU tests check them.
-    `bounds` (set by the engine's runner) fixes the padded shapes; see the module docstring."""
+    `bounds` (set by the engine before its first step) fixes the padded shapes; see the module docstring."""
 
     def __init__(self, compile: bool, backend: str = "inductor", bounds: MaskBounds | None = None):
         self.compile = compile
