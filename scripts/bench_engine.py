@@ -333,7 +333,8 @@ def notes(results: list[dict]) -> list[str]:
             if st.get("steps") and st.get("graph_capture_s"):
                 parts.append(f"{label}: {st['graph_steps'] / st['steps']:.0%} graph steps")
             if st.get("compiled_shapes"):
-                parts.append(f"{label}: flex_attention {st['compiled_shapes']} shapes compiled in {st['compile_s']:.1f} s")
+                parts.append(f"{label}: flex_attention {st['compiled_shapes']} shapes compiled "
+                             f"in {st['compile_s']:.1f} s")
             if f"{label} gpu_busy" in r:
                 parts.append(f"{label}: GPU busy {r[f'{label} gpu_busy']:.0%}")
         same = {k: v["identical_share"] for k, v in r.items() if isinstance(v, dict) and "identical_share" in v}

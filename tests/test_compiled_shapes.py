@@ -1,9 +1,9 @@
-"""flex_attention as CUDA runs it, checked on CPU. It compiles a bounded set of shapes: one engine configuration stays within dynamo's
-default recompile limit (8 entries per code object) over the KV-sizing warm-up, every CUDA-graph
-bucket and a real scheduler run, and running past the limit is an error, never a silent unfused
-fallback. Counted on CPU with dynamo's eager backend: the same tracing, guards and cache entries as
-inductor on CUDA, without the kernels. Its kernel tiles fit every supported KV block size, and
-the job refuses other block sizes on CUDA before any work."""
+"""flex_attention as CUDA runs it, checked on CPU. It compiles a bounded set of shapes: one engine
+configuration stays within dynamo's default recompile limit (8 entries per code object) over the
+KV-sizing warm-up, every CUDA-graph bucket and a real scheduler run, and running past the limit
+is an error, never a silent unfused fallback. Counted on CPU with dynamo's eager backend: the
+same tracing, guards and cache entries as inductor on CUDA, without the kernels. Its kernel tiles
+fit every supported KV block size, and the job refuses other block sizes on CUDA before any work."""
 
 import pytest
 import torch
@@ -36,7 +36,8 @@ def counted(monkeypatch):
 
 
 def test_one_engine_configuration_compiles_at_most_8_shapes(tmp_path, counted):
-    folder = hub_folder(tmp_path / "tiny", TINY, random_state(MoondreamConfig.from_dict(TINY), seed=5), id_tokenizer(64))
+    folder = hub_folder(tmp_path / "tiny", TINY, random_state(MoondreamConfig.from_dict(TINY), seed=5),
+                        id_tokenizer(64))
     md = LoadedMoondream(str(folder))
     g = torch.Generator().manual_seed(3)
     images = [Image.fromarray(torch.randint(0, 256, (40 + 37 * i, 60, 3), generator=g, dtype=torch.uint8).numpy())

@@ -38,7 +38,8 @@ class SyncAudit(TorchDispatchMode):
         self.found: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        frames = [f for f in traceback.extract_stack() if "/torch/" not in f.filename and f.name != "__torch_dispatch__"]
+        frames = [f for f in traceback.extract_stack()
+                  if "/torch/" not in f.filename and f.name != "__torch_dispatch__"]
         where = frames[-1] if frames else None  # the innermost caller outside torch
         why = None
         if func is aten._local_scalar_dense.default:
@@ -86,7 +87,8 @@ def test_the_audit_sees_each_kind_of_sync():
 
 def test_moondream_hot_path_has_no_host_sync(tmp_path, monkeypatch):
     unaudited_flex(monkeypatch)
-    folder = hub_folder(tmp_path / "tiny", TINY, random_state(MoondreamConfig.from_dict(TINY), seed=5), id_tokenizer(64))
+    folder = hub_folder(tmp_path / "tiny", TINY, random_state(MoondreamConfig.from_dict(TINY), seed=5),
+                        id_tokenizer(64))
     md = LoadedMoondream(str(folder))
     g = torch.Generator().manual_seed(4)
     prepared = [md.preprocessor(Image.fromarray(torch.randint(0, 256, (50 + 40 * i, 70, 3), generator=g,

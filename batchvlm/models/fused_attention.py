@@ -36,8 +36,8 @@ them and the padding costs almost nothing. One engine configuration then compile
 group kind (own / prefix part, decode / prompt) per KV cache size, 8 with the warm-up's scratch
 cache. The limit is raised deliberately and hitting it is an error (`fail_on_recompile_limit_hit`,
 `fullgraph`): a fallback must never be silent. Without bounds (tests of random batches) and in
-eager flex (which compiles nothing), sizes are padded up to powers of two. KV stays in the model dtype; softmax and LSE accumulate in
-float32 inside the kernel.
+eager flex (which compiles nothing), sizes are padded up to powers of two. KV stays in the model
+dtype; softmax and LSE accumulate in float32 inside the kernel.
 
 Kernel tiles. Inductor picks flex's decode kernel when a call has < 128 queries per entry and the
 query heads per KV head are a power of two; else the main kernel. The block mask's KV block is the
