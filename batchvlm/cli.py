@@ -1,8 +1,9 @@
 """batchvlm command line. Every knob lives in the job file; flags here are operational only.
 
 Every failure a user can cause is one line, `batchvlm: error: <field or file>: <cause>; <fix>`,
-exit code 2 for a job that cannot run as written, 1 for a run that failed; a traceback only
-with `--debug` (also passed to the worker processes `run` starts).
+exit code 2 for a job that cannot run as written (do not retry), 1 for a run that failed, 75 for
+one to run again (exits.py); a traceback only with `--debug` (also passed to the worker
+processes `run` starts).
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import typer
 from . import __version__
 from .data.shardlist import plan
 from .data.sources import ShardRef, SourceError, check_first_parquet, list_files
+from .exits import EXIT_FAILED, EXIT_JOB_ERROR, EXIT_STOPPED
 from .job import Job, JobError, load_job
-from .models.family import FamilyError, ModelLoadError
+from .models.family import FamilyError, ModelFetchError, ModelLoadError
 from .output import manifest
 from .output.layout import Layout
+from .output.lock import RunLockHeld
 from .output.placement import check_apart_from_inputs, check_writable
 from .output.writer import OutputWriteError, write_failure
 
@@ -50,7 +53,7 @@ def _options(
         os.environ[DEBUG_ENV] = "1"
 
 
-def fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = EXIT_JOB_ERROR) -> None:
     typer.echo(f"batchvlm: error: {message}", err=True)
     raise typer.Exit(code)
 
@@ -69,6 +72,9 @@ def run(
                                                                    "shards cut short are redone next run)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Delete existing output and start over."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show what would run; load nothing."),
+    ray: str | None = typer.Option(None, "--ray", metavar="ADDRESS",
+                                   help="Run one rank per GPU (or CPU slot) of a Ray cluster: auto (RAY_ADDRESS or "
+                                        "this machine's cluster), local, HOST:PORT or ray://HOST:PORT."),
 ) -> None:
     """Label every pending shard of JOB_FILE (finished shards are skipped)."""
     job = _load(job_file)
@@ -76,14 +82,21 @@ def run(
         if dry_run:
             _plan(job, overwrite)
             return
+        if ray is not None:
+            from .integrations.ray_launch import run_on_ray
+
+            raise typer.Exit(run_on_ray(job, ray, limit, overwrite))
         from .dist import LOCAL_RANK_ENV, resolve_rank
-        from .launch import EXIT_STOPPED, spawn, worker_envs
+        from .launch import spawn, worker_envs
         from .run import StopFlag, run_job
 
         rank = resolve_rank()
         envs = worker_envs(job, rank)
         clear = overwrite or job.output.mode == "overwrite"
         if envs:  # one worker process per GPU of this node; they start after the clearing
+            from .models.registry import check_tasks
+
+            check_tasks(job.model, job.tasks, job.engine)  # a refused job clears nothing
             if clear:
                 manifest.clear_outputs(Layout(Path(job.output.dir)))
             raise typer.Exit(spawn(job_file, envs, limit, job.name))
@@ -93,21 +106,25 @@ def run(
         stop = StopFlag()
         stop.install()
         summary = run_job(job, limit=limit, overwrite=clear, rank=rank, stop=stop)
+    except RunLockHeld as e:  # not the job's fault: run again once the other run is gone
+        fail(str(e), EXIT_STOPPED)
+    except ModelFetchError as e:  # the hub, for now
+        fail(str(e), EXIT_FAILED)
     except USER_ERRORS as e:
         fail(str(e))
     except ValueError as e:  # an inconsistent rank environment
         fail(str(e))
     except OutputWriteError as e:
-        fail(str(e), 1)
+        fail(str(e), EXIT_FAILED)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EROFS):  # the job record, a stats file: the output again
-            fail(str(write_failure(e, Path(job.output.dir))), 1)
+            fail(str(write_failure(e, Path(job.output.dir))), EXIT_FAILED)
         raise
     typer.echo(summary.line(job.output.dir), err=True)
     if summary.stopped_by_signal:
         raise typer.Exit(EXIT_STOPPED)
     if summary.shards_failed or (summary.shards_damaged and not job.input.allow_damaged):
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_FAILED)
 
 
 def _check(job: Job, layout: Layout | None = None) -> tuple[Job, list[ShardRef]]:
@@ -117,7 +134,7 @@ def _check(job: Job, layout: Layout | None = None) -> tuple[Job, list[ShardRef]]
     shard list. -> the job as it runs on this machine (device, dtype), and its shards."""
     from .device import for_device
     from .dist import resolve_rank
-    from .models.registry import open_family
+    from .models.registry import check_tasks
 
     out = Path(job.output.dir)
     if job.input.kind == "parquet":
@@ -127,7 +144,7 @@ def _check(job: Job, layout: Layout | None = None) -> tuple[Job, list[ShardRef]]
     check_writable(out)
     check_apart_from_inputs(out, job.input, [(s.stem, s.url) for s in shards])
     job = for_device(job, resolve_rank())
-    open_family(job.model, weights=False).sequences(job.tasks, job.engine)
+    check_tasks(job.model, job.tasks, job.engine)
     return job, shards
 
 

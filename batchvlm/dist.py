@@ -4,6 +4,9 @@ Global rank = ((array task * processes per task) + process) * local workers + lo
 
     Slurm array     SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT (webdataset's node splitter
                     does not read these, so shards are partitioned here)
+    or Kubernetes   JOB_COMPLETION_INDEX of an Indexed Job / BATCHVLM_WORLD (the Job's
+                    completions: Kubernetes does not export the count); a pod plays the part
+                    of an array task, and a pod recreated with the same index takes the same shards
     processes       torchrun / accelerate (RANK, WORLD_SIZE, LOCAL_RANK) or Slurm tasks
                     (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID)
     local workers   processes `batchvlm run` starts itself, one per GPU (BATCHVLM_LOCAL_*)
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from .data.sources import ShardRef
 
 LOCAL_RANK_ENV, LOCAL_WORLD_ENV = "BATCHVLM_LOCAL_RANK", "BATCHVLM_LOCAL_WORLD"
+K8S_INDEX_ENV, K8S_WORLD_ENV = "JOB_COMPLETION_INDEX", "BATCHVLM_WORLD"
 
 
 @dataclass(frozen=True)
@@ -35,15 +39,38 @@ class Rank:
 
 def _int(env: dict[str, str], name: str, default: int) -> int:
     value = env.get(name)
-    return int(value) if value not in (None, "") else default
+    if value in (None, ""):
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a whole number") from None
+
+
+def _array_task(env: dict[str, str]) -> tuple[int, int]:
+    """(index, count) of this node's task: a Slurm array task or a Kubernetes Indexed Job pod."""
+    k8s = [name for name in (K8S_INDEX_ENV, K8S_WORLD_ENV) if env.get(name, "") != ""]
+    if not k8s:
+        array_id = _int(env, "SLURM_ARRAY_TASK_ID", 0)
+        if "SLURM_ARRAY_TASK_MIN" in env and "SLURM_ARRAY_TASK_COUNT" in env:
+            array_id -= _int(env, "SLURM_ARRAY_TASK_MIN", 0)  # arrays may start at any index
+        return array_id, _int(env, "SLURM_ARRAY_TASK_COUNT", 1)
+    if len(k8s) == 1:
+        raise ValueError(f"{K8S_INDEX_ENV} and {K8S_WORLD_ENV} go together (a Kubernetes Indexed Job: the pod's "
+                         f"index and the Job's spec.completions); only {k8s[0]} is set")
+    if "SLURM_ARRAY_TASK_ID" in env:
+        raise ValueError(f"both a Slurm array task and a Kubernetes Indexed Job ({K8S_INDEX_ENV}) are set: "
+                         "one launcher at a time")
+    index, count = _int(env, K8S_INDEX_ENV, 0), _int(env, K8S_WORLD_ENV, 1)
+    if not 0 <= index < count:
+        raise ValueError(f"{K8S_INDEX_ENV}={index} is not below {K8S_WORLD_ENV}={count}: set {K8S_WORLD_ENV} to the "
+                         "Job's spec.completions")
+    return index, count
 
 
 def resolve_rank(env: dict[str, str] | None = None) -> Rank:
     env = dict(os.environ if env is None else env)
-    array_id = _int(env, "SLURM_ARRAY_TASK_ID", 0)
-    array_n = _int(env, "SLURM_ARRAY_TASK_COUNT", 1)
-    if "SLURM_ARRAY_TASK_MIN" in env and "SLURM_ARRAY_TASK_COUNT" in env:
-        array_id -= _int(env, "SLURM_ARRAY_TASK_MIN", 0)  # arrays may start at any index
+    array_id, array_n = _array_task(env)
     if "WORLD_SIZE" in env:  # torchrun, accelerate launch
         proc, procs, local = _int(env, "RANK", 0), _int(env, "WORLD_SIZE", 1), _int(env, "LOCAL_RANK", 0)
     elif "SLURM_NTASKS" in env:

@@ -18,10 +18,10 @@ import sys
 from pathlib import Path
 
 from .dist import LOCAL_RANK_ENV, LOCAL_WORLD_ENV, Rank
+from .exits import EXIT_STOPPED
 from .job import Job
 
 PROGRESS_ENV = "BATCHVLM_PROGRESS"
-EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal; re-run (or requeue) to continue
 
 
 def worker_envs(job: Job, rank: Rank) -> list[dict[str, str]]:

@@ -143,6 +143,7 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
     layout = Layout(Path(job.output.dir))
     check_writable(layout.dir)
     check_apart_from_inputs(layout.dir, job.input, [])
+    registry.check_tasks(job.model, job.tasks, job.engine)  # a refused model or task writes nothing
     if job.input.kind == "parquet":
         manifest.check_not_input(layout, list_files(job.input))
     if not (overwrite or job.output.mode == "overwrite"):

@@ -43,7 +43,7 @@ def one(batch: int, images: int, full: bool, device: str, max_new_tokens: int) -
     from batchvlm.models.family import ModelInfo
     from batchvlm.models.hub import resolve_device, resolve_dtype
     from batchvlm.models.moondream.config import MoondreamConfig
-    from batchvlm.models.moondream.family import Moondream, MoondreamEngine
+    from batchvlm.models.moondream.family import Moondream, MoondreamEngineModel
     from batchvlm.models.moondream.weights import build_model
     from batchvlm.shapes.world import SPEC, draw_scene
     from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
@@ -63,7 +63,7 @@ def one(batch: int, images: int, full: bool, device: str, max_new_tokens: int) -
     tok = Tokenizer(models.WordLevel({"[unk]": 0} | {w: i + 1 for i, w in enumerate("abcdefghij")}, unk_token="[unk]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     family = Moondream(config, tok, Path(), "shaped", None)
-    engine_model = MoondreamEngine(model, ModelInfo("shaped", None, "", "random", str(dtype), str(dev), "moondream",
+    engine_model = MoondreamEngineModel(model, ModelInfo("shaped", None, "", "random", str(dtype), str(dev), "moondream",
                                                     "native"))
     tasks = [CaptionTask(caption={"length": "normal"}), QueryTask(query={"question": "a b c"}),
              DetectTask(detect={"objects": ["a", "b"]}), PointTask(point={"objects": ["c"]})]

@@ -36,7 +36,7 @@ import torch
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.labeler import WorkItem
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models.moondream.family import Moondream, MoondreamEngine
+from batchvlm.models.moondream.family import Moondream, MoondreamEngineModel
 from batchvlm.models.moondream.generate import generate
 from batchvlm.models.moondream.preprocess import Preprocessor
 from batchvlm.models.registry import open_family
@@ -56,7 +56,7 @@ WORKLOADS = {
 class Bench:
     """The host family and the loaded engine model of one Moondream."""
 
-    def __init__(self, family: Moondream, engine: MoondreamEngine):
+    def __init__(self, family: Moondream, engine: MoondreamEngineModel):
         self.family, self.engine, self.model = family, engine, engine.model
         self.preprocessor = family.preprocessor()
 
@@ -100,7 +100,7 @@ def full_random(device: str) -> Bench:
     tok = Tokenizer(models.WordLevel({"[unk]": 0} | {w: i + 1 for i, w in enumerate("abcdefghij")}, unk_token="[unk]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     info = ModelInfo("full-random", None, "", "random", str(dtype), str(dev), "moondream", "native")
-    return Bench(Moondream(config, tok, Path(), "full-random", None), MoondreamEngine(model, info))
+    return Bench(Moondream(config, tok, Path(), "full-random", None), MoondreamEngineModel(model, info))
 
 
 PHOTO_CROPS = 12  # Moondream 2's default max_crops

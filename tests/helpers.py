@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from batchvlm.job import EngineSpec
 from batchvlm.models.moondream.config import MoondreamConfig
-from batchvlm.models.moondream.family import Moondream, MoondreamEngine
+from batchvlm.models.moondream.family import Moondream, MoondreamEngineModel
 from batchvlm.models.moondream.generate import generate
 from batchvlm.models.moondream.model import MoondreamModel
 
@@ -25,7 +25,7 @@ class LoadedMoondream:
         from batchvlm.models.registry import open_family
 
         self.family: Moondream = open_family(ModelSpec(name=name, revision=revision))
-        self.engine: MoondreamEngine = self.family.load(dtype, device)
+        self.engine: MoondreamEngineModel = self.family.load(dtype, device)
         self.model: MoondreamModel = self.engine.model
         self.config = self.family.config
         self.preprocessor = self.family.preprocessor()

@@ -15,7 +15,7 @@ from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs, buckets, key_of
 from batchvlm.engine.labeler import WorkItem
 from batchvlm.engine.runner import Runner
-from batchvlm.engine.staging import Slot
+from batchvlm.engine.staging import Staging
 from batchvlm.job import EngineSpec
 from batchvlm.models.moondream.config import MoondreamConfig
 from batchvlm.models.moondream.generate import generate
@@ -36,7 +36,7 @@ def tiny(tmp_path_factory):
 
 
 def test_emission_views_are_contiguous_and_backed_by_the_slot():
-    slot = Slot(torch.device("cpu"), capacity=64, n_rows=10)
+    slot = Staging(torch.device("cpu"), capacity=64, n_rows=10)
     for n in (1, 3, 10):
         ints, floats = slot.out_views(n)
         assert ints.shape == (3, n) and floats.shape == (n, 2)
@@ -69,7 +69,7 @@ def test_prefilled_slots_release_their_features_and_events(tiny):
     launch = r.launch
 
     def spy(plan):
-        seen.append((plan.prefix_slots.tolist(), [r.vision_events[s] for s in plan.prefix_slots.tolist()]))
+        seen.append((plan.prefix_features.tolist(), [r.vision_events[s] for s in plan.prefix_features.tolist()]))
         return launch(plan)
 
     r.launch = spy
@@ -153,7 +153,7 @@ def test_out_of_memory_steps_run_in_halves_and_lose_no_row(tiny, pipelined):
     failed = []
 
     def fault(plan, slot):  # the device "runs out of memory" above 5 units of work
-        work = len(plan.prefix_slots) + len(plan.new_rows) + len(plan.decode_rows)
+        work = len(plan.prefix_features) + len(plan.new_rows) + len(plan.decode_rows)
         if work > 5:
             failed.append(work)
             raise torch.OutOfMemoryError("injected")
@@ -187,7 +187,7 @@ def test_the_warm_up_runs_the_largest_mixed_step(tiny, batch, prefill):
     engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=batch), md.P)
     plan = largest_step(batch, len(seqs), md.P, max(len(s.spec.prompt) for s in seqs),
                         max(len(s.spec.prompt) + s.spec.budget for s in seqs), 16, prefill)
-    assert plan.n_out == batch and len(plan.prefix_slots) >= 1
+    assert plan.n_out == batch and len(plan.prefix_features) >= 1
     assert len(plan.decode_rows) == (batch - len(seqs) if prefill < 2 * md.P else 0)
     d = engine._run_largest_step(batch, prefill)
     assert d.code.shape == (batch,) and d.value.shape == (batch, 2)

@@ -9,7 +9,7 @@ import pytest
 from batchvlm.cache.blocks import BlockManager, OutOfBlocks
 from batchvlm.engine.staging import Emissions
 from batchvlm.engine.scheduler import Scheduler
-from batchvlm.engine.sequence import Image, Prefix, SeqState, Sequence
+from batchvlm.engine.sequence import ImageWork, Prefix, SeqState, Sequence
 from batchvlm.models.decoding import EMIT_NONE, MODE_TEXT, SeqSpec
 from batchvlm.models.moondream.grammar import MODE_DETECT, MODE_POINT, spec
 
@@ -33,11 +33,11 @@ SPECS = [SeqSpec(MODE_TEXT, (1, 2, 3), 6), SeqSpec(MODE_TEXT, (1, 2, 3, 4, 5, 6,
          spec(MODE_DETECT, (1, 9, 3), 4), spec(MODE_POINT, (1, 10, 3), 2)]
 
 
-def make_images(n: int, rng: random.Random, prefix_len: int | None = None) -> list[Image]:
+def make_images(n: int, rng: random.Random, prefix_len: int | None = None) -> list[ImageWork]:
     """Images with 1..all of SPECS; prefix lengths vary per image unless given."""
     images = []
     for i in range(n):
-        image = Image(ticket=i, prepared=None, key=str(i), prefixes=[Prefix((), prefix_len or rng.randint(3, 24), 0)])
+        image = ImageWork(ticket=i, prepared=None, key=str(i), prefixes=[Prefix((), prefix_len or rng.randint(3, 24), 0)])
         specs = rng.sample(SPECS, rng.randint(1, len(SPECS)))
         image.seqs = [Sequence(image, image.prefixes[0], j, s, seed=0) for j, s in enumerate(specs)]
         images.append(image)
@@ -54,7 +54,7 @@ def test_random_finishes_never_leak_or_overcommit(seed, pipelined, batched):
     n_blocks = rng.choice([12, 20, 60])
     blocks = BlockManager(n_blocks, bs)
     # batched: admission waits for free rows, and the row cap is halved (after an out-of-memory) midway.
-    sched = Scheduler(blocks, n_rows, n_image_slots=3, admit_rows=rng.randint(1, n_rows) if batched else 1)
+    sched = Scheduler(blocks, n_rows, n_feature_slots=3, admit_rows=rng.randint(1, n_rows) if batched else 1)
     images = make_images(12, rng)
     pending = deque(images)
     inflight: deque = deque()
@@ -62,7 +62,7 @@ def test_random_finishes_never_leak_or_overcommit(seed, pipelined, batched):
     returned = []
     step = 0
     while pending or not sched.idle or inflight:
-        while pending and (slot := sched.take_image_slot()) is not None:
+        while pending and (slot := sched.take_feature_slot()) is not None:
             sched.add_encoded(pending.popleft(), slot)
         if batched and step == 5:
             sched.row_cap = max(1, n_rows // 2)
@@ -102,10 +102,10 @@ def test_random_finishes_never_leak_or_overcommit(seed, pipelined, batched):
 
 def test_plan_holds_prefix_once_and_own_blocks_per_sequence():
     blocks = BlockManager(64, 4)
-    sched = Scheduler(blocks, 8, n_image_slots=2)
+    sched = Scheduler(blocks, 8, n_feature_slots=2)
     image = make_images(1, random.Random(3), prefix_len=13)[0]
     image.seqs = [Sequence(image, image.prefixes[0], j, s, seed=0) for j, s in enumerate(SPECS)]
-    sched.add_encoded(image, sched.take_image_slot())
+    sched.add_encoded(image, sched.take_feature_slot())
     plan = sched.schedule()
     assert plan.prefix_tables.shape == (1, 4)  # ceil(13 / 4) prefix blocks, once
     assert plan.prompt_image.tolist() == [0, 0, 0, 0]
@@ -119,17 +119,17 @@ def test_split_plan_keeps_the_order_of_every_unit():
     from batchvlm.engine.split import split_plan, units
 
     blocks = BlockManager(200, 4)
-    sched = Scheduler(blocks, 16, n_image_slots=4)
+    sched = Scheduler(blocks, 16, n_feature_slots=4)
     images = make_images(3, random.Random(5))
     for image in images[:2]:
-        sched.add_encoded(image, sched.take_image_slot())
+        sched.add_encoded(image, sched.take_feature_slot())
     first = sched.schedule()
     n = len(first.seqs)
     sched.commit(first, Emissions(np.full(n, EMIT_NONE), np.zeros(n, dtype=np.int64), np.zeros(n, bool),
                                   np.zeros((n, 2))))
-    sched.add_encoded(images[2], sched.take_image_slot())
+    sched.add_encoded(images[2], sched.take_feature_slot())
     plan = sched.schedule()  # a mixed step: one prefix, its prompts, the first images' decodes
-    assert len(plan.prefix_slots) == 1 and len(plan.new_rows) and len(plan.decode_rows)
+    assert len(plan.prefix_features) == 1 and len(plan.new_rows) and len(plan.decode_rows)
     stack = [plan]
     leaves = []
     while stack:
@@ -144,4 +144,4 @@ def test_split_plan_keeps_the_order_of_every_unit():
     assert np.concatenate([leaf.needs for leaf in leaves]).tolist() == plan.needs.tolist()
     assert np.concatenate([leaf.prompt_tokens for leaf in leaves]).tolist() == plan.prompt_tokens.tolist()
     assert np.concatenate([leaf.decode_rows for leaf in leaves]).tolist() == plan.decode_rows.tolist()
-    assert units(leaves[0]) == 1 and len(leaves[0].prefix_slots) == 1  # the prefix comes first
+    assert units(leaves[0]) == 1 and len(leaves[0].prefix_features) == 1  # the prefix comes first

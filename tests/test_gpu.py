@@ -97,9 +97,9 @@ def test_kv_cache_is_sized_from_free_memory(tiny_cuda, monkeypatch):
 
 
 def test_emission_views_are_pinned_and_contiguous():
-    from batchvlm.engine.staging import Slot
+    from batchvlm.engine.staging import Staging
 
-    slot = Slot(torch.device("cuda"), capacity=64, n_rows=10)
+    slot = Staging(torch.device("cuda"), capacity=64, n_rows=10)
     for n in (1, 7, 10):
         ints, floats = slot.out_views(n)
         assert ints.is_contiguous() and floats.is_contiguous()

@@ -33,6 +33,16 @@ def test_rank_resolution():
     assert resolve_rank(env) == Rank(6, 8, 2, launched=True)
     with pytest.raises(ValueError):
         resolve_rank({"RANK": "4", "WORLD_SIZE": "2"})
+    # Kubernetes Indexed Job: a pod is an array task (it starts its node's workers)
+    assert resolve_rank({"JOB_COMPLETION_INDEX": "2", "BATCHVLM_WORLD": "3"}) == Rank(2, 3, 0)
+    pod = {"JOB_COMPLETION_INDEX": "1", "BATCHVLM_WORLD": "2", "BATCHVLM_LOCAL_RANK": "3", "BATCHVLM_LOCAL_WORLD": "4"}
+    assert resolve_rank(pod) == Rank(7, 8, 3, launched=True)
+    for bad, says in [({"JOB_COMPLETION_INDEX": "0"}, "only JOB_COMPLETION_INDEX"),
+                      ({"JOB_COMPLETION_INDEX": "3", "BATCHVLM_WORLD": "3"}, "spec.completions"),
+                      ({"JOB_COMPLETION_INDEX": "0", "BATCHVLM_WORLD": "x"}, "BATCHVLM_WORLD='x'"),
+                      ({"JOB_COMPLETION_INDEX": "0", "BATCHVLM_WORLD": "2", "SLURM_ARRAY_TASK_ID": "0"}, "one launcher")]:
+        with pytest.raises(ValueError, match=says):
+            resolve_rank(bad)
 
 
 def test_partition_is_disjoint_and_complete():
@@ -164,3 +174,16 @@ def test_only_one_rank_takes_over_a_dead_holders_claim(tmp_path):
     assert b.take("s1")
     a.path("s2").write_text(json.dumps({"host": "node17", "pid": dead.pid}))  # elsewhere: wait for the lease
     assert not b.take("s2")
+
+
+def test_a_launcher_frees_the_claims_of_its_ended_ranks_only(tmp_path, monkeypatch):
+    from batchvlm.output.claims import LAUNCH_ENV, Claims, release_launch
+
+    for stem, launch in [("a", "L1"), ("b", "L2"), ("c", None)]:
+        if launch:
+            monkeypatch.setenv(LAUNCH_ENV, launch)
+        else:
+            monkeypatch.delenv(LAUNCH_ENV)
+        assert Claims(tmp_path).take(stem)  # a live holder (this process): no lease has run out
+    assert release_launch(tmp_path, "L1") == ["a"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.claim", "c.claim"]

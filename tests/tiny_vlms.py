@@ -20,6 +20,12 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'
           "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|>"
           "<|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Qwen3.5's shape: thinking unless the caller sets enable_thinking to false.
+QWEN35_CHAT = CHATML.replace(
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
+    "{% endif %}")
 IDEFICS3_CHAT = ("<|begin_of_text|>{% for m in messages %}{{ m['role'] | capitalize }}:{% for c in m['content'] %}"
                  "{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}{% endfor %}"
                  "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
@@ -92,7 +98,7 @@ QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|
                  "<|image_pad|>", "<|video_pad|>"]
 
 
-def _qwen(dest: Path, config_cls, patch: int, text_extra: dict, vision: dict, seed: int) -> Path:
+def _qwen(dest: Path, config_cls, patch: int, text_extra: dict, vision: dict, seed: int, chat: str = CHATML) -> Path:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tok = byte_tokenizer(QWEN_SPECIALS, eos_token="<|im_end|>", pad_token="<|endoftext|>")
@@ -111,7 +117,7 @@ def _qwen(dest: Path, config_cls, patch: int, text_extra: dict, vision: dict, se
     unit = patch * 2
     ip = Qwen2VLImageProcessorPil(min_pixels=(2 * unit) ** 2, max_pixels=(4 * unit) ** 2, patch_size=patch,
                                   merge_size=2, temporal_patch_size=2)
-    return _save(dest, model, tok, ip, CHATML)
+    return _save(dest, model, tok, ip, chat)
 
 
 def qwen2_5_vl(dest: Path, seed: int = 0) -> Path:
@@ -128,6 +134,27 @@ def qwen3_vl(dest: Path, seed: int = 0) -> Path:
                  {"head_dim": 8, "rope_scaling": {"rope_type": "default", "mrope_section": [1, 1, 2],
                                                   "mrope_interleaved": True}},
                  {"num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1], "in_channels": 3}, seed)
+
+
+def qwen3_vl_moe(dest: Path, seed: int = 0) -> Path:
+    from transformers import Qwen3VLMoeConfig
+
+    return _qwen(dest, Qwen3VLMoeConfig, 16,
+                 {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                  "rope_scaling": {"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True}},
+                 {"num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1], "in_channels": 3}, seed)
+
+
+def qwen3_5(dest: Path, seed: int = 0) -> Path:
+    """Both layer kinds (Gated DeltaNet, then gated full attention) and a thinking chat template."""
+    from transformers import Qwen3_5Config
+
+    return _qwen(dest, Qwen3_5Config, 16,
+                 {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 8,
+                  "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                  "rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True,
+                                      "partial_rotary_factor": 0.5}},
+                 {"num_position_embeddings": 16, "in_channels": 3}, seed, QWEN35_CHAT)
 
 
 def paligemma(dest: Path, seed: int = 0) -> Path:
@@ -173,6 +200,50 @@ def idefics3(dest: Path, seed: int = 0) -> Path:
     return _save(dest, model, tok, ip, IDEFICS3_CHAT, {"processor_class": "Idefics3Processor", "image_seq_len": 1})
 
 
+def smolvlm(dest: Path, seed: int = 0) -> Path:
+    from transformers import SmolVLMConfig
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    specials = ["<|im_start|>", "<|im_end|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
+                "<global-img>"]
+    tok = byte_tokenizer(specials, bos_token="<|im_start|>", eos_token="<end_of_utterance>", pad_token="<|im_end|>")
+    ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
+    eos, pad = ids["<end_of_utterance>"], ids["<|im_end|>"]
+    cfg = SmolVLMConfig(
+        text_config=dict(model_type="llama", **_text(len(tok), {"eos_token_id": eos, "pad_token_id": pad,
+                                                                "bos_token_id": ids["<|im_start|>"]})),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=28, patch_size=14, initializer_range=0.3),
+        image_token_id=ids["<image>"], scale_factor=2, pad_token_id=pad, tie_word_embeddings=False)
+    model = _build(cfg, seed)
+    _generation(model, eos, pad)
+    ip = SmolVLMImageProcessorPil(size={"longest_edge": 56}, max_image_size={"longest_edge": 28})
+    return _save(dest, model, tok, ip, IDEFICS3_CHAT.replace("<|begin_of_text|>", "<|im_start|>"),
+                 {"processor_class": "SmolVLMProcessor", "image_seq_len": 1})
+
+
+def mistral3(dest: Path, seed: int = 0) -> Path:
+    """Mistral3 (Pixtral vision): transformers' PixtralProcessor needs torchvision."""
+    from transformers import Mistral3Config
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    specials = ["<unk>", "<s>", "</s>", "[IMG]", "[IMG_BREAK]", "[IMG_END]", "<pad>"]
+    tok = byte_tokenizer(specials, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
+    cfg = Mistral3Config(
+        text_config=dict(model_type="mistral", **_text(len(tok), {"eos_token_id": ids["</s>"],
+                                                                  "pad_token_id": ids["<pad>"],
+                                                                  "bos_token_id": ids["<s>"]}, head_dim=8)),
+        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=56, patch_size=14, head_dim=16),
+        image_token_index=ids["[IMG]"], spatial_merge_size=2, vision_feature_layer=-1)
+    model = _build(cfg, seed)
+    _generation(model, ids["</s>"], ids["<pad>"], bos=ids["<s>"])
+    ip = PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size=14)
+    return _save(dest, model, tok, ip, LLAVA_CHAT.replace("<image>", "[IMG]"),
+                 {"processor_class": "PixtralProcessor", "patch_size": 14, "spatial_merge_size": 2})
+
+
 def llava(dest: Path, seed: int = 0) -> Path:
     from transformers import LlavaConfig
     from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
@@ -196,8 +267,8 @@ def llava(dest: Path, seed: int = 0) -> Path:
                   "num_additional_image_tokens": 1})
 
 
-BUILDERS = {"qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl, "paligemma": paligemma, "idefics3": idefics3,
-            "llava": llava}
+BUILDERS = {"qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl, "qwen3_vl_moe": qwen3_vl_moe, "qwen3_5": qwen3_5,
+            "paligemma": paligemma, "idefics3": idefics3, "smolvlm": smolvlm, "llava": llava}
 
 
 def florence2(dest: Path, seed: int = 0) -> Path:

@@ -45,6 +45,7 @@ class EngineCache:
     recurrent: dict[str, dict[str, torch.Tensor]]  # name -> {part: [n_rows + 1 + n_snapshots, *shape]}
     block_size: int
     n_rows: int
+    n_blocks: int
 
     def snapshot_index(self, s: int) -> int:
         return self.n_rows + 1 + s
@@ -58,4 +59,4 @@ class EngineCache:
         recurrent = {s.name: {part: torch.zeros(n, *shape, dtype=s.dtype, device=device)
                               for part, shape in s.shapes.items()}
                      for s in specs if isinstance(s, Recurrent)}
-        return cls(paged, recurrent, block_size, n_rows)
+        return cls(paged, recurrent, block_size, n_rows, n_blocks)

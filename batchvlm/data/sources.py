@@ -369,13 +369,15 @@ def _read_parquet(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded]:
         for batch in pf.iter_batches(batch_size=256, row_groups=groups, columns=columns):
             lo, hi = max(start - row, 0), min(end - row, batch.num_rows)
             if lo < hi:
-                yield from _parquet_batch(batch.slice(lo, hi - lo), row + lo, inp, base)
+                yield from image_cells(batch.slice(lo, hi - lo), row + lo, inp, base)
             row += batch.num_rows
             if row >= end:
                 return
 
 
-def _parquet_batch(batch, first_row: int, inp: InputSpec, base: str) -> Iterator[Encoded]:
+def image_cells(batch, first_row: int, inp: InputSpec, base: str) -> Iterator[Encoded]:
+    """Encoded samples of a Parquet / Arrow batch: image bytes, a path (relative to `base`) or the
+    datasets library's {bytes, path} struct; keys from `inp.key_column`, else row numbers."""
     images = batch.column(inp.image_column).to_pylist()
     keys = batch.column(inp.key_column).to_pylist() if inp.key_column else [None] * len(images)
     kept = {c: batch.column(c).to_pylist() for c in inp.keep}

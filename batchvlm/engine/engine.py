@@ -30,7 +30,7 @@ from .memory import available_bytes
 from .plan import PREFILL_TOKENS_PER_STEP, StepPlan
 from .runner import Runner
 from .scheduler import Scheduler
-from .sequence import Image, Prefix, Sequence
+from .sequence import ImageWork, Prefix, Sequence
 from .staging import InFlight
 from .warmup import largest_step
 
@@ -181,20 +181,20 @@ class Engine:
                             max(len(s.spec.prefix_prompt) for s in seqs), bool(self.n_snapshots))
         scratch = EngineCache.allocate(self.specs, 2, bs, n_rows, max(self.n_snapshots, 1), model.device)
         self._bound_attention(scratch, n_rows)
-        runner = Runner(model, scratch, n_rows, max(len(plan.prefix_slots), 1),
+        runner = Runner(model, scratch, n_rows, max(len(plan.prefix_features), 1),
                         self.max_prefix_len, max(self.own_blocks), self.seqs_per_prefix, False, self.sampling)
         return runner.warm_up(plan, feats)
 
     # ------------------------------------------------------------------ the loop
 
-    def _step_sync(self) -> list[Image] | None:
+    def _step_sync(self) -> list[ImageWork] | None:
         """-> images completed by this step, or None when there was nothing to do."""
         plan = self.scheduler.schedule()
         if plan is None:
             return None
         return self.scheduler.commit(plan, self.runner.collect(self._launch(plan)))
 
-    def _step_pipelined(self) -> list[Image] | None:
+    def _step_pipelined(self) -> list[ImageWork] | None:
         plan = self.scheduler.schedule()
         if plan is not None:
             self.inflight.append(self._launch(plan))
@@ -226,22 +226,22 @@ class Engine:
     def _feed(self, items: Iterator[WorkItem]) -> bool:
         """Encode more images when the admission queue runs short. -> False once input is exhausted."""
         sched = self.scheduler
-        batch: list[tuple[Image, int]] = []
+        batch: list[tuple[ImageWork, int]] = []
         cost = 0
         while len(sched.encoded) + len(batch) < self.images_to_fill and cost < MAX_VISION_COST:
-            slot = sched.take_image_slot()
+            slot = sched.take_feature_slot()
             if slot is None:
                 break
             item, self._held = self._held or next(items, None), None
             if item is None:
-                sched.free_image_slots.append(slot)
+                sched.free_feature_slots.append(slot)
                 self._encode(batch)
                 return False
             if batch and cost + item.image.cost > MAX_VISION_COST:  # the warm-up measured at most this
                 self._held = item
-                sched.free_image_slots.append(slot)
+                sched.free_feature_slots.append(slot)
                 break
-            image = Image(item.ticket, item.image, item.key)
+            image = ImageWork(item.ticket, item.image, item.key)
             by_prompt: dict[tuple[int, ...], Prefix] = {}
             for s in self.seqs:
                 if s.spec.prefix_prompt not in by_prompt:
@@ -255,7 +255,7 @@ class Engine:
         self._encode(batch)
         return True
 
-    def _encode(self, batch: list[tuple[Image, int]]) -> None:
+    def _encode(self, batch: list[tuple[ImageWork, int]]) -> None:
         if not batch:
             return
         self.runner.encode([im.prepared for im, _ in batch], [slot for _, slot in batch])
@@ -264,7 +264,7 @@ class Engine:
             image.prepared = None  # crops are on the device now
             self.scheduler.add_encoded(image, slot)
 
-    def run(self, items: Iterable[WorkItem]) -> Iterator[Image]:
+    def run(self, items: Iterable[WorkItem]) -> Iterator[ImageWork]:
         it = iter(items)
         more = True
         while True:

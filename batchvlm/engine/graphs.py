@@ -22,7 +22,7 @@ from ..models.attention import AttentionBatch, bucket
 from ..models.decoding import Decision
 from .inputs import NO_DECODE, DecodeInputs, decode_inputs, pad_decode
 from .plan import StepPlan
-from .staging import Slot
+from .staging import Staging
 
 if TYPE_CHECKING:
     from .runner import Runner
@@ -86,7 +86,7 @@ class DecodeGraphs:
         self.pool = graph.pool()
         self.graphs[(n_rows, n_images)] = (graph, static, out)
 
-    def run(self, plan: StepPlan, slot: Slot) -> Decision:
+    def run(self, plan: StepPlan, slot: Staging) -> Decision:
         r = self.r
         key = key_of(len(plan.decode_rows), len(plan.decode_image_tables), r.n_rows)
         graph, static, out = self.graphs[key]  # captured at start-up

@@ -117,7 +117,7 @@ def pad_decode(d: DecodeInputs, n_rows: int, n_images: int, per_image: int, own_
 
 
 def step_inputs(plan: StepPlan, recurrent: bool, snapshot_index) -> tuple[StepInputs, StepLayout]:
-    I, S, D = len(plan.prefix_slots), len(plan.new_rows), len(plan.decode_rows)
+    I, S, D = len(plan.prefix_features), len(plan.new_rows), len(plan.decode_rows)
     n_pre, n_prompt = int(plan.prefix_lens.sum()), int(plan.prompt_lens.sum())
     L = int(plan.prefix_lens.max()) if I else 0
     T = int(plan.prompt_lens.max()) if S else 0

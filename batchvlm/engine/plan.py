@@ -22,7 +22,7 @@ class StepPlan:
     step: int
     # Prefixes prefilled in this step: their image's feature slot (prefixes of one image share
     # it), lengths, blocks, prefix prompts and recurrent-state snapshot slot (-1: none).
-    prefix_slots: np.ndarray  # [I] int64
+    prefix_features: np.ndarray  # [I] int64
     prefix_lens: np.ndarray  # [I] int64
     prefix_tables: np.ndarray  # [I, n_prefix_blocks] int64
     prefix_tokens: np.ndarray  # [sum of prefix prompt lengths] int64
@@ -57,7 +57,7 @@ class StepPlan:
     @property
     def is_decode_only(self) -> bool:
         """Only these steps may replay a captured CUDA graph (fixed shapes)."""
-        return len(self.new_rows) == 0 and len(self.prefix_slots) == 0
+        return len(self.new_rows) == 0 and len(self.prefix_features) == 0
 
     @property
     def n_out(self) -> int:

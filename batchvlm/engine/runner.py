@@ -35,7 +35,7 @@ from .graphs import DecodeGraphs
 from .inputs import DecodeInputs, step_inputs
 from .plan import StepPlan
 from .split import split_plan, units
-from .staging import Emissions, InFlight, Slot
+from .staging import Emissions, InFlight, Staging
 
 STATE_INT = ("mode", "phase", "count", "limit", "seed")
 STATE_FLOAT = ("temperature", "top_p")
@@ -53,7 +53,7 @@ class HostEvent:
 
 
 class Runner:
-    def __init__(self, model: EngineModel, cache: EngineCache, n_rows: int, n_image_slots: int, max_prefix_len: int,
+    def __init__(self, model: EngineModel, cache: EngineCache, n_rows: int, n_feature_slots: int, max_prefix_len: int,
                  max_own_blocks: int, seqs_per_image: int, cuda_graphs: bool, sampling: bool):
         self.model = model
         self.cache = cache
@@ -69,17 +69,17 @@ class Runner:
         self.next_kind = torch.zeros(R, dtype=torch.long, device=dev)
         self.next_token = torch.zeros(R, dtype=torch.long, device=dev)
         self.next_value = torch.zeros(R, 2, dtype=torch.float32, device=dev)
-        # Per image slot: the family's features until the prefill step is collected.
-        self.features: list[Any] = [None] * n_image_slots
+        # Per feature slot: the family's features until the prefill step is collected.
+        self.features: list[Any] = [None] * n_feature_slots
         nbp = -(-max_prefix_len // self.bs)
         # Staging grows on demand (staging.py); this is room for a few hundred rows' steps.
-        self.slots = [Slot(dev, 1 << 16, n_rows), Slot(dev, 1 << 16, n_rows)]
+        self.staging = [Staging(dev, 1 << 16, n_rows), Staging(dev, 1 << 16, n_rows)]
         self._next_slot = 0
         cuda = dev.type == "cuda"
         self.compute = torch.cuda.current_stream(dev) if cuda else None
         self.copy_stream = torch.cuda.Stream(dev) if cuda else None
         self.vision_stream = torch.cuda.Stream(dev) if cuda else None
-        self.vision_events: list[torch.cuda.Event | HostEvent | None] = [None] * n_image_slots
+        self.vision_events: list[torch.cuda.Event | HostEvent | None] = [None] * n_feature_slots
         self.graph_steps = 0  # steps that replayed a graph (or ran its fixed-shape body)
         self.graphs = DecodeGraphs(self, nbp, max_own_blocks, seqs_per_image) \
             if (cuda and cuda_graphs) else None
@@ -113,10 +113,10 @@ class Runner:
         half = len(images) // 2
         return self._encode_fitting(images[:half]) + self._encode_fitting(images[half:])
 
-    def vision_waits(self, prefix_slots: np.ndarray) -> list[torch.cuda.Event | HostEvent]:
+    def vision_waits(self, prefix_features: np.ndarray) -> list[torch.cuda.Event | HostEvent]:
         """The events of the vision batches holding these images, each once: a prefill waits for
         its own images only, never for a newer batch still encoding."""
-        events = {id(e): e for e in (self.vision_events[s] for s in prefix_slots.tolist()) if e is not None}
+        events = {id(e): e for e in (self.vision_events[s] for s in prefix_features.tolist()) if e is not None}
         return list(events.values())
 
     # ------------------------------------------------------------------ steps
@@ -124,10 +124,10 @@ class Runner:
     def launch(self, plan: StepPlan) -> InFlight:
         """Start one step. InFlight.oom_rows: the rows of the step if it ran out of memory (it
         still ran whole, in parts), else 0."""
-        slot = self.slots[self._next_slot]
+        slot = self.staging[self._next_slot]
         oom: list[int] = []
         self._next_slot ^= 1
-        for event in self.vision_waits(plan.prefix_slots):
+        for event in self.vision_waits(plan.prefix_features):
             if self.compute is not None:
                 self.compute.wait_event(event)
         with torch.inference_mode():
@@ -142,11 +142,11 @@ class Runner:
     @torch.inference_mode()
     def warm_up(self, plan: StepPlan, features: list[Any]) -> Decision:
         """Run a plan eagerly with the given features per prefix slot (start-up sizing only)."""
-        for slot in plan.prefix_slots.tolist():
+        for slot in plan.prefix_features.tolist():
             self.features[slot] = features[slot % len(features)]
-        return self._eager(plan, self.slots[0])
+        return self._eager(plan, self.staging[0])
 
-    def _eager_fitting(self, plan: StepPlan, slot: Slot, oom: list[int]) -> Decision:
+    def _eager_fitting(self, plan: StepPlan, slot: Staging, oom: list[int]) -> Decision:
         """The eager step; on out-of-memory, the same work as two half plans, recursively, so no
         row is lost (split.py). Appends the failed plan's rows to `oom`.
 
@@ -176,13 +176,13 @@ class Runner:
         slot = inflight.slot
         if slot.done is not None:
             slot.done.synchronize()
-        for s in inflight.plan.prefix_slots.tolist():  # that step has run: its features are spent
+        for s in inflight.plan.prefix_features.tolist():  # that step has run: its features are spent
             self.features[s] = self.vision_events[s] = None
         n = inflight.plan.n_out
         ints, floats = (t.numpy() for t in slot.out_views(n))
         return Emissions(ints[0].copy(), ints[1].copy(), ints[2].astype(bool), floats.copy())
 
-    def _download(self, d: Decision, n: int, slot: Slot) -> None:
+    def _download(self, d: Decision, n: int, slot: Staging) -> None:
         packed_i = torch.stack([d.code[:n], d.token[:n], d.finished[:n].long()])
         packed_f = d.value[:n].float()
         out_i, out_f = slot.out_views(n)
@@ -201,17 +201,17 @@ class Runner:
             slot.done = torch.cuda.Event()
             slot.done.record(self.copy_stream)
 
-    def _eager(self, plan: StepPlan, slot: Slot) -> Decision:
+    def _eager(self, plan: StepPlan, slot: Staging) -> Decision:
         m, bs = self.model, self.bs
         x, layout = step_inputs(plan, self.recurrent, self.cache.snapshot_index)
         x = slot.upload(x, self.device, self.compute)
-        I, S, D = len(plan.prefix_slots), len(plan.new_rows), len(plan.decode_rows)
+        I, S, D = len(plan.prefix_features), len(plan.new_rows), len(plan.decode_rows)
         if S:
             self._init_rows(x.new_rows, x.new_int, x.new_float)
         embeds, own_pos, groups, write_slots = [], [], [], []
         prefix = None
         if I:
-            prefix = m.prefix_inputs([self.features[s] for s in plan.prefix_slots.tolist()],
+            prefix = m.prefix_inputs([self.features[s] for s in plan.prefix_features.tolist()],
                                      list(x.prefix_tokens.split(plan.prefix_prompt_lens.tolist())))
             embeds.append(prefix.embeds_NC)
             write_slots.append(slot_of(x.prefix_tables[x.pre_img], x.pre_j, bs))

@@ -30,7 +30,7 @@ import numpy as np
 from ..cache.blocks import BlockManager, SnapshotSlots
 from ..models.decoding import RawOutput, SeqSpec, emit_text
 from .plan import PREFILL_TOKENS_PER_STEP, StepPlan
-from .sequence import Image, Prefix, SeqState, Sequence
+from .sequence import ImageWork, Prefix, SeqState, Sequence
 from .staging import Emissions
 
 
@@ -46,7 +46,7 @@ def _ints(values) -> np.ndarray:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, n_rows: int, n_image_slots: int, admit_rows: int = 1,
+    def __init__(self, blocks: BlockManager, n_rows: int, n_feature_slots: int, admit_rows: int = 1,
                  snapshots: SnapshotSlots | None = None, emit: Emit = emit_text):
         self.blocks = blocks
         self.emit = emit  # the family's host half of its grammar
@@ -55,21 +55,21 @@ class Scheduler:
         self.row_cap = n_rows
         self._rows_left = n_rows  # rows this step may still start (set per schedule())
         self.free_rows = list(range(n_rows - 1, -1, -1))
-        self.free_image_slots = list(range(n_image_slots - 1, -1, -1))
-        self.encoded: deque[Image] = deque()  # features ready, prefix not yet admitted
-        self.admitted: deque[Image] = deque()  # prefix admitted, some sequences still waiting
+        self.free_feature_slots = list(range(n_feature_slots - 1, -1, -1))
+        self.encoded: deque[ImageWork] = deque()  # features ready, prefix not yet admitted
+        self.admitted: deque[ImageWork] = deque()  # prefix admitted, some sequences still waiting
         self.running: list[Sequence] = []  # started, not yet retired
-        self.slot_of: dict[int, int] = {}  # id(image) -> feature slot, until its prefill is committed
-        self._forked: list[Image] = []  # admitted earlier, every sequence started in this step
+        self.feature_of: dict[int, int] = {}  # id(image) -> feature slot, until its prefill is committed
+        self._forked: list[ImageWork] = []  # admitted earlier, every sequence started in this step
         self.step = 0
 
     # ------------------------------------------------------------------ images in
 
-    def take_image_slot(self) -> int | None:
-        return self.free_image_slots.pop() if self.free_image_slots else None
+    def take_feature_slot(self) -> int | None:
+        return self.free_feature_slots.pop() if self.free_feature_slots else None
 
-    def add_encoded(self, image: Image, slot: int) -> None:
-        self.slot_of[id(image)] = slot
+    def add_encoded(self, image: ImageWork, slot: int) -> None:
+        self.feature_of[id(image)] = slot
         self.encoded.append(image)
 
     def shrink(self, rows: int) -> int:
@@ -85,7 +85,7 @@ class Scheduler:
         return (bool(self.free_rows) and self._rows_left > 0
                 and self.blocks.free >= self._seq_blocks(s) + extra_blocks)
 
-    def _image_fits(self, image: Image) -> bool:
+    def _image_fits(self, image: ImageWork) -> bool:
         if self.snapshots is not None and self.snapshots.free < len(image.prefixes):
             return False
         return self._fits(image.seqs[0], sum(self.blocks.blocks_for(p.length) for p in image.prefixes))
@@ -98,7 +98,7 @@ class Scheduler:
         decoding = decoding[: self.row_cap]
         self._rows_left = self.row_cap - len(decoding)
         new: list[Sequence] = []
-        prefilled: list[Image] = []
+        prefilled: list[ImageWork] = []
         if not decoding or min(len(self.free_rows), self._rows_left) >= self.admit_rows:
             self._admit(new, prefilled)
         if not new and not decoding:
@@ -111,10 +111,10 @@ class Scheduler:
             decode_prefixes.setdefault(id(s.prefix), s.prefix)
         prompt_index = {k: i for i, k in enumerate(prompt_prefixes)}
         decode_index = {k: i for i, k in enumerate(decode_prefixes)}
-        pre = [(self.slot_of[id(im)], p) for im in prefilled for p in im.prefixes]
+        pre = [(self.feature_of[id(im)], p) for im in prefilled for p in im.prefixes]
         plan = StepPlan(
             step=self.step,
-            prefix_slots=_ints([slot for slot, _ in pre]),
+            prefix_features=_ints([slot for slot, _ in pre]),
             prefix_lens=_lens([p for _, p in pre]),
             prefix_tables=self._prefix_tables([p for _, p in pre]),
             prefix_tokens=_ints([t for _, p in pre for t in p.prompt]),
@@ -158,7 +158,7 @@ class Scheduler:
         self.step += 1
         return plan
 
-    def _admit(self, new: list[Sequence], prefilled: list[Image]) -> None:
+    def _admit(self, new: list[Sequence], prefilled: list[ImageWork]) -> None:
         while self.admitted and self._start_waiting(self.admitted[0], new):
             self._forked.append(self.admitted.popleft())
         budget = PREFILL_TOKENS_PER_STEP
@@ -176,7 +176,7 @@ class Scheduler:
             if not self._start_waiting(image, new):
                 self.admitted.append(image)
 
-    def _start_waiting(self, image: Image, new: list[Sequence]) -> bool:
+    def _start_waiting(self, image: ImageWork, new: list[Sequence]) -> bool:
         """Start the image's waiting sequences while they fit. -> True when none is left waiting;
         the image then drops its own reference to its prefixes (its sequences hold the rest)."""
         for s in image.seqs:
@@ -195,7 +195,7 @@ class Scheduler:
             self.blocks.release(p.blocks)
         return True
 
-    def _drop_snapshots(self, image: Image) -> None:
+    def _drop_snapshots(self, image: ImageWork) -> None:
         for p in image.prefixes:
             if p.snapshot >= 0:
                 self.snapshots.give(p.snapshot)
@@ -219,9 +219,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ commit
 
-    def commit(self, plan: StepPlan, em: Emissions) -> list[Image]:
+    def commit(self, plan: StepPlan, em: Emissions) -> list[ImageWork]:
         """Apply one step's emissions (oldest step first). -> images whose labels are complete."""
-        done: list[Image] = []
+        done: list[ImageWork] = []
         for i, s in enumerate(plan.seqs):
             if s.state is SeqState.RUNNING:  # a zombie's emission (already finished) is ignored
                 self.emit(s.output, s.spec, int(em.code[i]), int(em.token[i]), float(em.value[i, 0]),
@@ -234,8 +234,8 @@ class Scheduler:
             s.inflight -= 1
             if s.state is SeqState.FINISHED and s.inflight == 0:
                 self._retire(s)
-        for slot in dict.fromkeys(plan.prefix_slots.tolist()):  # an image's prefixes share its slot
-            self.free_image_slots.append(int(slot))
+        for slot in dict.fromkeys(plan.prefix_features.tolist()):  # an image's prefixes share its slot
+            self.free_feature_slots.append(int(slot))
         return done
 
     def _retire(self, s: Sequence) -> None:

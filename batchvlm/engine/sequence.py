@@ -7,8 +7,9 @@ Prefix:   a read-only segment every sequence on it attends to or forks from: the
           sequences have started); its recurrent-state snapshot slot (models with a Recurrent
           spec) is held until every sequence on it has been planned to fork from it.
 
-Image:    QUEUED -> ENCODED (features on the device) -> ADMITTED (prefix + prompts planned)
-          -> DONE when every sequence has finished (its result can be handed out)
+ImageWork: QUEUED -> ENCODED (features on the device) -> ADMITTED (prefixes + prompts planned)
+          -> DONE when every sequence has finished (its result can be handed out). (Not
+          `Image`, which would shadow PIL's.)
 Sequence: WAITING -> RUNNING (a row of the device state) -> FINISHED (host saw EOS or a limit)
           -> RETIRED once no in-flight step refers to it (row and blocks are freed then)
 
@@ -44,7 +45,7 @@ class Prefix:
 
 
 @dataclass(eq=False)
-class Image:
+class ImageWork:
     ticket: Any
     prepared: Prepared | None  # dropped once encoded (its pixels are on the device then)
     key: str
@@ -55,7 +56,7 @@ class Image:
 
 @dataclass(eq=False)
 class Sequence:
-    image: Image
+    image: ImageWork
     prefix: Prefix
     index: int  # position in the image's sequence list
     spec: SeqSpec

@@ -19,12 +19,12 @@ from .plan import StepPlan
 
 
 def units(plan: StepPlan) -> int:
-    return len(plan.prefix_slots) + len(plan.new_rows) + len(plan.decode_rows)
+    return len(plan.prefix_features) + len(plan.new_rows) + len(plan.decode_rows)
 
 
 def split_plan(plan: StepPlan) -> tuple[StepPlan, StepPlan]:
     """-> (first half, second half) of the plan's units. Needs at least two units."""
-    I, S, D = len(plan.prefix_slots), len(plan.new_rows), len(plan.decode_rows)
+    I, S, D = len(plan.prefix_features), len(plan.new_rows), len(plan.decode_rows)
     mid = (I + S + D) // 2
     if mid == 0:
         raise ValueError("a plan of one unit cannot be split")
@@ -42,7 +42,7 @@ def _part(plan: StepPlan, im: slice, new: slice, dec: slice) -> StepPlan:
     S = len(plan.new_rows)
     return replace(
         plan,
-        prefix_slots=plan.prefix_slots[im], prefix_lens=plan.prefix_lens[im], prefix_tables=plan.prefix_tables[im],
+        prefix_features=plan.prefix_features[im], prefix_lens=plan.prefix_lens[im], prefix_tables=plan.prefix_tables[im],
         prefix_tokens=plan.prefix_tokens[pre_starts[im.start]:pre_starts[im.stop]],
         prefix_prompt_lens=plan.prefix_prompt_lens[im], prefix_snapshot=plan.prefix_snapshot[im],
         prompt_fork=plan.prompt_fork[new],

@@ -48,7 +48,7 @@ def _rebuild(obj: T, values) -> T:
     return replace(obj, **new)
 
 
-class Slot:
+class Staging:
     """Pinned staging for one in-flight step (inputs up, emissions down)."""
 
     def __init__(self, device: torch.device, capacity: int, n_rows: int):
@@ -101,7 +101,7 @@ class Slot:
 @dataclass
 class InFlight:
     plan: StepPlan
-    slot: Slot
+    slot: Staging
     oom_rows: int = 0  # rows of the step when it ran out of memory (and ran in parts)
 
 

@@ -35,7 +35,7 @@ def largest_step(n_rows: int, seqs_per_image: int, max_prefix_len: int, max_prom
     ones = lambda *shape: np.ones(shape, dtype=np.int64)  # noqa: E731
     return StepPlan(
         step=0,
-        prefix_slots=np.arange(I, dtype=np.int64), prefix_lens=np.full(I, P, dtype=np.int64),
+        prefix_features=np.arange(I, dtype=np.int64), prefix_lens=np.full(I, P, dtype=np.int64),
         prefix_tables=ones(I, nbp), prefix_tokens=np.zeros(I * prefix_prompt, dtype=np.int64),
         prefix_prompt_lens=np.full(I, prefix_prompt, dtype=np.int64),
         prefix_snapshot=np.full(I, 0 if recurrent else -1, dtype=np.int64),

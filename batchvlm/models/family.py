@@ -88,6 +88,11 @@ class ModelLoadError(RuntimeError):
     """The model cannot be found, read or built: one line for the user."""
 
 
+class ModelFetchError(ModelLoadError):
+    """The hub could not be reached or refused for now (network, rate limit, server error): a
+    later try may succeed, unlike a repo or revision that does not exist."""
+
+
 class FamilyError(ValueError):
     """The job asks something of the model that it cannot do (names the job field)."""
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .family import ModelLoadError
+from .family import ModelFetchError, ModelLoadError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -28,13 +28,19 @@ def resolve_dir(name: str, revision: str | None, allow_patterns: list[str] | Non
         return path, revision
     if path.is_absolute() or name.startswith(".") or name.count("/") != 1:
         raise ModelLoadError(f"model.name: {name!r} is neither a folder nor a Hugging Face repo id")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
 
     try:
         folder = Path(snapshot_download(repo_id=name, revision=revision, allow_patterns=allow_patterns))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
-        raise ModelLoadError(f"model.name: cannot fetch {name!r} (revision {revision or 'main'}): {e}") from e
+        # Named as not there (or offline with nothing cached): the same job fails the same way.
+        # Anything else (no network, 429, 5xx, a full disk) may pass on a later try.
+        final = isinstance(e, (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError, ValueError)) or (
+            isinstance(e, LocalEntryNotFoundError) and constants.HF_HUB_OFFLINE)
+        error = ModelLoadError if final else ModelFetchError
+        raise error(f"model.name: cannot fetch {name!r} (revision {revision or 'main'}): {e}") from e
     return folder, folder.name  # snapshots/<commit>: the commit the revision resolved to
 
 

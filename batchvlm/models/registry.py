@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ..job import ModelSpec
+from ..job import EngineSpec, ModelSpec
 from .family import Family, ModelLoadError
 from .hub import read_json, resolve_dir
 from .moondream.family import Moondream
@@ -51,3 +51,10 @@ def open_family(spec: ModelSpec, weights: bool = True) -> Family:
     if spec.family not in ("auto", family.name):
         raise ModelLoadError(f"model.family: {spec.family!r}, but {spec.name!r} is a {family.name} model")
     return family
+
+
+def check_tasks(spec: ModelSpec, tasks: list, engine: EngineSpec) -> None:
+    """What the model side of `validate` checks, loading no weights: the family's host side builds
+    and every task becomes sequences it can run (raises ModelLoadError / FamilyError naming the
+    field). `run` calls it before it writes anything, so a refused job leaves no output folder."""
+    open_family(spec, weights=False).sequences(tasks, engine)

@@ -2,7 +2,11 @@
 output's `__batchvlm__/` folder atomically (O_EXCL). Claims are leases: their holder refreshes them
 while it works, and a claim not refreshed for `lease_s` (its holder died), or held by a dead
 process on this host, may be taken over. A finished shard's claim is removed after its done
-marker is written."""
+marker is written.
+
+A launcher whose ranks are all gone can free their claims at once (`release_launch`): the claims
+of a rank that died on another host otherwise wait out their lease. Ranks it starts put its
+launch id (BATCHVLM_LAUNCH) in their claims."""
 
 from __future__ import annotations
 
@@ -16,11 +20,14 @@ from pathlib import Path
 from .manifest import pid_alive
 from .writer import tmp_path
 
+LAUNCH_ENV = "BATCHVLM_LAUNCH"
+
 
 class Claims:
     def __init__(self, folder: Path, lease_s: float = 300.0, heartbeat_s: float = 30.0):
         self.folder, self.lease_s, self.heartbeat_s = folder, lease_s, heartbeat_s
-        self.me = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
+        me = {"host": socket.gethostname(), "pid": os.getpid()}
+        self.me = json.dumps(me | ({"launch": os.environ[LAUNCH_ENV]} if os.environ.get(LAUNCH_ENV) else {})).encode()
 
     def path(self, stem: str) -> Path:
         return self.folder / f"{stem}.claim"
@@ -89,3 +96,17 @@ class Claims:
         t = threading.Thread(target=beat, name="batchvlm-claims", daemon=True)
         t.start()
         return t
+
+
+def release_launch(folder: Path, launch: str) -> list[str]:
+    """Remove the claims of `launch`, whose ranks have all ended (so none is live); -> their shards."""
+    freed = []
+    for path in folder.glob("*.claim"):
+        try:
+            holder = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            continue
+        if isinstance(holder, dict) and holder.get("launch") == launch:
+            path.unlink(missing_ok=True)
+            freed.append(path.name.removesuffix(".claim"))
+    return freed

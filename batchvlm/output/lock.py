@@ -22,6 +22,10 @@ from .layout import Layout
 from .manifest import OutputConflict, lock_path
 
 
+class RunLockHeld(OutputConflict):
+    """Another live run labels this rank: nothing is wrong with the job, try again later."""
+
+
 class RunLock:
     def __init__(self, out_dir: Path | Layout, rank: int, world: int):
         self.layout = out_dir if isinstance(out_dir, Layout) else Layout(Path(out_dir))
@@ -37,7 +41,7 @@ class RunLock:
         except BlockingIOError:
             holder = self._holder(fd)
             os.close(fd)
-            raise OutputConflict(
+            raise RunLockHeld(
                 f"output.dir: another batchvlm run ({holder}) is labelling {self.layout.dir} as rank {self.rank} "
                 f"of {self.world}; wait for it to finish, or set runtime.work_stealing: true to share the "
                 "shards between runs") from None

@@ -1,7 +1,7 @@
 """Moondream 2 behind the family interface (models/family.py).
 
 Host side (`Moondream`): config + tokenizer, task prompts from the templates in the config,
-labels from raw outputs. Device side (`MoondreamEngine`): what the engine drives. Every image
+labels from raw outputs. Device side (`MoondreamEngineModel`): what the engine drives. Every image
 prefix is `[BOS][729 image tokens]`, attended bidirectionally; positions equal slot indices.
 """
 
@@ -98,7 +98,7 @@ class Moondream:
             out[truncated_column(task)] = any(r.hit_limit(s.spec) for s, r in mine)
         return out
 
-    def load(self, dtype: str = "auto", device: str = "auto") -> MoondreamEngine:
+    def load(self, dtype: str = "auto", device: str = "auto") -> MoondreamEngineModel:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         files = weight_files(self.folder)  # before building the model
@@ -106,10 +106,10 @@ class Moondream:
         load_weights(model, files)
         info = ModelInfo(self.model_name, self.revision, str(self.folder), weights_sha256(files),
                          str(dt).removeprefix("torch."), str(dev), self.name, self.backend)
-        return MoondreamEngine(model, info)
+        return MoondreamEngineModel(model, info)
 
 
-class MoondreamEngine:
+class MoondreamEngineModel:
     """The engine's view of a loaded Moondream (models/family.py EngineModel)."""
 
     causal_prefix = False

@@ -9,7 +9,9 @@ template whose head depends on the task text cannot share a prefix and is refuse
 
 The template comes from tokenizer_config.json (`chat_template`: a string, or a list of named
 templates, "default" taken), else chat_template.jinja, else chat_template.json. The sandbox
-refuses attribute access to Python internals: a hostile template cannot run code.
+refuses attribute access to Python internals: a hostile template cannot run code. The turn is
+rendered with models/qwen_prompts.py's TEMPLATE_VARIABLES (thinking off, where the template has
+the switch), as the transformers backend renders it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ..qwen_prompts import TEMPLATE_VARIABLES
 from .config import ConfigError
 
 
@@ -78,7 +81,7 @@ class ChatTemplate:
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
         try:
             return _environment().from_string(self.source).render(
-                messages=messages, add_generation_prompt=True, **self.variables)
+                messages=messages, add_generation_prompt=True, **TEMPLATE_VARIABLES, **self.variables)
         except TemplateError as e:
             raise ConfigError(f"chat template: {e}") from e
 

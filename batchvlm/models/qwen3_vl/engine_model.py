@@ -34,7 +34,7 @@ class ImageFeatures:
     grid: tuple[int, int]
 
 
-class Qwen3VLEngine:
+class Qwen3VLEngineModel:
     causal_prefix = True
 
     def __init__(self, model: Qwen3VLModel, info: ModelInfo, head: list[int], stop_ids: list[int],

@@ -18,9 +18,10 @@ from ...tasks import args_of, kind_of
 from ..decoding import MODE_TEXT, RawOutput, SeqSpec
 from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence
 from ..hub import TokenizerAdapter, load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
+from ..qwen_prompts import QWEN3
 from .chat import ChatTemplate, read_template, special_tokens
 from .config import ConfigError, Qwen3VLConfig
-from .engine_model import Qwen3VLEngine
+from .engine_model import Qwen3VLEngineModel
 from .labels import column_values
 from .preprocess import PixelSettings, Preprocessor
 from .weights import build_model, load_weights, read_config
@@ -28,12 +29,6 @@ from .weights import build_model, load_weights, read_config
 if TYPE_CHECKING:
     from ...job import EngineSpec, ModelSpec
     from ...tasks import Task
-
-CAPTIONS = {"short": "Describe this image in one sentence.", "normal": "Describe this image.",
-            "long": "Describe this image in detail."}
-DETECT = 'Locate every instance that belongs to the following categories: "{object}". Report bbox coordinates in JSON format.'
-POINT = "Locate every {object} in this image with points. Output the point coordinates in JSON format."
-
 
 def _token(tokenizer: TokenizerAdapter, id_: int) -> str:
     token = tokenizer.token_of(id_)
@@ -94,12 +89,10 @@ class Qwen3VL:
         for t, task in enumerate(tasks):
             kind, a = kind_of(task), args_of(task)
             if kind in ("caption", "query"):
-                text = CAPTIONS[a.length] if kind == "caption" else a.question
-                pairs = [(None, text, a.max_new_tokens or engine.max_new_tokens)]
+                pairs = [(None, QWEN3.words(kind, a), a.max_new_tokens or engine.max_new_tokens)]
             else:
-                template = DETECT if kind == "detect" else POINT
                 self.max_objects[t] = a.max_objects or engine.max_objects
-                pairs = [(obj, template.format(object=obj), engine.max_new_tokens) for obj in a.objects]
+                pairs = [(obj, QWEN3.words(kind, a, obj), engine.max_new_tokens) for obj in a.objects]
             for label, text, limit in pairs:
                 prompt = tuple(self.tokenizer.encode(self.template.split(text)[1]))
                 seqs.append(TaskSequence(t, label, SeqSpec(MODE_TEXT, prompt, limit, engine.temperature,
@@ -116,7 +109,7 @@ class Qwen3VL:
     def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput]) -> dict[str, Any]:
         return column_values(tasks, seqs, raws, self.tokenizer.decode, self.max_objects)
 
-    def load(self, dtype: str = "auto", device: str = "auto") -> Qwen3VLEngine:
+    def load(self, dtype: str = "auto", device: str = "auto") -> Qwen3VLEngineModel:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         files = weight_files(self.folder)
@@ -124,4 +117,4 @@ class Qwen3VL:
         load_weights(model, files)
         info = ModelInfo(self.model_name, self.revision, str(self.folder), weights_sha256(files),
                          str(dt).removeprefix("torch."), str(dev), self.name, self.backend)
-        return Qwen3VLEngine(model, info, self.head, self.stop_ids, self.pre)
+        return Qwen3VLEngineModel(model, info, self.head, self.stop_ids, self.pre)

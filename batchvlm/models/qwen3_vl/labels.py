@@ -1,6 +1,7 @@
 """Qwen3-VL's generated tokens -> one image's column values.
 
-Captions and answers are the decoded text (special tokens skipped, stripped). Detect / point
+Every answer is read by models/qwen_prompts.py's rule (special tokens skipped, stripped), as
+the transformers backend reads it. Captions and answers are that text. Detect / point
 answers are JSON text; models/grounding.py reads the boxes / points (0-1000, clamped, at most
 max_objects per object name, labelled with the name asked for) and the text itself becomes
 `<name>_raw` (written with output.raw_text). An answer counts as a parse failure unless it is
@@ -19,6 +20,7 @@ from ...tasks import Task, box_values, column_of, kind_of, point_values, raw_col
 from ..decoding import RawOutput
 from ..family import PARSE_FAILURES, TaskSequence
 from ..grounding import qwen3_boxes, qwen3_points
+from ..qwen_prompts import answer_text
 
 _FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL)
 
@@ -41,7 +43,7 @@ def column_values(tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOut
     for t, task in enumerate(tasks):
         mine = [(s, r) for s, r in zip(seqs, raws) if s.task == t]
         kind = kind_of(task)
-        texts = [decode(r.tokens).strip() for _, r in mine]
+        texts = [answer_text(decode, r.tokens) for _, r in mine]
         cut = any(r.hit_limit(s.spec) for s, r in mine)  # the token limit ended an answer
         if kind in ("caption", "query"):
             out[column_of(task)], out[truncated_column(task)] = texts[0], cut

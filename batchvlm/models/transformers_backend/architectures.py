@@ -2,7 +2,8 @@
 into words for it, and in which format (if any) it writes boxes and points.
 
 caption / query work for every image-text-to-text model; detect / point only where the
-model's grounding format is known (one parser per format in models/grounding.py).
+model's grounding format is known (one parser per format in models/grounding.py). The Qwen
+formats take their words from models/qwen_prompts.py, the table the native Qwen families use.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .. import grounding
+from ..qwen_prompts import QWEN3, QWEN25
 
 Style = Literal["chat", "paligemma", "florence2"]
 
@@ -24,15 +26,16 @@ class GroundingFormat:
     boxes: Callable[..., list[grounding.Box]]
     points: Callable[..., list[grounding.Point]] | None = None
     absolute: bool = False  # coordinates are pixels of the image as the model saw it (after its resize)
+    # Coordinates may be special tokens (Florence-2's <loc_N>, PaliGemma's <locNNNN>): the text is
+    # decoded with them. False: ordinary text, read by qwen_prompts.answer_text.
+    special_tokens: bool = True
 
-
-QWEN_DETECT = "Locate every {object} in the image and output the bbox coordinates in JSON format."
-QWEN_POINT = "Locate every {object} in the image and output the point coordinates in JSON format."
 
 FORMATS = {f.name: f for f in [
-    GroundingFormat("qwen2.5-vl", QWEN_DETECT, QWEN_POINT, grounding.qwen25_boxes, grounding.qwen25_points,
-                    absolute=True),
-    GroundingFormat("qwen3-vl", QWEN_DETECT, QWEN_POINT, grounding.qwen3_boxes, grounding.qwen3_points),
+    GroundingFormat("qwen2.5-vl", QWEN25.detect, QWEN25.point, grounding.qwen25_boxes, grounding.qwen25_points,
+                    absolute=True, special_tokens=False),
+    GroundingFormat("qwen3-vl", QWEN3.detect, QWEN3.point, grounding.qwen3_boxes, grounding.qwen3_points,
+                    special_tokens=False),
     GroundingFormat("florence-2", "<OPEN_VOCABULARY_DETECTION>{object}", None, grounding.florence2_boxes),
     GroundingFormat("paligemma", "detect {object}", None, grounding.paligemma_boxes),
     GroundingFormat("internvl", "Please provide the bounding box coordinate of the region this sentence "
@@ -40,8 +43,8 @@ FORMATS = {f.name: f for f in [
 ]}
 
 # config.json model_type -> grounding format
-GROUNDING = {"qwen2_5_vl": "qwen2.5-vl", "qwen3_vl": "qwen3-vl", "qwen3_vl_moe": "qwen3-vl",
-             "florence2": "florence-2", "paligemma": "paligemma", "internvl": "internvl"}
+GROUNDING = {"qwen2_5_vl": "qwen2.5-vl", "qwen3_vl": "qwen3-vl", "qwen3_vl_moe": "qwen3-vl", "qwen3_5": "qwen3-vl",
+             "qwen3_5_moe": "qwen3-vl", "florence2": "florence-2", "paligemma": "paligemma", "internvl": "internvl"}
 
 # Models that take task words rather than a chat conversation.
 STYLES: dict[str, Style] = {"paligemma": "paligemma", "florence2": "florence2"}

@@ -1,9 +1,11 @@
 """Generated tokens -> the typed values of one image's task columns.
 
-Captions and answers are decoded without special tokens. Detect / point text is decoded with
-them (Florence-2's <loc_N> and PaliGemma's <locNNNN> may be special tokens) and handed to the
-model's grounding parser. That text is always returned as `<name>_raw` too; the Parquet schema
-has the column (and keeps the value) only with output.raw_text.
+Captions and answers are read by models/qwen_prompts.py's rule (decoded without special tokens,
+stripped), as the native families read them; so is the JSON of the Qwen grounding formats.
+Other detect / point text is decoded with special tokens (Florence-2's <loc_N> and PaliGemma's
+<locNNNN> may be special tokens). The text goes to the model's grounding parser and is always
+returned as `<name>_raw` too; the Parquet schema has the column (and keeps the value) only with
+output.raw_text.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...tasks import Task, box_values, column_of, kind_of, point_values, raw_column, truncated_column
+from ..qwen_prompts import answer_text
 from .architectures import GroundingFormat
 from .generation import Generated
 from .prompts import Prompt
@@ -23,6 +26,12 @@ def _objects(kind: str, fmt: GroundingFormat, text: str, seen: tuple[int, int] |
     return parse(text)
 
 
+def _text(tokenizer, tokens: tuple[int, ...], fmt: GroundingFormat | None) -> str:
+    if fmt is not None and fmt.special_tokens:
+        return tokenizer.decode(list(tokens), skip_special_tokens=False)
+    return answer_text(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), tokens)
+
+
 def column_values(tasks: list[Task], prompts: list[Prompt], raws: list[Generated], tokenizer,
                   fmt: GroundingFormat | None) -> dict[str, Any]:
     """`<name>_truncated`: a sequence ran into max_new_tokens, or wrote more than max_objects."""
@@ -32,11 +41,11 @@ def column_values(tasks: list[Task], prompts: list[Prompt], raws: list[Generated
         mine = [(p, r) for p, r in zip(prompts, raws) if p.task == t]
         truncated = any(not r.stopped for _, r in mine)
         if kind in ("caption", "query"):
-            out[column_of(task)] = tokenizer.decode(list(mine[0][1].tokens), skip_special_tokens=True).strip()
+            out[column_of(task)] = _text(tokenizer, mine[0][1].tokens, None)
         else:
             texts, found = [], []
             for p, r in mine:
-                text = tokenizer.decode(list(r.tokens), skip_special_tokens=False)
+                text = _text(tokenizer, r.tokens, fmt)
                 objects = _objects(kind, fmt, text, r.seen)
                 truncated |= len(objects) > p.max_objects
                 texts.append({"label": p.label, "text": text})

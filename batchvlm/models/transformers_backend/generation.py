@@ -35,7 +35,7 @@ class Generated:
     """The raw output of one sequence on one image."""
 
     tokens: tuple[int, ...]  # new token ids, cut before the first stop token
-    stopped: bool  # a stop token ended it (else max_new_tokens did: the text may be cut short)
+    stopped: bool  # the model ended it (else max_new_tokens did: the text may be cut short)
     seen: tuple[int, int] | None  # (width, height) of the image as the model saw it, where known
 
 
@@ -66,6 +66,9 @@ class StaticLabeler:
         else:
             self.config.do_sample, self.config.temperature, self.config.top_p, self.config.top_k = False, None, None, None
         self.stop = _stop_ids(self.config)
+        # forced_eos_token_id (Florence-2) makes generate write that token as the last one allowed:
+        # a stop there is max_new_tokens cutting the answer, not the model ending it.
+        self.forced_stop = self.config.forced_eos_token_id is not None
         bos = processor.tokenizer.bos_token
         # A template that writes BOS itself must not get a second one from the tokenizer (what
         # apply_chat_template does); other prompts keep the processor's own default.
@@ -106,5 +109,6 @@ class StaticLabeler:
         results = []
         for j, row in enumerate(new.tolist()):
             cut = next((k for k, t in enumerate(row) if t in self.stop), None)
-            results.append(Generated(tuple(row[:cut]), cut is not None, seen[j] if seen else None))
+            ended = cut is not None and not (self.forced_stop and cut == prompt.max_new_tokens - 1)
+            results.append(Generated(tuple(row[:cut]), ended, seen[j] if seen else None))
         return results

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..family import ModelLoadError
 from ..hub import read_json, weight_files
-from .processor import load_processor
+from .processor import load_processor, missing_backends
 
 INSTALL = "pip install 'batchvlm[transformers]'"
 
@@ -49,7 +49,11 @@ def image_text_to_text_class(transformers: ModuleType, config) -> type:
     if name is None or not hasattr(transformers, name):
         raise ModelLoadError(f"model.name: model_type {config.model_type!r} is not an image-text-to-text model that "
                              f"transformers {transformers.__version__} can load (AutoModelForImageTextToText)")
-    return getattr(transformers, name)
+    cls = getattr(transformers, name)
+    if missing := missing_backends(cls):
+        raise ModelLoadError(f"model.name: model_type {config.model_type!r}: transformers {transformers.__version__}'s "
+                             f"{name} needs {' and '.join(missing)}, which cannot be imported here")
+    return cls
 
 
 def host_side(folder: Path) -> HostSide:
@@ -71,7 +75,8 @@ def host_side(folder: Path) -> HostSide:
     try:
         processor = load_processor(transformers, model_type, folder)
     except (LookupError, ValueError, OSError, TypeError) as e:
-        raise ModelLoadError(f"{folder}: cannot build the {model_type} processor: {str(e).strip().splitlines()[0]}") from None
+        raise ModelLoadError(f"model.name: model_type {model_type!r}: cannot build its processor from {folder}: "
+                             f"{str(e).strip().splitlines()[0]}") from None
     return HostSide(folder, model_type, config, processor, cls)
 
 

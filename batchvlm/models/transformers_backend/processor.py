@@ -10,25 +10,37 @@ Two choices make it robust and reproducible:
   transformers' video processors need torchvision; batchvlm labels images only. `image_only`
   makes a subclass whose sub-processor list leaves the video slot out, so `from_pretrained` reads
   preprocessor_config.json, the tokenizer files, processor_config.json and the chat template as
-  usual and the video slot stays empty.
+  usual and the video slot stays empty. A processor whose `__init__` insists on a video processor
+  (SmolVLM's) gets None for it, and where the class's own `apply_chat_template` exists only to
+  fill in video defaults from that processor (SmolVLM's reads its frame count and fps), the shared
+  ProcessorMixin one renders the image-only conversation instead: the same text.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 
+# Processor classes whose apply_chat_template override only adds video defaults (transformers 5.x).
+VIDEO_ONLY_CHAT_OVERRIDES = {"SmolVLMProcessor"}
+
+
 @cache
 def image_only(cls: type) -> type:
     """`cls` (a transformers ProcessorMixin) without its video processor."""
+    from transformers import ProcessorMixin
 
     class ImageOnly(cls):
         @classmethod
         def get_attributes(klass) -> list[str]:
             return [a for a in super().get_attributes() if "video" not in a]
+
+    if cls.__name__ in VIDEO_ONLY_CHAT_OVERRIDES:
+        ImageOnly.apply_chat_template = ProcessorMixin.apply_chat_template
 
     ImageOnly.__name__ = ImageOnly.__qualname__ = cls.__name__
     return ImageOnly
@@ -51,6 +63,18 @@ def processor_class(transformers, model_type: str, folder: Path) -> type:
     return getattr(transformers, named)
 
 
+def missing_backends(cls: type) -> list[str]:
+    """The packages transformers says `cls` needs and this machine lacks (transformers puts a
+    placeholder class in its place, which raises a multi-line ImportError when used)."""
+    return sorted(cls._backends) if getattr(type(cls), "is_dummy", False) else []
+
+
 def load_processor(transformers, model_type: str, folder: Path) -> Any:
-    cls = image_only(processor_class(transformers, model_type, folder))
-    return cls.from_pretrained(str(folder), backend="pil", local_files_only=True)
+    """Raises LookupError (one line) for a processor transformers cannot build here."""
+    named = processor_class(transformers, model_type, folder)
+    if missing := missing_backends(named):
+        raise LookupError(f"transformers {transformers.__version__}'s {named.__name__} needs {' and '.join(missing)}, "
+                          "which cannot be imported here")
+    init = inspect.signature(named.__init__).parameters
+    empty = {"video_processor": None} if "video_processor" in init else {}
+    return image_only(named).from_pretrained(str(folder), backend="pil", local_files_only=True, **empty)

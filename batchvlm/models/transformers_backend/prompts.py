@@ -1,8 +1,10 @@
 """Tasks in words: the text each task's sequences hand the processor, beside the image.
 
 Chat models get one user turn (the image, then the instruction) through the processor's own
-chat template, ending with the assistant header; PaliGemma gets its task prefixes ("caption
-en", "answer en ...", "detect ..."; the processor adds the image tokens, BOS and the newline);
+chat template, ending with the assistant header, rendered with qwen_prompts.TEMPLATE_VARIABLES
+where the template reads them (thinking off); their caption words and the Qwen grounding words
+are models/qwen_prompts.py's, the native Qwen families' table. PaliGemma gets its task prefixes
+("caption en", "answer en ...", "detect ..."; the processor adds the image tokens, BOS and the newline);
 Florence-2 gets its task tokens (the processor turns them into its instructions).
 """
 
@@ -12,10 +14,10 @@ from dataclasses import dataclass
 
 from ...tasks import Task, args_of, kind_of
 from ..family import FamilyError
+from ..qwen_prompts import CAPTIONS, TEMPLATE_VARIABLES
 from .architectures import GroundingFormat, Style, supported_formats
 
-CHAT_CAPTIONS = {"short": "Describe this image in one sentence.", "normal": "Describe this image.",
-                 "long": "Describe this image in detail."}
+CHAT_CAPTIONS = CAPTIONS  # every chat model: the words the native Qwen families use
 PALIGEMMA_CAPTIONS = {"short": "caption en", "normal": "caption en", "long": "describe en"}
 FLORENCE2_CAPTIONS = {"short": "<CAPTION>", "normal": "<DETAILED_CAPTION>", "long": "<MORE_DETAILED_CAPTION>"}
 
@@ -69,9 +71,12 @@ def chat_renderer(processor):
     template = getattr(processor, "chat_template", None) or getattr(processor.tokenizer, "chat_template", None)
     if not template:
         return None
+    # Only what the template reads: transformers hands other keywords to the processor call.
+    switches = {k: v for k, v in TEMPLATE_VARIABLES.items() if k in template}
 
     def render(words: str) -> str:
         turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": words}]}]
-        return processor.apply_chat_template(turn, chat_template=template, add_generation_prompt=True, tokenize=False)
+        return processor.apply_chat_template(turn, chat_template=template, add_generation_prompt=True, tokenize=False,
+                                             **switches)
 
     return render

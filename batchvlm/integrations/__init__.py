@@ -1,0 +1,1 @@
+"""Bridges to the cluster and data systems users already run batchvlm inside (Ray); each imports its system only when used."""
