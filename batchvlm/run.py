@@ -283,7 +283,9 @@ def _labeler(family: Family, model: EngineModel | StaticModel, seqs: list[TaskSe
     e = labeler.engine
     return labeler, (f"batch {e.settings.max_batch_size}, {e.stats['kv_blocks']} KV blocks of {job.engine.block_size}, "
                      f"{e.stats['rows']} rows, {'pipelined' if e.pipelined else 'synchronous'}"
-                     + (f", CUDA graphs captured in {e.stats['graph_capture_s']:.1f} s" if e.runner.graphs else ""))
+                     + (f", CUDA graphs captured in {e.stats['graph_capture_s']:.1f} s" if e.runner.graphs else "")
+                     + (f", flex_attention compiled {e.stats['compiled_shapes']} shapes in {e.stats['compile_s']:.1f} s"
+                        if e.stats["compiled_shapes"] else ""))
 
 
 def _report_held(layout: Layout, pending: list[ShardRef], written: list[str], summary: RunSummary,
