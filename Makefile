@@ -2,7 +2,7 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # CPU build of torch from the local wheel store; on a GPU box install your CUDA torch first
-# (any torch >= 2.4), then `make` leaves it alone.
+# (torch >= 2.9: flex_attention's AuxRequest), then `make` leaves it alone.
 TORCH  ?= torch==2.13.0
 
 .PHONY: demo test bench clean

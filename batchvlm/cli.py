@@ -12,13 +12,13 @@ import errno
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import typer
 
 from . import __version__
-from .data.shardlist import plan
-from .data.sources import ShardRef, SourceError, check_first_parquet, list_files
+from .data.sources import SourceError, check_first_parquet, count_samples, list_files
 from .exits import EXIT_FAILED, EXIT_JOB_ERROR, EXIT_STOPPED
 from .job import Job, JobError, load_job
 from .models.family import FamilyError, ModelFetchError, ModelLoadError
@@ -26,6 +26,7 @@ from .output import manifest
 from .output.layout import Layout
 from .output.lock import RunLockHeld
 from .output.placement import check_apart_from_inputs, check_writable
+from .output.shardlist import ShardList, plan
 from .output.writer import OutputWriteError, write_failure
 
 DEBUG_ENV = "BATCHVLM_DEBUG"
@@ -54,6 +55,8 @@ def _options(
 
 
 def fail(message: str, code: int = EXIT_JOB_ERROR) -> None:
+    if os.environ.get(DEBUG_ENV) and sys.exc_info()[1] is not None:  # --debug: the failure's traceback too
+        traceback.print_exc()
     typer.echo(f"batchvlm: error: {message}", err=True)
     raise typer.Exit(code)
 
@@ -127,7 +130,7 @@ def run(
         raise typer.Exit(EXIT_FAILED)
 
 
-def _check(job: Job, layout: Layout | None = None) -> tuple[Job, list[ShardRef]]:
+def _check(job: Job, layout: Layout | None = None) -> tuple[Job, ShardList]:
     """Everything that can be checked before any work starts, loading no weights: inputs,
     output folder, device, and the model's host side (config and tokenizer; every task's
     prompt rendered and measured against the context). `layout`: plan against its frozen
@@ -140,6 +143,10 @@ def _check(job: Job, layout: Layout | None = None) -> tuple[Job, list[ShardRef]]
     if job.input.kind == "parquet":
         manifest.check_not_input(Layout(out), list_files(job.input))
     shards = plan(job.input, layout)
+    if unreadable := [s for s in shards if not s.planned]:  # a run would fail these shards
+        field = "input.folder" if job.input.folder else "input.parquet"
+        more = f" (and {len(unreadable) - 1} more)" if len(unreadable) > 1 else ""
+        raise SourceError(f"{field}: cannot read {unreadable[0].url}{more}; a run would fail its shard(s)")
     check_first_parquet(shards, job.input)
     check_writable(out)
     check_apart_from_inputs(out, job.input, [(s.stem, s.url) for s in shards])
@@ -167,17 +174,25 @@ def validate(job_file: Path = JOB_ARG) -> None:
     """Check JOB_FILE, its inputs and its output folder without loading a model."""
     job = _load(job_file)
     try:
-        job, shards = _check(job)
         layout = Layout(Path(job.output.dir))
-        if job.output.mode == "resume" and layout.dir.is_dir():
+        resume = job.output.mode == "resume" and layout.dir.is_dir()
+        if resume:
             layout.check()
+        job, shards = _check(job, layout if resume else None)  # the shards a run would have
+        if resume:
             manifest.check_settings(layout, job.label_fingerprint(), job.label_settings())
     except USER_ERRORS as e:
         fail(str(e))
     except ValueError as e:  # an inconsistent rank environment
         fail(str(e))
-    typer.echo(f"{job_file}: ok ({len(shards)} shard(s), {len(job.tasks)} task(s), {job.model.device}, "
-               f"{job.model.dtype})")
+    sizes = [count_samples(s) for s in shards]
+    images = f"{sum(sizes)} image(s), " if None not in sizes else ""
+    skipped = f"; {shards.skipped_note()}" if shards.skipped else ""
+    typer.echo(f"{job_file}: ok ({len(shards)} shard(s), {images}{len(job.tasks)} task(s), {job.model.device}, "
+               f"{job.model.dtype}){skipped}")
+    device_type, asked = job.model.device.split(":")[0], job.engine.max_batch_size
+    if asked and (runs := job.engine.batch_size_for(device_type)) < asked:
+        typer.echo(f"  engine.max_batch_size: {asked} is more than {device_type.upper()} runs; it runs {runs}")
 
 
 @app.command()
@@ -200,6 +215,8 @@ def status(
     typer.echo(f"{job.name}: {report['done']}/{report['shards'] or '?'} shards done, {report['partial']} partial, "
                f"{report['failed']} failed, {report['pending'] if report['pending'] is not None else '?'} pending, "
                f"{report['damaged']} damaged; {report['rows']} rows, {report['errors']} errors")
+    if report["skipped"]:
+        typer.echo(f"  {report['skipped']}")
     if report["inputs_missing"]:
         typer.echo(f"  inputs not found ({report['inputs_missing']}): pending shards unknown")
     for line in report["damaged_shards"][:10]:
@@ -235,6 +252,7 @@ def export_cmd(
     output_dir: Path = typer.Argument(..., help="A job's output folder."),
     dest: Path = typer.Argument(..., help="Folder to write the export to."),
     with_images: bool = typer.Option(False, "--with-images", help="Also write the images (EXIF-oriented)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an export already in DEST."),
 ) -> None:
     """Detection boxes as COCO or YOLO, plus captions.jsonl with the text answers."""
     from .export import export
@@ -243,7 +261,7 @@ def export_cmd(
     if fmt not in ("coco", "yolo"):
         fail(f"FORMAT must be coco or yolo, not {fmt!r}")
     try:
-        counts = export(output_dir, dest, fmt, with_images)
+        counts = export(output_dir, dest, fmt, with_images, overwrite)
     except (OutputError, SourceError) as e:
         fail(str(e))
     except OSError as e:

@@ -8,8 +8,18 @@ and resumed in bfloat16 on a GPU would mix precisions under one fingerprint othe
 from __future__ import annotations
 
 from .dist import Rank
-from .job import Job
+from .job import EngineSpec, Job, JobError
 from .models.hub import resolve_device, resolve_dtype
+
+CUDA_BLOCK_SIZES = (16, 32, 64, 128)  # KV block sizes whose tiles the Triton attention kernels divide
+
+
+def check_block_size(engine: EngineSpec, device_type: str) -> None:
+    """On CUDA the paged mask's KV block is the cache block: flex_attention's Triton kernels need
+    a tile (BLOCK_N, 16 at least) that divides it (models/fused_attention.py)."""
+    if device_type == "cuda" and engine.block_size not in CUDA_BLOCK_SIZES:
+        raise JobError(f"engine.block_size: {engine.block_size} on CUDA; use one of "
+                       f"{', '.join(map(str, CUDA_BLOCK_SIZES))} (the attention kernels' tiles must divide it)")
 
 
 def for_device(job: Job, rank: Rank) -> Job:
@@ -21,5 +31,6 @@ def for_device(job: Job, rank: Rank) -> Job:
     if device == "auto" and torch.cuda.is_available():  # each local process takes its own GPU
         device = f"cuda:{rank.local % torch.cuda.device_count()}"
     dev = resolve_device(device)
+    check_block_size(job.engine, dev.type)
     dtype = str(resolve_dtype(job.model.dtype, dev)).removeprefix("torch.")
     return job.model_copy(update={"model": job.model.model_copy(update={"device": str(dev), "dtype": dtype})})

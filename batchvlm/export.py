@@ -12,12 +12,20 @@ the Parquet output).
     YOLO  DEST/labels/<shard>/<file stem>.txt   "class cx cy w h" (normalized, classes from 0)
           DEST/data.yaml          train / val only where the images were written
     both  DEST/captions.jsonl     the caption / query columns of every exported image
+
+YOLO pairs an image with its labels by file stem: where two images of a shard share one
+(`a.png`, `a.jpg`), the later one is exported as `a+2.jpg` (labels `a+2.txt`), in every file.
+DEST must be empty (an export never merges into another: class maps would disagree) unless
+`overwrite`, which replaces what an export writes there; it may not lie inside the output
+folder or an input folder.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
+import shutil
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -63,12 +71,51 @@ def _write_image(enc: Encoded, path: Path, max_pixels: int) -> None:
         d.image.save(path, format=fmt, **({"quality": 95} if fmt in ("JPEG", "WEBP") else {}))
 
 
+EXPORT_FILES = ("annotations.json", "data.yaml", "captions.jsonl", "labels", "images")
+
+
+def _check_dest(dest: Path, output: Output, overwrite: bool) -> None:
+    """DEST apart from the output folder and the inputs, and empty (or cleared: `overwrite`)."""
+    real = Path(os.path.realpath(dest))
+    inputs = [("the output folder", output.dir)] + ([("input.folder", Path(output.job.input.folder))]
+                                                    if output.job.input.folder else [])
+    for what, folder in inputs:
+        inside = Path(os.path.realpath(folder))
+        if real == inside or inside in real.parents:
+            raise OutputError(f"DEST: {dest} is inside {what} {folder}; files written there would mix with it "
+                              "(or become inputs of the next run). Choose a folder outside it")
+    if not dest.is_dir() or next(dest.iterdir(), None) is None:
+        return
+    if not overwrite:
+        raise OutputError(f"DEST: {dest} is not empty; an export never merges into another (their class maps "
+                          "would disagree). Use --overwrite to replace an export there, or another folder")
+    for name in EXPORT_FILES:
+        p = dest / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+
+
+def _unique_stem(name: str, used: set[str]) -> str:
+    """`name`, or `<stem>+N<suffix>` where an earlier image of the shard has its stem (YOLO pairs
+    images and labels by stem; compared without case, as on macOS and Windows)."""
+    stem, suffix = os.path.splitext(name)
+    candidate, n = name, 1
+    while os.path.splitext(candidate)[0].lower() in used:
+        n += 1
+        candidate = f"{stem}+{n}{suffix}"
+    used.add(os.path.splitext(candidate)[0].lower())
+    return candidate
+
+
 def _boxes(row: dict[str, Any], columns: list[str]) -> list[dict[str, Any]]:
     return [b for c in columns for b in (row.get(c) or [])]
 
 
-def export(out_dir: Path, dest: Path, fmt: str, with_images: bool = False) -> dict[str, int]:
+def export(out_dir: Path, dest: Path, fmt: str, with_images: bool = False, overwrite: bool = False) -> dict[str, int]:
     output = Output.open(out_dir)
+    _check_dest(dest, output, overwrite)
     detect_cols = output.columns("detect")
     text_cols = output.columns("caption") + output.columns("query")
     names = output.labels(("detect",))
@@ -77,18 +124,20 @@ def export(out_dir: Path, dest: Path, fmt: str, with_images: bool = False) -> di
 
     rows = [(shard, row) for shard, row in output.rows() if row["status"] == "ok"]
     file_names: dict[tuple[str, str], str] = {}
-    by_shard: dict[str, set[str]] = defaultdict(set)
+    by_shard: dict[str, list[str]] = defaultdict(list)  # keys in row order
     for shard, row in rows:
-        by_shard[shard.stem].add(row["key"])
+        by_shard[shard.stem].append(row["key"])
     for shard in output.shards():
         if shard.stem not in by_shard:
             continue
+        used: set[str] = set()
+        name_of = (lambda n: _unique_stem(n, used)) if fmt == "yolo" else (lambda n: n)
         if shard.kind == "folder" and not with_images:  # the key is the file name: no need to read
-            file_names |= {(shard.stem, k): k for k in by_shard[shard.stem]}
+            file_names |= {(shard.stem, k): name_of(k) for k in by_shard[shard.stem]}
             continue
         try:
-            for enc in output.encoded(shard, by_shard[shard.stem]):
-                name = file_names[(shard.stem, enc.key)] = _name(enc)
+            for enc in output.encoded(shard, set(by_shard[shard.stem])):
+                name = file_names[(shard.stem, enc.key)] = name_of(_name(enc))
                 if with_images:
                     _write_image(enc, dest / "images" / shard.stem / name, output.job.loader.max_image_pixels)
         except OutputError:

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .tasks import Strict, Task, column_of, columns_of, raw_column
+from .tasks import Strict, Task, label_columns
 
 RESERVED_COLUMNS = {"key", "source", "width", "height", "status", "error"}
 
@@ -30,6 +30,10 @@ RESERVED_COLUMNS = {"key", "source", "width", "height", "status", "error"}
 # allocation churn; on CUDA, the engine needs a wide batch to fill the device.
 DEFAULT_MAX_BATCH_SIZE = {"cpu": 64, "cuda": 256}
 MAX_BATCH_SIZE = 16384  # beyond any device's KV cache at Moondream's 730-token image prefix
+# The most concurrent sequences a device type runs, whatever max_batch_size asks: on CPU a wider
+# batch only adds memory (its KV cache and staging are host RAM: 16384 rows took 12 GB for 20
+# tiny images), not speed (README, "Batch size"). GPUs are bounded by their memory (engine.py).
+DEVICE_MAX_BATCH_SIZE = {"cpu": 1024}
 
 NonEmpty = Annotated[str, Field(min_length=1, pattern=r"^[^\x00]*\S[^\x00]*$")]  # and no NUL: no path holds one
 
@@ -147,7 +151,8 @@ class EngineSpec(Strict):
     max_images_in_flight: int = Field(64, ge=1, le=MAX_BATCH_SIZE, description="Images encoded but not yet fully labelled.")
 
     def batch_size_for(self, device_type: str) -> int:
-        return self.max_batch_size or DEFAULT_MAX_BATCH_SIZE.get(device_type, DEFAULT_MAX_BATCH_SIZE["cuda"])
+        n = self.max_batch_size or DEFAULT_MAX_BATCH_SIZE.get(device_type, DEFAULT_MAX_BATCH_SIZE["cuda"])
+        return min(n, DEVICE_MAX_BATCH_SIZE.get(device_type, n))
 
 
 class LoaderSpec(Strict):
@@ -194,33 +199,20 @@ class Job(Strict):
     output: OutputSpec
     runtime: RuntimeSpec = RuntimeSpec()
 
-    @field_validator("tasks")
-    @classmethod
-    def _unique_columns(cls, tasks: list[Task], info: ValidationInfo) -> list[Task]:
-        inp = info.data.get("input")  # validated before the tasks (field order); absent if invalid
-        kept = set(inp.keep) if inp else set()
-        seen = set()
-        for t in tasks:
-            col = column_of(t)
-            if col in RESERVED_COLUMNS:
-                raise ValueError(f"task name {col!r} is a reserved column")
-            if clash := kept.intersection(columns_of(t)):
-                raise ValueError(f"column {clash.pop()!r} is also in input.keep; give the task a distinct name")
-            for c in columns_of(t):
-                if c in seen:
-                    raise ValueError(f"two tasks write column {c!r}; give one a distinct name")
-                seen.add(c)
-        return tasks
-
     @model_validator(mode="after")
-    def _raw_columns_free(self) -> Job:
-        if self.output.raw_text:
-            names = {c for t in self.tasks for c in columns_of(t)}
-            for i, t in enumerate(self.tasks):
-                raw = raw_column(t)
-                if raw in names or raw in RESERVED_COLUMNS:
-                    raise ValueError(f"tasks.{i}: output.raw_text adds column {raw!r}, which another task or the "
-                                     "row already writes; rename one")
+    def _columns_distinct(self) -> Job:
+        """Every output column has one writer: the row's own, the tasks', `input.keep`'s."""
+        owner = {c: "a column every row has" for c in RESERVED_COLUMNS}
+        described = {"label": "column", "scores": "scores column", "raw": "raw text column (output.raw_text)",
+                     "truncated": "truncation flag"}
+        for col, i, what in label_columns(self.tasks, self.output.raw_text):
+            if col in owner:
+                raise ValueError(f"tasks.{i}: its {described[what]} {col!r} is also {owner[col]}; give the task a "
+                                 "distinct name")
+            owner[col] = f"the {described[what]} of tasks.{i}"
+        for col in self.input.keep:
+            if col in owner:
+                raise ValueError(f"input.keep: column {col!r} is also {owner[col]}; rename the task or leave the column out")
         return self
 
     def label_settings(self) -> dict[str, Any]:
@@ -228,7 +220,8 @@ class Job(Strict):
         be resolved for the device first (run.py): `auto` means different precisions."""
         e = self.engine
         return {
-            "model": self.model.model_dump(exclude={"device", "family"}),  # the weights hash pins the family
+            # the weights hash pins the family; a local folder is named by its real path
+            "model": self.model.model_dump(exclude={"device", "family"}) | {"name": model_path(self.model.name)},
             "tasks": [t.model_dump(by_alias=True) for t in self.tasks],
             "engine": {k: getattr(e, k) for k in ("max_new_tokens", "max_objects", "temperature", "top_p", "seed")},
             # which image a row holds, and the pixels the model sees
@@ -241,6 +234,13 @@ class Job(Strict):
         return hashlib.sha256(json.dumps(self.label_settings(), sort_keys=True).encode()).hexdigest()[:16]
 
 
+def model_path(name: str) -> str:
+    """`model.name` as it is compared between runs: a local folder by its real path (`./m` and
+    `/abs/m` are one model), anything else (demo, a hub repo id) as written."""
+    path = Path(name).expanduser()
+    return os.path.realpath(path) if name != "demo" and path.is_dir() else name
+
+
 def _resolve(base: Path, p: str) -> str:
     if is_url(p):
         return p
@@ -251,39 +251,71 @@ def _resolve(base: Path, p: str) -> str:
 _TYPE_LABELS = ("int", "str", "float", "bool", "none")
 
 
-def _clean_loc(loc: tuple) -> str:
+def _loc_parts(loc: tuple) -> list[str | int]:
     """Field path without pydantic's union-member labels (`literal['all']`, `int`, task tags)."""
-    parts = []
+    parts: list[str | int] = []
     for x in loc:
         s = str(x)
-        if "[" in s or s in _TYPE_LABELS or s.startswith("constrained-") or (parts and parts[-1] == s):
+        if "[" in s or s in _TYPE_LABELS or s.startswith("constrained-") or (parts and str(parts[-1]) == s):
             continue
-        # a hostile key ("a: b", "x.y", a newline) is quoted, so the message stays one line
-        parts.append(s if s.isprintable() and s.strip() == s and not any(c in s for c in ".: ") else json.dumps(s))
+        parts.append(x)
+    return parts
+
+
+def _clean_loc(loc: tuple) -> str:
+    # a hostile key ("a: b", "x.y", a newline) is quoted, so the message stays one line
+    parts = [str(x) if str(x).isprintable() and str(x).strip() == str(x) and not any(c in str(x) for c in ".: ")
+             else json.dumps(str(x)) for x in _loc_parts(loc)]
     return ".".join(parts) or "<root>"
+
+
+def _source_text(node: yaml.Node | None, loc: tuple) -> str | None:
+    """The value at `loc` as written in the YAML file (`0123`, `no`), where it is a plain scalar."""
+    for part in _loc_parts(loc):
+        if isinstance(node, yaml.MappingNode):
+            node = next((v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == str(part)), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+        else:
+            return None
+    return node.value if isinstance(node, yaml.ScalarNode) and not node.style else None
 
 
 _YAML_TYPES = ((bool, "a boolean"), (int, "a number"), (float, "a number"), (datetime.date, "a date"))
 
 
-def _hint(err: dict[str, Any]) -> str:
-    """What YAML made of an unquoted value of the wrong type (`true`, `1e3`, `2025-06-21`)."""
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _hint(err: dict[str, Any], written: str | None = None) -> str:
+    """What YAML made of an unquoted value of the wrong type (`true`, `1e3`, `2025-06-21`, `0123`),
+    shown as it was written where the file is at hand."""
     value = err.get("input")
+    if err["type"] in ("float_type", "int_type") and isinstance(value, str) and _is_number(value):
+        # YAML 1.1 (PyYAML) reads an exponent only with a dot: 1e-3 is text, 1.0e-3 a number
+        number = float(value)
+        better = int(number) if err["type"] == "int_type" and number.is_integer() else repr(number)
+        return f" (YAML read {value} as text; write {better})"
     kind = next((name for t, name in _YAML_TYPES if isinstance(value, t)), None)
     if kind is None or not err["type"].endswith("_type"):
         return ""
-    shown = str(value).lower() if isinstance(value, bool) else value
+    shown = written if written is not None else str(value).lower() if isinstance(value, bool) else value
     return f" (YAML read {shown} as {kind}" + (f"; quote it: '{shown}')" if err["type"] == "string_type" else ")")
 
 
-def _format_error(e: ValidationError) -> str:
+def _format_error(e: ValidationError, node: yaml.Node | None = None) -> str:
     errors = e.errors()
     loc = _clean_loc(errors[0]["loc"])
     same = [err for err in errors if _clean_loc(err["loc"]) == loc]
     msgs = []
     for err in same:
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
-        msg += _hint(err)
+        msg += _hint(err, _source_text(node, err["loc"]))
         if msg not in msgs:
             msgs.append(msg)
     rest = len(errors) - len(same)
@@ -292,13 +324,14 @@ def _format_error(e: ValidationError) -> str:
     return f"{where}{'; or '.join(msgs)}{extra}"
 
 
-def parse_job(data: Any, base: Path, source: str = "job") -> Job:
+def parse_job(data: Any, base: Path, source: str = "job", node: yaml.Node | None = None) -> Job:
+    """`node`: the YAML the data was read from, for hints that quote the file."""
     if not isinstance(data, dict):
         raise JobError(f"{source}: expected a mapping at the top level")
     try:
         job = Job.model_validate(data, strict=True)  # YAML gives real types: `true` is no count
     except ValidationError as e:
-        raise JobError(f"{source}: {_format_error(e)}") from None
+        raise JobError(f"{source}: {_format_error(e, node)}") from None
     inp = job.input
     updates = {}
     for field in ("shards", "parquet"):
@@ -332,15 +365,15 @@ def _duplicate_key(node: yaml.Node, path: str = "") -> str | None:
     return None
 
 
-def _read_yaml(text: str, source: str) -> Any:
+def _read_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
-            return None
+            return None, None
         if duplicate := _duplicate_key(node):
             raise JobError(f"{source}: {duplicate}")
-        return loader.construct_document(node)
+        return loader.construct_document(node), node
     finally:
         loader.dispose()
 
@@ -348,7 +381,7 @@ def _read_yaml(text: str, source: str) -> Any:
 def load_job(path: str | Path) -> Job:
     path = Path(path)
     try:
-        data = _read_yaml(path.read_text(), str(path))
+        data, node = _read_yaml(path.read_text(), str(path))
     except OSError as e:
         raise JobError(f"{path}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError as e:
@@ -357,7 +390,7 @@ def load_job(path: str | Path) -> Job:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise JobError(f"{path}:{where} invalid YAML: {getattr(e, 'problem', e)}") from None
-    return parse_job(data, path.resolve().parent, str(path))
+    return parse_job(data, path.resolve().parent, str(path), node)
 
 
 def json_schema() -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The run loop of one worker: its pending shards -> loader -> engine -> one Parquet per shard.
 
-    run_job(job) ─ plan shards ─ take mine ─ skip done ─ start loader ─ load model ─┐
+    run_job(job) ─ open folder ─ plan shards ─ take mine ─ skip done ─ start loader ─ load model ─┐
+                   (checks, lock)                       freeze the shard list once nothing refuses ◀┘
                                                                                    ▼
       loader (Sample | ShardEnd) ──▶ images() ──▶ labeler.label() ──▶ results
              error rows, shard ends ─────────────────────────────┐     │
@@ -13,6 +14,9 @@
 A stop request (SIGTERM / SIGUSR1 / SIGINT, e.g. preemption) stops taking images; images in
 flight are finished, completed shards are written, and unfinished shards are dropped whole
 (never written, never marked done) for the next run.
+
+A run that is refused (other settings, other weights) changes nothing in the folder: the shard
+list is frozen only after the weights were checked.
 """
 
 from __future__ import annotations
@@ -24,21 +28,22 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from . import __version__
 from .data.loader import Sample, ShardEnd, Stealing, load
-from .data.shardlist import plan
-from .data.sources import ShardRef, keep_fields, list_files
+from .output.shardlist import ShardList, plan
+from .data.sources import ShardRef, check_first_parquet, keep_fields, list_files
 from .device import for_device
 from .dist import Rank, my_shards
 from .engine.engine import EngineLabeler
 from .models.family import WorkItem
 from .job import Job
 from .models import registry
-from .models.family import PARSE_FAILURES, StaticModel
+from .models.family import PARSE_FAILURES, EngineModel, Family, StaticModel, TaskSequence
 from .output import manifest
 from .output.claims import Claims
 from .output.layout import Layout
@@ -96,6 +101,7 @@ class RunSummary:
     errors: int = 0
     seconds: float = 0.0
     stopped_by_signal: bool = False
+    skipped: str = ""  # files of the input that are no images to label, and why (folder input)
 
     def line(self, out_dir: str) -> str:
         rate = self.images / self.seconds if self.seconds > 0 else 0.0
@@ -109,6 +115,8 @@ class RunSummary:
             parts.append(f"{len(self.shards_damaged)} DAMAGED ({', '.join(sorted(self.shards_damaged)[:3])})")
         if self.stopped_by_signal:
             parts.append("stopped by signal: unfinished shards left for the next run")
+        if self.skipped:
+            parts.append(self.skipped)
         return f"batchvlm: {', '.join(parts)} -> {out_dir}"
 
 
@@ -141,44 +149,96 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
     rank = rank or Rank(0, 1, 0)
     job = for_device(job, rank)  # dtype resolved before any settings are compared
     layout = Layout(Path(job.output.dir))
+    clear = overwrite or job.output.mode == "overwrite"
     check_writable(layout.dir)
     check_apart_from_inputs(layout.dir, job.input, [])
     registry.check_tasks(job.model, job.tasks, job.engine)  # a refused model or task writes nothing
     if job.input.kind == "parquet":
         manifest.check_not_input(layout, list_files(job.input))
-    if not (overwrite or job.output.mode == "overwrite"):
+    if not clear:
         layout.check()  # a folder of the first layout is refused before anything is written in it
+    created_dir = not layout.dir.exists()
     lock = None if job.runtime.work_stealing else RunLock(layout, rank.rank, rank.world)
     if lock:
         lock.acquire()  # in __batchvlm__/; before anything is cleared or labelled; released when the process ends
     try:
-        return _run(job, layout, limit, overwrite, rank, progress, stop or StopFlag())
+        return _run(job, layout, limit, clear, rank, progress, stop or StopFlag())
+    except Exception:
+        if lock:
+            lock.release()
+        layout.remove_if_unused(created_dir)  # a refused run leaves no folder behind
+        raise
     finally:
         if lock:
             lock.release()
 
 
-def _run(job: Job, layout: Layout, limit: int | None, overwrite: bool, rank: Rank, progress: bool,
+def _run(job: Job, layout: Layout, limit: int | None, clear: bool, rank: Rank, progress: bool,
          stop: StopFlag) -> RunSummary:
     t0 = time.time()
-    if overwrite or job.output.mode == "overwrite":
-        if rank.world > 1:
-            raise manifest.OutputConflict("--overwrite with several ranks would let one rank delete another's "
-                                          "output; clear the output folder once before launching")
-        manifest.clear_outputs(layout)
-    else:
+    shards = _open_folder(job, layout, clear, rank)
+    claims = Claims(layout.meta) if job.runtime.work_stealing else None
+    mine = shards if claims else my_shards(shards, rank)  # with claims every rank may take any shard
+    summary = RunSummary(len(shards), 0, skipped=shards.skipped_note())
+    pending = _skip_done(layout, mine, summary)
+    if not pending:
+        plan(job.input, layout, freeze=True)
+        summary.seconds = time.time() - t0
+        return summary
+
+    family = registry.open_family(job.model)
+    seqs = family.sequences(job.tasks, job.engine)
+    stealing = (Stealing(partial(claims.take_pending, layout), offset=rank.rank * max(1, len(shards) // rank.world))
+                if claims else None)
+    stream = load(pending, job.input, job.loader, family.preprocessor(), stealing)  # workers decode while the model loads
+    try:
+        t_load = time.time()
+        model = family.load(job.model.dtype, job.model.device)
+        t_load = time.time() - t_load
+        manifest.check_weights(layout, model.info.weights_sha256)
+        _freeze(job, layout, pending)  # nothing refuses the run from here on
+        writer = _start_output(job, layout, rank, model, shards, claims)
+        t_engine = time.time()
+        labeler, how = _labeler(family, model, seqs, job)
+        info = model.info
+        log(f"batchvlm: rank {rank.rank}/{rank.world}: {len(pending)} shard(s) to label; model {info.name} "
+            f"({info.family}, {info.backend}, {info.dtype}, {info.device}) loaded in {t_load:.1f} s; labeler ready in "
+            f"{time.time() - t_engine:.1f} s ({how}, {len(seqs)} sequences per image)")
+        # with work stealing this rank's share is not known in advance: no total
+        bar = Progress(job.name, len(pending), None if claims else shard_sizes(layout, mine, pending), enabled=progress)
+        labelling = Labelling(layout, pending, summary, writer, bar, claims, stop, limit)
+        labelling.run(stream, labeler, family, job, seqs)
+        if isinstance(labeler, EngineLabeler):
+            log(f"batchvlm: rank {rank.rank}/{rank.world}: engine: {labeler.engine.summary()}")
+        if claims and not stop.event.is_set() and limit is None:
+            _report_held(layout, pending, writer.written, summary, claims)
+        summary.stopped_by_signal = stop.event.is_set()
+        summary.seconds = time.time() - t0
+        return summary
+    finally:
+        stream.close()  # on every way out: the workers ignore SIGTERM, so exit would wait on them
+
+
+def _open_folder(job: Job, layout: Layout, clear: bool, rank: Rank) -> ShardList:
+    """Clear the folder (overwrite) or check that its labels were made with these settings;
+    -> the shards to label: the frozen list plus what is new, not written back yet."""
+    if clear and rank.world > 1:
+        raise manifest.OutputConflict("--overwrite with several ranks would let one rank delete another's "
+                                      "output; clear the output folder once before launching")
+    if not clear:
         layout.check()
         manifest.check_settings(layout, job.label_fingerprint(), job.label_settings())
+    shards = plan(job.input, None if clear else layout)
+    check_first_parquet(shards, job.input)  # a wrong image column is refused before the model loads
+    if clear:
+        manifest.clear_outputs(layout)
     layout.meta.mkdir(parents=True, exist_ok=True)
     manifest.sweep_temporaries(layout)
-    shards = plan(job.input, layout, freeze=True)
-    stealing = None
-    if job.runtime.work_stealing:
-        mine = shards  # every rank may take any shard; claims keep them apart
-        stealing = Stealing(Claims(layout.meta), layout, offset=rank.rank * max(1, len(shards) // rank.world))
-    else:
-        mine = my_shards(shards, rank)
-    summary = RunSummary(len(shards), 0)
+    return shards
+
+
+def _skip_done(layout: Layout, mine: list[ShardRef], summary: RunSummary) -> list[ShardRef]:
+    """-> the shards of `mine` still to label; the done ones are counted (damaged ones noted)."""
     pending = []
     for s in mine:
         if (stats := manifest.done_stats(layout, s)) is None:
@@ -187,127 +247,146 @@ def _run(job: Job, layout: Layout, limit: int | None, overwrite: bool, rank: Ran
         summary.shards_done_before += 1
         if stats.get("damaged"):  # reported by every run until the input is replaced
             summary.shards_damaged.append(manifest.damaged_note(s.stem, stats.get("rows", 0)))
-    if not pending:
-        summary.seconds = time.time() - t0
-        return summary
+    return pending
 
-    family = registry.open_family(job.model)
-    seqs = family.sequences(job.tasks, job.engine)
-    stream = load(pending, job.input, job.loader, family.preprocessor(), stealing)  # workers decode while the model loads
-    try:
-        t_load = time.time()
-        model = family.load(job.model.dtype, job.model.device)
-        t_load = time.time() - t_load
-        info = model.info
-        manifest.check_weights(layout, info.weights_sha256)
-        meta = {"batchvlm": __version__, "job": job.name, "model": info.to_dict(),
-                "tasks": [t.model_dump() for t in job.tasks], "engine": job.engine.model_dump(), "started": now()}
-        if rank.rank == 0 or not layout.job_file.exists():
-            manifest.write_job_record(layout, meta | {"label_fingerprint": job.label_fingerprint(),
-                                                       "label_settings": job.label_settings(),
-                                                       "job_spec": job.model_dump(), "world_size": rank.world})
-        writer = WriterThread(layout, schema(job.tasks, meta, keep_fields(job.input, shards), job.output.raw_text),
-                              job.output.compression,
-                              on_written=stealing.claims.release if stealing else None)
-        t_engine = time.time()
-        if isinstance(model, StaticModel):
-            labeler, how = model.labeler(seqs, job.engine), "static batches"
-        else:
-            labeler = EngineLabeler(model, seqs, job.engine, family.max_prefix_len(), log)
-            e = labeler.engine
-            how = (f"batch {e.settings.max_batch_size}, {e.stats['kv_blocks']} KV blocks of {job.engine.block_size}, "
-                   f"{e.stats['rows']} rows, {'pipelined' if e.pipelined else 'synchronous'}"
-                   + (f", CUDA graphs captured in {e.stats['graph_capture_s']:.1f} s" if e.runner.graphs else ""))
-        log(f"batchvlm: rank {rank.rank}/{rank.world}: {len(pending)} shard(s) to label; model {info.name} "
-            f"({info.family}, {info.backend}, {info.dtype}, {info.device}) loaded in {t_load:.1f} s; labeler ready in "
-            f"{time.time() - t_engine:.1f} s ({how}, {len(seqs)} sequences per image)")
-        assemblies = {i: ShardAssembly(ref) for i, ref in enumerate(pending)}
-        claimed: set[str] = set()
-        beat_stop = threading.Event()
-        if stealing:
-            stealing.claims.keep_alive(claimed, beat_stop)
-        # with work stealing this rank's share is not known in advance: no total
-        sizes = None if stealing else shard_sizes(layout, mine, pending)
-        bar = Progress(job.name, len(pending), sizes, enabled=progress)
-        taken = 0
 
-        def finish(i: int) -> None:
-            a = assemblies.pop(i)
-            if a.damaged:
-                log(f"batchvlm: shard {a.ref.stem} is damaged ({a.damaged}); {len(a.rows)} sample(s) kept")
-                summary.shards_damaged.append(manifest.damaged_note(a.ref.stem, len(a.rows)))
-            bar.shard_size(i, len(a.rows))
-            writer.put(a.output(complete=True))
+def _freeze(job: Job, layout: Layout, pending: list[ShardRef]) -> None:
+    """Write the shard list back. Another rank may have extended it meanwhile (new images
+    appear last, which leaves every planned shard as it was); a shard this run is labelling
+    that the list now holds differently means the input changed under the launch."""
+    frozen = {s.stem: s for s in plan(job.input, layout, freeze=True)}
+    if changed := [s.stem for s in pending if s.planned and s.stem in frozen and not s.same_images(frozen[s.stem])]:
+        raise manifest.OutputConflict(f"input: shard {changed[0]} changed while this run started (another rank "
+                                      "planned it differently); run again")
 
-        def add_row(i: int, index: int, row: dict[str, Any]) -> None:
-            a = assemblies[i]
-            a.rows[index] = row
-            summary.images += 1
-            summary.errors += row["status"] == "error"
-            bar.add(row["status"] == "error", len(writer.written))
-            if a.complete:
-                finish(i)
 
-        def images() -> Iterator[WorkItem]:
-            nonlocal taken
-            try:
-                for item in stream:
-                    if stealing:
-                        claimed.add(assemblies[item.shard].ref.stem)
-                    if isinstance(item, ShardEnd):
-                        a = assemblies[item.shard]
-                        a.expected, a.damaged, a.failed = item.n_samples, item.damaged, item.failed
-                        if a.failed:  # recorded (not done) so `status` shows it; the next run retries it
-                            bar.shard_size(item.shard, len(a.rows))
-                            log(f"batchvlm: shard {a.ref.stem} failed: {a.failed}")
-                            summary.shards_failed.append(a.ref.stem)
-                            manifest.record_failure(layout, a.ref, a.failed)
-                            a.expected = None
-                        elif a.complete:
-                            finish(item.shard)
-                        continue
-                    if (limit is not None and taken >= limit) or stop.event.is_set():
-                        return
-                    taken += 1
-                    ref = assemblies[item.shard].ref
-                    if item.error is not None:
-                        add_row(item.shard, item.index, row_for(ref, item, None, item.error))
-                    else:
-                        yield WorkItem((item.shard, item.index, item), item.prepared, item.key)
-            except Exception:
-                if not stop.event.is_set():  # loader workers dying during a shutdown is expected
-                    raise
+def _start_output(job: Job, layout: Layout, rank: Rank, model: EngineModel | StaticModel, shards: ShardList,
+                  claims: Claims | None) -> WriterThread:
+    """The job record (rank 0, or whoever comes first) and the writer of finished shards."""
+    info = model.info
+    meta = {"batchvlm": __version__, "job": job.name, "model": info.to_dict(),
+            "tasks": [t.model_dump() for t in job.tasks], "engine": job.engine.model_dump(), "started": now()}
+    if rank.rank == 0 or not layout.job_file.exists():
+        manifest.write_job_record(layout, meta | {"label_fingerprint": job.label_fingerprint(),
+                                                   "label_settings": job.label_settings(),
+                                                   "job_spec": job.model_dump(), "world_size": rank.world,
+                                                   "skipped_files": shards.skipped})
+    return WriterThread(layout, schema(job.tasks, meta, keep_fields(job.input, shards), job.output.raw_text),
+                        job.output.compression, on_written=claims.release if claims else None)
 
+
+def _labeler(family: Family, model: EngineModel | StaticModel, seqs: list[TaskSequence], job: Job):
+    """-> (the labeler, how it batches, for the log)."""
+    if isinstance(model, StaticModel):
+        return model.labeler(seqs, job.engine), "static batches"
+    labeler = EngineLabeler(model, seqs, job.engine, family.max_prefix_len(), log)
+    e = labeler.engine
+    return labeler, (f"batch {e.settings.max_batch_size}, {e.stats['kv_blocks']} KV blocks of {job.engine.block_size}, "
+                     f"{e.stats['rows']} rows, {'pipelined' if e.pipelined else 'synchronous'}"
+                     + (f", CUDA graphs captured in {e.stats['graph_capture_s']:.1f} s" if e.runner.graphs else "")
+                     + (f", flex_attention compiled {e.stats['compiled_shapes']} shapes in {e.stats['compile_s']:.1f} s"
+                        if e.stats["compiled_shapes"] else ""))
+
+
+def _report_held(layout: Layout, pending: list[ShardRef], written: list[str], summary: RunSummary,
+                 claims: Claims) -> None:
+    held = [s.stem for s in pending if s.stem not in written and not manifest.is_done(layout, s)
+            and s.stem not in summary.shards_failed]
+    if held:
+        log(f"batchvlm: {len(held)} shard(s) are still claimed by other ranks ({', '.join(held[:3])}): they "
+            f"finish them, or, if a rank on another host died, its claims expire after "
+            f"{claims.lease_s:.0f} s and a re-run takes them")
+
+
+class Labelling:
+    """One pass over the loader's stream: rows gathered by shard, each complete shard handed to
+    the writer. The summary counts the rows of shards handed over (complete, or partial under
+    --limit), never those of shards dropped by a stop or a failure."""
+
+    def __init__(self, layout: Layout, pending: list[ShardRef], summary: RunSummary, writer: WriterThread,
+                 bar: Progress, claims: Claims | None, stop: StopFlag, limit: int | None):
+        self.layout, self.summary, self.writer, self.bar = layout, summary, writer, bar
+        self.claims, self.stop, self.limit = claims, stop, limit
+        self.assemblies = {i: ShardAssembly(ref) for i, ref in enumerate(pending)}
+        self.claimed: set[str] = set()  # stems this rank holds claims on (work stealing)
+        self.beat_stop = threading.Event()
+        self.taken = 0
+
+    def run(self, stream, labeler, family: Family, job: Job, seqs: list[TaskSequence]) -> None:
+        if self.claims:
+            self.claims.keep_alive(self.claimed, self.beat_stop)
         try:
-            for (i, index, sample), raws in labeler.label(images()):
-                add_row(i, index, row_for(assemblies[i].ref, sample, family.columns(job.tasks, seqs, raws), None))
-            if limit is not None and not stop.event.is_set():
+            for (i, index, sample), raws in labeler.label(self.items(stream)):
+                columns = family.columns(job.tasks, seqs, raws)
+                self.add_row(i, index, row_for(self.assemblies[i].ref, sample, columns, None))
+            if self.limit is not None and not self.stop.event.is_set():
                 # --limit: keep what was labelled, marked incomplete so the next run redoes it whole.
-                for a in assemblies.values():
+                for a in self.assemblies.values():
                     if a.rows and not a.failed:
-                        writer.put(a.output(complete=False))
-                        summary.shards_partial.append(a.ref.stem)
+                        self.hand_over(a, complete=False)
+                        self.summary.shards_partial.append(a.ref.stem)
         finally:
-            try:
-                writer.close()
-            finally:  # the bar's last line is the true final state, also after a failed write
-                bar.close(len(writer.written) - len(summary.shards_partial))
-                beat_stop.set()
-                if stealing:
-                    for stem in claimed - set(writer.written):
-                        stealing.claims.release(stem)
-        summary.shards_written = [s for s in writer.written if s not in summary.shards_partial]
-        if isinstance(labeler, EngineLabeler):
-            log(f"batchvlm: rank {rank.rank}/{rank.world}: engine: {labeler.engine.summary()}")
-        if stealing and not stop.event.is_set() and limit is None:
-            held = [s.stem for s in pending if s.stem not in writer.written and not manifest.is_done(layout, s)
-                    and s.stem not in summary.shards_failed]
-            if held:
-                log(f"batchvlm: {len(held)} shard(s) are still claimed by other ranks ({', '.join(held[:3])}): they "
-                    f"finish them, or, if a rank on another host died, its claims expire after "
-                    f"{stealing.claims.lease_s:.0f} s and a re-run takes them")
-        summary.stopped_by_signal = stop.event.is_set()
-        summary.seconds = time.time() - t0
-        return summary
-    finally:
-        stream.close()  # on every way out: the workers ignore SIGTERM, so exit would wait on them
+            self.close()
+        self.summary.shards_written = [s for s in self.writer.written if s not in self.summary.shards_partial]
+
+    def close(self) -> None:
+        try:
+            self.writer.close()
+        finally:  # the bar's last line is the true final state, also after a failed write
+            self.bar.close(len(self.writer.written) - len(self.summary.shards_partial))
+            self.beat_stop.set()
+            if self.claims:
+                for stem in self.claimed - set(self.writer.written):
+                    self.claims.release(stem)
+
+    def hand_over(self, a: ShardAssembly, complete: bool) -> None:
+        self.summary.images += len(a.rows)
+        self.summary.errors += sum(r["status"] == "error" for r in a.rows.values())
+        self.writer.put(a.output(complete=complete))
+
+    def finish(self, i: int) -> None:
+        a = self.assemblies.pop(i)
+        if a.damaged:
+            log(f"batchvlm: shard {a.ref.stem} is damaged ({a.damaged}); {len(a.rows)} sample(s) kept")
+            self.summary.shards_damaged.append(manifest.damaged_note(a.ref.stem, len(a.rows)))
+        self.bar.shard_size(i, len(a.rows))
+        self.hand_over(a, complete=True)
+
+    def add_row(self, i: int, index: int, row: dict[str, Any]) -> None:
+        a = self.assemblies[i]
+        a.rows[index] = row
+        self.bar.add(row["status"] == "error", len(self.writer.written))
+        if a.complete:
+            self.finish(i)
+
+    def shard_end(self, item: ShardEnd) -> None:
+        a = self.assemblies[item.shard]
+        a.expected, a.damaged, a.failed = item.n_samples, item.damaged, item.failed
+        if a.failed:  # recorded (not done) so `status` shows it; the next run retries it
+            self.bar.shard_size(item.shard, len(a.rows))
+            log(f"batchvlm: shard {a.ref.stem} failed: {a.failed}")
+            self.summary.shards_failed.append(a.ref.stem)
+            manifest.record_failure(self.layout, a.ref, a.failed)
+            a.expected = None
+        elif a.complete:
+            self.finish(item.shard)
+
+    def items(self, stream) -> Iterator[WorkItem]:
+        """The images to label; error samples and shard ends are taken care of on the way."""
+        try:
+            for item in stream:
+                if self.claims:
+                    self.claimed.add(self.assemblies[item.shard].ref.stem)
+                if isinstance(item, ShardEnd):
+                    self.shard_end(item)
+                    continue
+                if (self.limit is not None and self.taken >= self.limit) or self.stop.event.is_set():
+                    return
+                self.taken += 1
+                if item.error is not None:
+                    self.add_row(item.shard, item.index, row_for(self.assemblies[item.shard].ref, item, None, item.error))
+                else:
+                    yield WorkItem((item.shard, item.index, item), item.prepared, item.key)
+        except Exception:
+            if not self.stop.event.is_set():  # loader workers dying during a shutdown is expected
+                raise

@@ -9,11 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .data.shardlist import plan
+from .output.shardlist import plan
 from .data.sources import SourceError
 from .job import Job
 from .output.layout import Layout
-from .output.manifest import damaged_note, done_stats, is_our_stats, read_stats
+from .output.manifest import damaged_note, done_stats, has_output, is_our_stats, read_stats
 
 
 def collect(job: Job) -> dict[str, Any]:
@@ -45,7 +45,7 @@ def collect(job: Job) -> dict[str, Any]:
             elif (stats := read_stats(layout, s.stem)) is not None:
                 if stats.get("failed"):
                     failed.append(f"{s.stem}: {stats['failed']}")
-                elif not stats.get("complete") and layout.parquet(s.stem).exists():
+                elif not stats.get("complete") and has_output(layout, stats):
                     partial.append(s.stem)
     else:
         stems = sorted(p.name.removesuffix(".stats.json") for p in layout.meta.glob("*.stats.json")
@@ -54,7 +54,7 @@ def collect(job: Job) -> dict[str, Any]:
             stats = read_stats(layout, stem) or {}
             if stats.get("failed"):
                 failed.append(f"{stem}: {stats['failed']}")
-            elif layout.parquet(stem).exists():
+            elif has_output(layout, stats):
                 if stats.get("complete"):
                     count(stem, stats)
                 else:
@@ -63,4 +63,6 @@ def collect(job: Job) -> dict[str, Any]:
     return {"job": job.name, "output": str(layout.dir), "shards": None if inputs_missing else len(stems),
             "done": len(done), "partial": len(partial), "failed": len(failed), "pending": pending,
             "damaged": len(damaged), "rows": rows, "errors": errors, "partial_shards": partial,
-            "failed_shards": failed, "damaged_shards": damaged, "inputs_missing": inputs_missing}
+            "failed_shards": failed, "damaged_shards": damaged, "inputs_missing": inputs_missing,
+            "skipped": shards.skipped_note() if shards is not None else "",
+            "skipped_files": shards.skipped if shards is not None else {}}

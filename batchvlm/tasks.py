@@ -32,6 +32,13 @@ class ObjectsArgs(Strict):
     name: str | None = Field(None, description="Output column (default: the task kind).")
     max_objects: int | None = Field(None, ge=1, description="Overrides engine.max_objects.")
 
+    @field_validator("objects")
+    @classmethod
+    def _distinct(cls, objects: list[str]) -> list[str]:
+        if dupes := sorted({o for o in objects if objects.count(o) > 1}):
+            raise ValueError(f"{dupes[0]!r} is named twice (each name is searched once)")
+        return objects
+
 
 class ClassifyArgs(Strict):
     question: str = Field(min_length=1, description="Asked of every image, as a query would be.")
@@ -166,11 +173,6 @@ def scores_column(task: Task) -> str | None:
     return f"{column_of(task)}_scores" if kind_of(task) == "classify" else None
 
 
-def columns_of(task: Task) -> list[str]:
-    """Every column the task writes (without output.raw_text's)."""
-    return [c for c in (column_of(task), scores_column(task), truncated_column(task)) if c]
-
-
 def raw_column(task: Task) -> str | None:
     """With `output.raw_text`: the column of a detect / point task's decoded text (None for others)."""
     return f"{column_of(task)}_raw" if kind_of(task) in ("detect", "point") else None
@@ -184,6 +186,21 @@ def choice_values(choices: list[str], logprobs: list[float]) -> tuple[str, list[
     total = sum(weights)
     best = max(range(len(choices)), key=lambda i: (logprobs[i], -i))
     return choices[best], [{"label": c, "prob": w / total} for c, w in zip(choices, weights)]
+
+
+def label_columns(tasks: list[Task], raw_text: bool = False) -> list[tuple[str, int, str]]:
+    """The columns the tasks add to a row, in schema order, as (column, task index, what): each
+    task's column (a classify task's `<name>_scores` after it; with `raw_text`, a detect / point
+    task's `<name>_raw`), then the truncation flags (none for classify). `what` is "label",
+    "scores", "raw" or "truncated". Each column must be unique in the row (job.py checks)."""
+    out = []
+    for i, t in enumerate(tasks):
+        out.append((column_of(t), i, "label"))
+        if scores := scores_column(t):
+            out.append((scores, i, "scores"))
+        if raw_text and (raw := raw_column(t)):
+            out.append((raw, i, "raw"))
+    return out + [(c, i, "truncated") for i, t in enumerate(tasks) if (c := truncated_column(t))]
 
 
 def _clamp(v: float) -> float:

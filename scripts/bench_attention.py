@@ -1,11 +1,17 @@
 """Decode-step attention: the reference and the fused backend on the same paged batch, side by side.
 
 One decode step = one query per row, every layer: write the step's K/V, attend the shared image
-prefix (once per image) and each row's own tokens, merge. Prints time per step (compile time of
-the fused kernels apart), the ratio, and bytes moved against the minimal K/V read.
+prefix (once per image) and each row's own tokens, merge. Prints device time per step (compile
+time of the fused kernels apart), the ratio, and bytes moved against the minimal K/V read, for
+each KV block size given (the decode kernel's KV tile is min(block, 64): 16 at block 16).
 
-  python scripts/bench_attention.py                    # CUDA: Moondream 2 shapes, bfloat16
-  python scripts/bench_attention.py --images 8 --rows 56 --layers 4    # a CPU-sized shape
+On CUDA both paths are timed with CUDA events on a step captured in a CUDA graph (as the engine
+replays decode steps), so host launch time is not counted; the fused step eagerly is shown too.
+The fused output must equal the reference within a tolerance (bf16 3e-2, fp32 2e-4), else the
+script exits 1.
+
+  python scripts/bench_attention.py                    # CUDA: Moondream 2 shapes, bfloat16, blocks 16 and 64
+  python scripts/bench_attention.py --images 8 --rows 56 --layers 4 --block-sizes 16   # a CPU-sized shape
 
 Bytes: "minimal" is every K/V byte the step must read (each image's prefix once, each row's own
 tokens), per layer. The reference's "written" is measured: the bytes of every tensor its aten
@@ -16,39 +22,18 @@ of the visited blocks (the minimum rounded up to whole blocks), queries and outp
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from collections.abc import Callable
 
-import numpy as np
 import torch
+from paged_step import paged_step
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from batchvlm.engine.staging import rows_by_image
-from batchvlm.models.attention import (AttentionBatch, KVCache, ReferenceAttention, SharedPrefix, TaskGroup, attend,
-                                       plan_groups)
+from batchvlm.models.attention import AttentionBatch, KVCache, ReferenceAttention, attend, plan_groups
 from batchvlm.models.fused_attention import FusedAttention
 
-
-def decode_step(images: int, rows: int, prefix: int, own_max: int, bs: int, device: torch.device, seed: int = 0
-                ) -> tuple[AttentionBatch, int, int]:
-    """One decode step: rows on images round-robin, own lengths uniform in [1, own_max].
-    -> (batch, cache slots, minimal K/V tokens read per layer)."""
-    g = np.random.default_rng(seed)
-    nbp, nbo = -(-prefix // bs), -(-own_max // bs)
-    image_tables = 1 + np.arange(images * nbp).reshape(images, nbp)
-    own_tables = 1 + images * nbp + np.arange(rows * nbo).reshape(rows, nbo)
-    own = g.integers(0, own_max, size=rows)  # own index of the decode token
-    own_tables[np.arange(nbo)[None] * bs > own[:, None]] = 0  # unused table tail -> null block
-    image = np.arange(rows) % images
-    by_image, slot = rows_by_image(image, np.arange(rows)[:, None], images, rows)
-    blocks = own_tables[np.arange(rows), own // bs]
-
-    def t(a):
-        return torch.as_tensor(np.asarray(a), dtype=torch.long, device=device)
-
-    group = TaskGroup(t(np.arange(rows)[:, None]), t(own[:, None]), t(own_tables), t(own + 1),
-                      SharedPrefix(t(image_tables), t(np.full(images, prefix)), t(by_image), t(slot)))
-    n_slots = (1 + images * nbp + rows * nbo) * bs
-    return AttentionBatch(t(blocks * bs + own % bs), [group], bs), n_slots, images * prefix + int((own + 1).sum())
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 2e-4}
 
 
 class BytesWritten(TorchDispatchMode):
@@ -64,6 +49,80 @@ class BytesWritten(TorchDispatchMode):
         return out
 
 
+def device_time(fn: Callable[[], object], steps: int, dev: torch.device, graph: bool) -> float:
+    """Seconds per call: CUDA events around `steps` calls (graph: replays of one captured call)."""
+    if dev.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        return (time.perf_counter() - t0) / steps
+    run = fn
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / steps
+
+
+def bench(a, dev: torch.device, dtype: torch.dtype, bs: int, compile_: bool) -> bool:
+    batch, n_slots, min_tokens = paged_step(a.images, a.rows, a.prefix, a.own_max, bs, dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    k, v = (torch.randn(n_slots, a.kv_heads, a.head_dim, generator=g, device=dev, dtype=dtype) for _ in range(2))
+    q = torch.randn(a.rows, a.heads, a.head_dim, generator=g, device=dev, dtype=dtype)
+    k_new, v_new = k[: a.rows].clone(), v[: a.rows].clone()
+    per_token = 2 * a.kv_heads * a.head_dim * dtype.itemsize  # K and V
+    minimal = min_tokens * per_token * a.layers
+    print(f"block {bs}: minimal K/V read per step {minimal / 1e6:.1f} MB")
+    results = {}
+    for label, backend in (("reference", ReferenceAttention()), ("fused", FusedAttention(compile=compile_))):
+        cache = KVCache(k[None], v[None], bs, backend)
+
+        def step():
+            plans = plan_groups(batch, cache)
+            for _ in range(a.layers):
+                out = attend(q, k_new, v_new, cache.k[0], cache.v[0], batch, plans)
+            return out
+
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = step()  # warm-up (compiles the fused kernels)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            first = time.perf_counter() - t0
+            per_step = device_time(step, a.steps, dev, graph=dev.type == "cuda")
+            eager = device_time(step, a.steps, dev, graph=False) if label == "fused" and dev.type == "cuda" else None
+            written = None
+            if label == "reference":
+                with BytesWritten() as count:
+                    step()
+                written = count.bytes
+        results[label] = out.float()
+        timing = "graph replay, CUDA events" if dev.type == "cuda" else "host clock"
+        extra = ""
+        if label == "fused":
+            extra = f", first step {first:.2f} s (compile {backend.compile_s:.2f} s, {backend.compiled_shapes} shapes)"
+            if eager is not None:
+                extra += f", eager {eager * 1e3:.2f} ms"
+        moved = (f"writes {written / 1e6:.1f} MB ({written / minimal:.1f}x the minimal read)" if written is not None
+                 else f"reads the visited blocks: {_visited(batch, bs) * per_token * a.layers / 1e6:.1f} MB")
+        print(f"{label:>9}: {per_step * 1e3:9.2f} ms per decode step ({timing}){extra}; {moved}")
+        results[label + "_s"] = per_step
+    err = (results["fused"] - results["reference"]).abs().max().item()
+    tol = TOLERANCE[dtype] * max(1.0, results["reference"].abs().max().item())
+    ok = err <= tol
+    print(f"block {bs}: fused is {results['reference_s'] / results['fused_s']:.2f}x the reference; "
+          f"max |difference| {err:.2e} ({'within' if ok else 'OVER'} the tolerance {tol:.1e})")
+    return ok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=64)
@@ -74,7 +133,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
@@ -86,54 +145,12 @@ def main() -> None:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     compile_ = dev.type == "cuda" if a.compile is None else a.compile
-    batch, n_slots, min_tokens = decode_step(a.images, a.rows, a.prefix, a.own_max, a.block_size, dev)
-    g = torch.Generator(device=dev).manual_seed(0)
-    k, v = (torch.randn(n_slots, a.kv_heads, a.head_dim, generator=g, device=dev, dtype=dtype) for _ in range(2))
-    q = torch.randn(a.rows, a.heads, a.head_dim, generator=g, device=dev, dtype=dtype)
-    k_new, v_new = k[: a.rows].clone(), v[: a.rows].clone()
-    per_token = 2 * a.kv_heads * a.head_dim * dtype.itemsize  # K and V
-    minimal = min_tokens * per_token * a.layers
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"workload: decode step, {a.images} images x {a.prefix}-token prefix, {a.rows} rows (own <= {a.own_max}), "
-          f"{a.layers} layers, {a.heads}/{a.kv_heads} heads x {a.head_dim}, block {a.block_size}, {dtype}; "
+          f"{a.layers} layers, {a.heads}/{a.kv_heads} heads x {a.head_dim}, {dtype}; "
           f"device: {name}; torch {torch.__version__}")
-    print(f"minimal K/V read per step: {minimal / 1e6:.1f} MB")
-
-    results = {}
-    for label, backend in (("reference", ReferenceAttention()), ("fused", FusedAttention(compile=compile_))):
-        cache = KVCache(k[None], v[None], a.block_size, backend)
-
-        def step():
-            plans = plan_groups(batch, cache)
-            for _ in range(a.layers):
-                out = attend(q, k_new, v_new, cache.k[0], cache.v[0], batch, plans)
-            return out
-
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            out = step()  # warm-up (compiles the fused kernels)
-            sync()
-            first = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for _ in range(a.steps):
-                step()
-            sync()
-            per_step = (time.perf_counter() - t0) / a.steps
-            written = None
-            if label == "reference":
-                with BytesWritten() as count:
-                    step()
-                written = count.bytes
-        results[label] = out.float()
-        compile_s = getattr(backend, "compile_s", 0.0)
-        extra = f", first step {first:.2f} s (compile {compile_s:.2f} s)" if label == "fused" else ""
-        moved = (f"writes {written / 1e6:.1f} MB ({written / minimal:.1f}x the minimal read)" if written is not None
-                 else f"reads the visited blocks: {_visited(batch, a.block_size) * per_token * a.layers / 1e6:.1f} MB")
-        print(f"{label:>9}: {per_step * 1e3:9.2f} ms per decode step{extra}; {moved}")
-        results[label + "_s"] = per_step
-    err = (results["fused"] - results["reference"]).abs().max().item()
-    print(f"fused is {results['reference_s'] / results['fused_s']:.2f}x the reference; max |difference| {err:.2e}")
+    ok = all([bench(a, dev, dtype, bs, compile_) for bs in a.block_sizes])
+    sys.exit(0 if ok else 1)
 
 
 def _visited(batch: AttentionBatch, bs: int) -> int:

@@ -147,11 +147,23 @@ def run_static(md, prepared, specs, batch):
     return out
 
 
-def engine_runner(md, prepared, seqs, batch, pipelined, cuda_graphs) -> tuple[Engine, object]:
+class FixedKV(Engine):
+    """The engine with a KV cache of `blocks` blocks whatever the workload (after the same warm-up
+    and memory check), so every row of a run attends over one cache size."""
+
+    blocks: int = 0
+
+    def _kv_blocks(self, n_rows: int, n_prefix: int, max_own: int, bs: int) -> tuple[int, int]:
+        sized, n_rows = super()._kv_blocks(n_rows, n_prefix, max_own, bs)
+        return self.blocks or sized, n_rows
+
+
+def engine_runner(md, prepared, seqs, batch, pipelined, cuda_graphs, kv_blocks: int = 0) -> tuple[Engine, object]:
     """Build the engine now (KV sizing, warm-up, graph capture); -> (engine, its timed run)."""
     spec = EngineSpec(max_batch_size=batch, pipelined=pipelined, cuda_graphs=cuda_graphs,
                       max_images_in_flight=max(8, 2 * batch // len(seqs)))
-    engine = Engine(md.engine, seqs, spec, md.family.max_prefix_len(), log=lambda m: print(m, file=sys.stderr))
+    FixedKV.blocks = kv_blocks
+    engine = FixedKV(md.engine, seqs, spec, md.family.max_prefix_len(), log=lambda m: print(m, file=sys.stderr))
 
     def run():
         items = [WorkItem(i, p, str(i)) for i, p in enumerate(prepared)]
@@ -191,13 +203,18 @@ def main() -> int:
     ap.add_argument("--images", type=int, default=48)
     ap.add_argument("--batch", type=int, nargs="+", default=[256])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    ap.add_argument("--rows", nargs="+", default=None, metavar="WORKLOAD/BATCH",
+                    help="run these (workload, batch) rows in this order instead of --workloads x --batch")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--max-objects", type=int, default=10)
     ap.add_argument("--fixed-lengths", action="store_true", help="forbid EOS: every sequence runs to its limit")
     ap.add_argument("--repeat", type=int, default=3, help="time each runner this many times, keep the fastest")
     ap.add_argument("--skip-one-at-a-time", action="store_true")
+    ap.add_argument("--one-at-a-time-images", type=int, default=None, help="one-at-a-time on the first N images only")
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--profile", action="store_true", help="GPU busy fraction of the pipelined engine (CUDA)")
+    ap.add_argument("--kv-blocks", type=int, default=0,
+                    help="one KV cache size (blocks) for every engine: at least what each row needs")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here (after every row)")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="start no new (workload, batch) row after this many seconds; print what is done")
@@ -206,6 +223,12 @@ def main() -> int:
     md = load_model(args.model, args.device, args.fixed_lengths)
     dev = md.model.device
     exact = md.model.dtype == torch.float32
+    if args.rows:
+        pairs = [r.rpartition("/") for r in args.rows]
+        args.workloads = list(dict.fromkeys(name for name, _, _ in pairs))
+        order = [(name, int(batch)) for name, _, batch in pairs]
+    else:
+        order = [(name, batch) for name in args.workloads for batch in args.batch]
     workloads = [parse_workload(w) for w in args.workloads]
     image_sets = {size: images(args.images, md, seed=1, size=size) for size in {size for _, size in workloads}}
     host = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
@@ -215,12 +238,14 @@ def main() -> int:
           f"fixed_lengths={args.fixed_lengths} repeat={args.repeat} (best of; set-up untimed)")
     results = []
     started = time.perf_counter()
-    rows = [(name, tasks, size, batch) for name, (tasks, size) in zip(args.workloads, workloads) for batch in args.batch]
+    parsed = dict(zip(args.workloads, workloads))
+    rows = [(name, *parsed[name], batch) for name, batch in order]
     for name, tasks, size, batch in rows:
         if args.deadline_s is not None and time.perf_counter() - started > args.deadline_s:
             print(f"# deadline: {args.deadline_s:.0f} s passed, rows from {name} / {batch} on not run", flush=True)
             break
         prepared = image_sets[size]
+        torch._dynamo.reset()  # each row compiles its own flex shapes (its runners share them), counted in its stats
         seqs = md.sequences(WORKLOADS[tasks], args.max_new_tokens, args.max_objects)
         specs = [s.spec for s in seqs]
         row = {"workload": name, "batch": batch, "sequences_per_image": len(specs),
@@ -229,11 +254,12 @@ def main() -> int:
         # just before its runs and dropped after: two engines alive at once would split the KV memory.
         setups = {}
         if not args.skip_one_at_a_time:
-            setups["one-at-a-time"] = lambda: (None, lambda: run_one_at_a_time(md, prepared, specs))
+            few = prepared[: args.one_at_a_time_images or len(prepared)]
+            setups["one-at-a-time"] = lambda: (None, lambda: run_one_at_a_time(md, few, specs))
         setups["static batch"] = lambda: (None, lambda: run_static(md, prepared, specs, batch))
         for label, pipelined in (("engine sync", False), ("engine pipelined", True)):
             setups[label] = lambda p=pipelined: engine_runner(md, prepared, seqs, batch, p,
-                                                              not args.no_cuda_graphs)
+                                                              not args.no_cuda_graphs, args.kv_blocks)
         reference = None
         for label, setup in setups.items():
             sync(dev)
@@ -253,12 +279,13 @@ def main() -> int:
                 times.append(time.perf_counter() - t0)
             dt = min(times)
             labels = [[(o.tokens, o.objects) for o in img] for img in out]
+            n = len(labels)
             if reference is None:
                 reference = labels
-            elif exact and labels != reference:
+            elif exact and labels[: len(reference)] != reference[:n]:
                 print(f"!! {label} labels differ from the first runner's (float32)", file=sys.stderr)
                 return 1
-            row[label] = {"seconds": round(dt, 3), "images_per_s": round(len(prepared) / dt, 2),
+            row[label] = {"images": n, "seconds": round(dt, 3), "images_per_s": round(n / dt, 2),
                           "tokens_per_s": round(emitted([o for img in out for o in img]) / dt, 1)}
             if not exact:
                 row[label]["identical_share"] = round(identical_share(labels, reference), 4)
@@ -295,7 +322,8 @@ def table(results: list[dict], device: torch.device) -> str:
 
 
 def notes(results: list[dict]) -> list[str]:
-    """Per row: the share of engine steps that replayed a CUDA graph, GPU busy fractions and, in
+    """Per row: the share of engine steps that replayed a CUDA graph, compiled flex shapes and
+    seconds, GPU busy fractions and, in
     lower precision, the share of sequences identical to the first runner's."""
     out = []
     for r in results:
@@ -304,6 +332,9 @@ def notes(results: list[dict]) -> list[str]:
             st = r.get(f"{label} stats", {})
             if st.get("steps") and st.get("graph_capture_s"):
                 parts.append(f"{label}: {st['graph_steps'] / st['steps']:.0%} graph steps")
+            if st.get("compiled_shapes"):
+                parts.append(f"{label}: flex_attention {st['compiled_shapes']} shapes compiled "
+                             f"in {st['compile_s']:.1f} s")
             if f"{label} gpu_busy" in r:
                 parts.append(f"{label}: GPU busy {r[f'{label} gpu_busy']:.0%}")
         same = {k: v["identical_share"] for k, v in r.items() if isinstance(v, dict) and "identical_share" in v}

@@ -52,9 +52,11 @@ def test_kill_9_then_rerun(tmp_path):
         for stem, mtime in finished.items():  # what was done stays untouched
             assert (out / f"{stem}.parquet").stat().st_mtime_ns == mtime
         for stats in (out / "__batchvlm__").glob("*.stats.json"):
-            if json.loads(stats.read_text())["complete"]:
-                stem = stats.name.removesuffix(".stats.json")
-                finished.setdefault(stem, (out / f"{stem}.parquet").stat().st_mtime_ns)
+            d = json.loads(stats.read_text())
+            parquet = out / f"{d['shard']}.parquet"
+            # the marker is written before the rename: a kill between them leaves it naming no file
+            if d["complete"] and parquet.exists() and parquet.stat().st_size == d["output"]["size"]:
+                finished.setdefault(d["shard"], parquet.stat().st_mtime_ns)
     assert kills_mid_run >= 2 and 0 < len(finished) < n_shards
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -236,7 +236,7 @@ def test_an_unreadable_directory_leaves_its_shard_unfinished(tmp_path):
 
 
 def test_a_file_that_cannot_be_read_fails_its_shard_but_a_missing_one_is_an_error_row(tmp_path):
-    from batchvlm.data.shardlist import plan
+    from batchvlm.output.shardlist import plan
     from batchvlm.data.sources import read_shard
 
     fill(tmp_path, 3)
@@ -290,8 +290,8 @@ def test_keep_columns_may_not_clash_with_label_columns(tmp_path):
     from batchvlm.job import JobError, parse_job
 
     base = {"name": "j", "input": {"folder": "x"}, "tasks": [{"caption": {}}], "output": {"dir": "o"}}
-    for keep, message in [(["caption"], "tasks: column 'caption' is also in input.keep"),
-                          (["caption_truncated"], "tasks: column 'caption_truncated' is also in input.keep"),
+    for keep, message in [(["caption"], "input.keep: column 'caption' is also the column of tasks.0"),
+                          (["caption_truncated"], "input.keep: column 'caption_truncated' is also the truncation flag of tasks.0"),
                           (["error"], "input.keep: 'error' is a reserved output column"),
                           (["json", "json"], "input.keep: a column is named twice")]:
         with pytest.raises(JobError, match=message):

@@ -14,6 +14,7 @@ import batchvlm.engine.engine as engine_mod
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs, buckets, key_of
 from batchvlm.engine.labeler import WorkItem
+from batchvlm.engine.runner import Runner
 from batchvlm.engine.staging import Staging
 from batchvlm.job import EngineSpec
 from batchvlm.models.moondream.config import MoondreamConfig
@@ -190,3 +191,58 @@ def test_the_warm_up_runs_the_largest_mixed_step(tiny, batch, prefill):
     assert len(plan.decode_rows) == (batch - len(seqs) if prefill < 2 * md.P else 0)
     d = engine._run_largest_step(batch, prefill)
     assert d.code.shape == (batch,) and d.value.shape == (batch, 2)
+
+
+def test_a_vision_batch_never_outgrows_the_warm_up(tiny, monkeypatch):
+    """The KV-sizing warm-up measures a vision batch of MAX_VISION_COST; an image that would push a
+    batch past it waits for the next batch (and is labelled like every other)."""
+    md, prepared, seqs, reference = tiny
+    monkeypatch.setattr(engine_mod, "MAX_VISION_COST", 3)
+    costs = [p.cost for p in prepared]
+    engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=64), md.P)
+    batches = []
+    encode = engine.runner.encode
+    monkeypatch.setattr(engine.runner, "encode", lambda images, slots: (batches.append([p.cost for p in images]),
+                                                                       encode(images, slots)))
+    out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
+           for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
+    assert [out[i] for i in range(len(prepared))] == reference
+    assert sorted(c for b in batches for c in b) == sorted(costs) and max(costs) > 1
+    assert all(sum(b) <= 3 or len(b) == 1 for b in batches), batches
+
+
+def test_out_of_memory_in_vision_or_graph_capture_still_labels_everything(tiny, monkeypatch):
+    """A vision batch that runs out of memory is encoded in halves; graph capture that runs out of
+    memory leaves an engine that steps eagerly (and says so). Labels are unchanged either way."""
+    md, prepared, seqs, reference = tiny
+    encode, sizes = md.engine.encode, []
+
+    def tight_encode(images):
+        sizes.append(len(images))
+        if len(images) > 1:
+            raise torch.OutOfMemoryError("injected")
+        return encode(images)
+
+    monkeypatch.setattr(md.engine, "encode", tight_encode)
+
+    def capture_fails(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(DecodeGraphs, "__init__", capture_fails)
+    monkeypatch.setattr(Runner, "__init__", _graphs_forced(Runner.__init__))
+    logged = []
+    engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=16), md.P, log=logged.append)
+    assert engine.runner.graphs is None and any("capturing CUDA graphs" in m for m in logged)
+    out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
+           for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
+    assert [out[i] for i in range(len(prepared))] == reference
+    assert max(sizes) > 1 and sizes.count(1) == len(prepared)
+
+
+def _graphs_forced(init):
+    """Runner.__init__ that builds DecodeGraphs whenever graphs are asked for (CPU has none)."""
+    def wrapped(self, *args):
+        init(self, *args)
+        if args[-2]:  # cuda_graphs
+            self.graphs = DecodeGraphs(self, 1, 1, 1)
+    return wrapped

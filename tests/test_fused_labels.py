@@ -42,7 +42,8 @@ def test_upstream_parity_with_the_fused_path(fixtures_dir, tmp_path, fused):
     expected = json.loads((root / "expected.json").read_text())
     prepared = [md.preprocessor(Image.open(root / "images" / e["file"])) for e in expected["images"]]
     seqs = md.sequences(_tasks(expected), max_new_tokens=20, max_objects=5)
-    assert isinstance(md.engine.new_kv_cache(2, 16).backend, FusedAttention)
+    # caches pick their backend on first use, through backend_for: the fused one here
+    assert isinstance(attention.backend_for(torch.device("cpu")), FusedAttention)
     # Prefill steps run eagerly; decode-only steps run the CUDA-graph body (uncaptured): padding
     # rows, the scratch row and the null block, as on CUDA.
     got = run_engine(md, prepared, seqs, fixed_shape_decode=True, max_batch_size=7, pipelined=True)

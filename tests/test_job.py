@@ -32,7 +32,7 @@ def test_relative_paths_resolve_against_the_job_folder(tmp_path):
     ({"tasks": [{"caption": {"lenght": "short"}}]}, "tasks.0.caption.lenght: unknown key"),
     ({"tasks": [{"describe": {}}]}, "tasks.0: a task is one of caption, query, detect, point"),
     ({"tasks": [{"detect": {"objects": []}}]}, "tasks.0.detect.objects: List should have at least 1 item"),
-    ({"tasks": [{"caption": {}}, {"caption": {"length": "long"}}]}, "two tasks write column 'caption'"),
+    ({"tasks": [{"caption": {}}, {"caption": {"length": "long"}}]}, "tasks.1: its column 'caption' is also the column of tasks.0"),
     ({"outptu": {"dir": "x"}}, "outptu: unknown key"),
     ({"input": {"shards": "a.tar", "folder": "b"}}, "input: give exactly one of shards, folder, parquet"),
     ({"model": {"dtype": "int8"}}, "model.dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16'"),
@@ -40,12 +40,12 @@ def test_relative_paths_resolve_against_the_job_folder(tmp_path):
     ({"runtime": {"gpus": 0}}, "runtime.gpus: a count of GPUs must be at least 1"),
     ({"runtime": {"gpus": [1, 1]}}, "runtime.gpus: GPU ids must be distinct"),
     ({"tasks": [{"point": {"objects": ["a"]}}, {"caption": {"name": "point_raw"}}], "output": {"dir": "o", "raw_text": True}},
-     "job.yaml: tasks.0: output.raw_text adds column 'point_raw', which another task"),
+     "job.yaml: tasks.1: its column 'point_raw' is also the raw text column (output.raw_text) of tasks.0"),
     # senseless values YAML happily produces
     ({"engine": {"temperature": float("inf")}}, "engine.temperature: Input should be a finite number"),
     ({"engine": {"temperature": float("nan")}}, "engine.temperature: Input should be a finite number"),
     ({"engine": {"max_batch_size": True}}, "engine.max_batch_size: Input should be a valid integer (YAML read true"),
-    ({"engine": {"max_batch_size": 1e20}}, "engine.max_batch_size: Input should be a valid integer (YAML read 1e+20"),
+    ({"engine": {"max_batch_size": 1e20}}, "engine.max_batch_size: Input should be a valid integer (YAML read 1.0e+20"),  # as the file has it
     ({"engine": {"max_batch_size": 1000000}}, "engine.max_batch_size: Input should be less than or equal to"),
     ({"input": {"shards": "a.tar", "image_keys": []}}, "input.image_keys: List should have at least 1 item"),
     ({"output": {"dir": ""}}, "output.dir: String should have at least 1 character"),

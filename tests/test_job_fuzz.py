@@ -4,6 +4,7 @@ that was broken (or a field above it)."""
 
 import datetime
 import json
+import re
 import subprocess
 import sys
 from typing import Any
@@ -114,3 +115,54 @@ def test_validate_never_prints_a_traceback(tmp_path, case):
 def test_dates_in_the_job_are_named_not_crashed(tmp_path):
     with pytest.raises(JobError, match=r"^job: name: Input should be a valid string \(YAML read 2025-01-02 as a date"):
         parse_job(BASE | {"name": datetime.date(2025, 1, 2)}, tmp_path)
+
+
+# Names that collide with the row's columns, each other's derived columns, or input.keep columns
+CLASHING_NAMES = st.one_of(
+    st.sampled_from(["x", "x_truncated", "x_raw", "caption", "caption_truncated", "detect", "detect_raw", "point_raw",
+                     "key", "source", "status", "error", "width", "url", "url_truncated"]),
+    st.text(min_size=1, max_size=5))
+
+
+@st.composite
+def named_jobs(draw) -> dict[str, Any]:
+    tasks = []
+    for kind in draw(st.lists(st.sampled_from(["caption", "query", "detect", "point"]), min_size=1, max_size=4)):
+        args: dict[str, Any] = {"question": "q?"} if kind == "query" else {} if kind == "caption" else {"objects": ["a"]}
+        if draw(st.booleans()):
+            args["name"] = draw(CLASHING_NAMES)
+        tasks.append({kind: args})
+    keep = draw(st.lists(st.sampled_from(["url", "json", "caption", "x_truncated", "detect_raw"]), max_size=2,
+                         unique=True))
+    return BASE | {"input": {"shards": "x.tar", "keep": keep}, "tasks": tasks,
+                   "output": {"dir": "out", "raw_text": draw(st.booleans())}}
+
+
+def _columns(data: dict[str, Any]) -> list[str]:
+    """The columns a row of this job would have, by the README's rules (not by job.py)."""
+    named = [(kind, args.get("name") or kind) for t in data["tasks"] for kind, args in t.items()]
+    raw = [f"{n}_raw" for kind, n in named if kind in ("detect", "point")] if data["output"]["raw_text"] else []
+    return (["key", "source", "width", "height", "status", "error"] + [n for _, n in named] + raw
+            + [f"{n}_truncated" for _, n in named] + data["input"]["keep"])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(named_jobs())
+def test_task_names_either_give_distinct_columns_or_are_refused(tmp_path_factory, data):
+    """Validation refuses exactly the jobs whose columns would clash (they crashed after the
+    whole run, writing nothing), naming the task or input.keep; what it lets through writes."""
+    import pyarrow as pa
+
+    from batchvlm.output.writer import schema
+
+    columns = _columns(data)
+    try:
+        job = parse_job(data, tmp_path_factory.getbasetemp())
+    except JobError as e:
+        message = str(e)
+        assert "\n" not in message and len(set(columns)) < len(columns), message
+        assert re.match(r"job: (tasks\.\d+|input\.keep): ", message), message
+        return
+    assert len(set(columns)) == len(columns)
+    sch = schema(job.tasks, {}, [pa.field(k, pa.string()) for k in job.input.keep], job.output.raw_text)
+    assert sorted(sch.names) == sorted(columns)  # each column once: the writer can fill every row

@@ -10,7 +10,7 @@ from helpers import encode_image, write_tar
 from PIL import Image
 
 from batchvlm.data.decode import decode
-from batchvlm.data.shardlist import plan
+from batchvlm.output.shardlist import plan
 from batchvlm.data.sources import Encoded, ShardRef, read_shard
 from batchvlm.job import InputSpec
 from batchvlm.models.moondream.config import VisionConfig

@@ -34,7 +34,7 @@ def _props(**props):
      "tasks.0.classify.max_new_tokens: unknown key"),
     ([{"caption": {}}, {"classify": {"question": "", "choices": ["a"]}}], "tasks.1.classify.question: String should"),
     ([{"classify": {"question": "q", "choices": ["a"], "name": "a"}}, {"caption": {"name": "a_scores"}}],
-     "tasks: two tasks write column 'a_scores'"),
+     "tasks.1: its column 'a_scores' is also the scores column of tasks.0"),
     ([_json(_props(d={"type": "string", "format": "date"}))],
      "tasks.0.json.schema: properties.d.format: keyword 'format' cannot be enforced while decoding (use pattern)"),
     ([_json(_props(a={"oneOf": [{"type": "string"}, {"type": "null"}]}))],

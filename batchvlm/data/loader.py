@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +21,6 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..job import InputSpec, LoaderSpec
 from ..models.family import Prepared, Preprocessor
-from ..output.claims import Claims
-from ..output.layout import Layout
-from ..output.manifest import is_done
 from .decode import decode
 from .sources import Encoded, ShardRef, read_shard
 
@@ -63,8 +60,7 @@ def prepare(enc: Encoded, pre: Preprocessor, spec: LoaderSpec, shard: int, index
 
 @dataclass(frozen=True)
 class Stealing:
-    claims: Claims
-    layout: Layout
+    take: Callable[[ShardRef], bool]  # claims a shard that is not done yet (output/claims.py)
     offset: int  # where this rank starts walking the shard list
 
 
@@ -84,12 +80,7 @@ class ShardStream(IterableDataset):
         start = st.offset + wid * max(1, total // n)
         for k in range(total):
             i = (start + k) % total
-            ref = self.shards[i]
-            stem = ref.stem
-            if not is_done(st.layout, ref) and st.claims.take(stem):
-                if is_done(st.layout, ref):  # finished and released between the check and the take
-                    st.claims.release(stem)
-                    continue
+            if st.take(self.shards[i]):
                 yield from self._shard(i)
 
     def _shard(self, i: int) -> Iterator[Sample | ShardEnd]:

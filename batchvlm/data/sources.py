@@ -1,7 +1,7 @@
 """Input sources: what the job's input holds, and the encoded samples inside each shard.
 
 A shard is the unit of work and of output: one tar file, a row range of a Parquet file, or up
-to `input.shard_size` images of one directory (which ones: data/shardlist.py). Every source
+to `input.shard_size` images of one directory (which ones: output/shardlist.py). Every source
 yields `Encoded` samples (key + image bytes or an error, plus the `input.keep` metadata) in a
 stable order, so a shard labelled twice gives the same rows.
 
@@ -18,6 +18,7 @@ import glob as globlib
 import os
 import re
 import tarfile
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,10 @@ from braceexpand import braceexpand
 
 from ..job import InputSpec, is_url
 
-FOLDER_EXTS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+FOLDER_EXTS = {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+# Image files a folder holds that are not labelled: counted, with the reason, never silently left out
+UNREADABLE_EXTS = {".heic": "HEIC", ".heif": "HEIC", ".avif": "AVIF", ".jxl": "JPEG XL", ".raw": "raw",
+                   ".cr2": "raw", ".nef": "raw", ".arw": "raw", ".dng": "raw", ".svg": "SVG"}
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,12 @@ class ShardRef:
     rows: tuple[int, int] | None = None  # parquet: the row range [start, end) it holds; None: all
     size: int | None = None  # tar / parquet: the local input file's size and mtime when listed
     mtime_ns: int | None = None
+    signature: str | None = None  # folder: digest of its files' names, sizes and mtimes when listed (not frozen)
+
+    def same_images(self, other: ShardRef) -> bool:
+        """Both hold the same images (whatever the files' stats)."""
+        return (self.stem, self.url, self.kind, self.files, self.rows) == (other.stem, other.url, other.kind,
+                                                                         other.files, other.rows)
 
     @property
     def planned(self) -> bool:
@@ -118,19 +128,40 @@ def file_stat(url: str) -> tuple[int | None, int | None]:
 class FolderScan:
     images: dict[str, list[str]]  # relative directory ("." = the root) -> its image file names, sorted
     unreadable: dict[str, str]  # relative directory -> why it could not be listed
+    stat: dict[str, tuple[int, int]]  # "<dir>/<name>" -> (size, mtime_ns) of each image; (-1, -1): a broken link
+    skipped: Counter[str]  # why files were not taken -> how many
 
 
-def _is_image(entry: os.DirEntry) -> bool:
-    # a broken link is listed: reading it gives an error row
-    return Path(entry.name).suffix.lower() in FOLDER_EXTS and (entry.is_file() or entry.is_symlink())
+def _skip_reason(entry: os.DirEntry) -> str | None:
+    """Why a file of the folder is no image to label; None if it is one. A broken link is
+    taken: reading it gives an error row."""
+    suffix = Path(entry.name).suffix.lower()
+    if not (entry.is_file() or entry.is_symlink()):
+        return "not a regular file"
+    if entry.name.startswith("._"):
+        return "macOS ._ metadata"
+    if suffix in FOLDER_EXTS:
+        return None
+    if suffix in UNREADABLE_EXTS:
+        return f"{UNREADABLE_EXTS[suffix]} (unreadable: convert to JPEG or PNG)"
+    return "not an image"
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    try:
+        st = path.stat()
+    except OSError:
+        return -1, -1
+    return st.st_size, st.st_mtime_ns
 
 
 def scan_folder(root: Path) -> FolderScan:
-    """Every directory under `root` that holds images, walked in sorted order (hidden ones too)."""
+    """Every directory under `root` that holds images, walked in sorted order (hidden ones too).
+    Symlinked directories are followed, each real directory once (a link back up is a loop)."""
     if not root.is_dir():
         raise SourceError(f"input.folder: {root} is not a directory")
-    scan = FolderScan({}, {})
-    todo = [Path(".")]
+    scan = FolderScan({}, {}, {}, Counter())
+    todo, seen = [Path(".")], {os.path.realpath(root)}
     while todo:
         rel = todo.pop()
         try:
@@ -141,10 +172,23 @@ def scan_folder(root: Path) -> FolderScan:
                 raise SourceError(f"input.folder: cannot list {root}: {e.strerror}") from None
             scan.unreadable[rel.as_posix()] = f"cannot list {root / rel}: {e.strerror}"
             continue
-        names = [e.name for e in entries if _is_image(e)]
+        names, subdirs = [], []
+        for e in entries:
+            if e.is_dir():  # follows links
+                real = os.path.realpath(e.path)
+                if real in seen:
+                    scan.skipped["links to a folder already read"] += 1
+                else:
+                    seen.add(real)
+                    subdirs.append(rel / e.name)
+            elif (why := _skip_reason(e)) is None:
+                names.append(e.name)
+                scan.stat[(rel / e.name).as_posix()] = _stat(Path(e.path))
+            else:
+                scan.skipped[why] += 1
         if names:
             scan.images[rel.as_posix()] = names
-        todo += reversed([rel / e.name for e in entries if e.is_dir(follow_symlinks=False)])
+        todo += reversed(subdirs)
     return scan
 
 
@@ -187,17 +231,6 @@ def keep_fields(inp: InputSpec, shards: list[ShardRef]) -> list[pa.Field]:
     return [pa.field(name, sch.field(name).type) for name in inp.keep]
 
 
-def _own_output(*urls: str) -> str:
-    """Why two shards share a name when one of them is a file batchvlm wrote."""
-    from ..output.manifest import written_by_us
-
-    ours = [u for u in urls if u.endswith(".parquet") and not is_url(u) and written_by_us(Path(u))]
-    if not ours:
-        return "; rename one"
-    return (f"; {ours[0]} is batchvlm's own output: the pattern matches the output folder "
-            f"{os.path.dirname(ours[0])}. Narrow the pattern or move output.dir")
-
-
 PARQUET_IMAGE_TYPES = "image bytes (binary), a path (string), or a {bytes, path} struct"
 
 
@@ -216,10 +249,11 @@ def check_parquet_columns(url: str, schema, inp: InputSpec) -> None:
 
 
 def check_first_parquet(shards: list[ShardRef], inp: InputSpec) -> None:
-    """validate / --dry-run: read the schema of the first Parquet input (its footer only)."""
+    """validate, --dry-run and run: read the schema of the first readable Parquet input (its
+    footer only; a file that could not be read fails its own shard)."""
     import pyarrow.parquet as pq
 
-    first = next((s for s in shards if s.kind == "parquet"), None)
+    first = next((s for s in shards if s.kind == "parquet" and s.planned), None)
     if first is None:
         return
     try:
@@ -382,8 +416,12 @@ def image_cells(batch, first_row: int, inp: InputSpec, base: str) -> Iterator[En
     keys = batch.column(inp.key_column).to_pylist() if inp.key_column else [None] * len(images)
     kept = {c: batch.column(c).to_pylist() for c in inp.keep}
     for i, (value, key) in enumerate(zip(images, keys)):
-        key = str(key) if key is not None else str(first_row + i)
         meta = {c: v[i] for c, v in kept.items()} if kept else None
+        if inp.key_column and (key is None or str(key) == ""):  # no key: an error row named by its row
+            what = "null" if key is None else "empty"
+            yield Encoded(f"row {first_row + i}", None, f"key: {what} in input.key_column {inp.key_column!r}", meta)
+            continue
+        key = str(key) if key is not None else str(first_row + i)
         if isinstance(value, dict):  # the datasets library's {"bytes", "path"} image struct
             value = value.get("bytes") or value.get("path")
         if value is None:

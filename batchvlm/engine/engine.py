@@ -24,6 +24,8 @@ from ..cache.tensors import EngineCache
 from ..job import EngineSpec
 from ..models.decoding import MODE_SCORE, Decision, RawOutput, sequence_seed
 from ..models.family import EngineModel, TaskSequence, WorkItem
+from ..models import attention
+from ..models.fused_attention import COMPILED, FusedAttention, MaskBounds
 from .memory import available_bytes
 from .plan import PREFILL_TOKENS_PER_STEP, StepPlan
 from .runner import Runner
@@ -49,6 +51,9 @@ class Engine:
         # A prefix is the image's features then its sequences' prefix prompt.
         self.max_prefix_len = max_prefix_len = max_prefix_len + max(len(s.spec.prefix_prompt) for s in seqs)
         self.log = log
+        if model.device.type == "cuda":  # graph capture and side streams use the current device
+            torch.cuda.set_device(model.device)
+        self._compiled_before = (COMPILED.shapes, COMPILED.seconds)  # flex compiles are process-wide
         self.sampling = any(s.spec.temperature > 0 for s in seqs)
         self.scores = any(s.spec.mode == MODE_SCORE for s in seqs)  # classify: decide scores prompt rows
         self.specs = model.state_specs()
@@ -69,8 +74,18 @@ class Engine:
         n_rows = max(1, min(n_rows, (n_blocks - 1 - n_prefix) // min(self.own_blocks)))
         self.images_to_fill = math.ceil(n_rows / len(seqs))
         cache = EngineCache.allocate(self.specs, n_blocks, bs, n_rows, self.n_snapshots, model.device)
-        self.runner = Runner(model, cache, n_rows, n_slots * self.prefixes_per_image, max_prefix_len,
-                             max(self.own_blocks), self.seqs_per_prefix, settings.cuda_graphs, self.sampling, self.scores)
+        self._bound_attention(cache, n_rows)
+        runner_args = (model, cache, n_rows, n_slots * self.prefixes_per_image, max_prefix_len,
+                       max(self.own_blocks), self.seqs_per_prefix)
+        try:
+            self.runner = Runner(*runner_args, settings.cuda_graphs, self.sampling, self.scores)
+        except torch.OutOfMemoryError:  # capturing the graphs: run every step eagerly instead
+            if not settings.cuda_graphs:
+                raise
+            torch.cuda.empty_cache()
+            log("batchvlm: out of accelerator memory capturing CUDA graphs; every step runs eagerly "
+                "(engine.cuda_graphs: false skips the capture; a smaller engine.kv_memory_fraction leaves room for it)")
+            self.runner = Runner(*runner_args, False, self.sampling, self.scores)
         graphs = self.runner.graphs
         # With graphs, admit once an eighth of the rows is free: steps that admit run eagerly.
         self.scheduler = Scheduler(BlockManager(n_blocks, bs), n_rows, n_slots,
@@ -78,12 +93,33 @@ class Engine:
                                    snapshots=SnapshotSlots(self.n_snapshots) if self.n_snapshots else None,
                                    emit=model.emit)
         self.inflight: deque[InFlight] = deque()
+        self._held: WorkItem | None = None  # the next image, when it did not fit in the last vision batch
         # On CPU a launch runs the whole forward before returning: pipelining would only add a
         # zombie row per finish and a step of admission lag.
         self.pipelined = model.device.type == "cuda" if settings.pipelined == "auto" else settings.pipelined
         self.step = self._step_pipelined if self.pipelined else self._step_sync
         self.stats = {"steps": 0, "graph_steps": 0, "vision_images": 0, "kv_blocks": n_blocks, "rows": n_rows,
                       "graph_capture_s": round(graphs.capture_s, 2) if graphs is not None else 0.0}
+        self._count_compiles()
+
+    def _bound_attention(self, cache: EngineCache, n_rows: int) -> None:
+        """Pick each paged cache's attention backend now (else on first use) and give a fused one
+        this engine's maxima: every mask it builds, graph captures included, is padded to them, so
+        its compiled kernel shapes are fixed (models/fused_attention.py)."""
+        bs = self.settings.block_size
+        bounds = MaskBounds(n_rows, max(self.own_blocks), -(-self.max_prefix_len // bs),
+                            max(len(s.spec.prompt) for s in self.seqs), self.seqs_per_prefix)
+        for kv in cache.paged.values():
+            if kv.backend is None:
+                kv.backend = attention.backend_for(kv.k.device)
+            if isinstance(kv.backend, FusedAttention):
+                kv.backend.bounds = bounds
+
+    def _count_compiles(self) -> None:
+        """flex_attention shapes compiled since this engine began (warm-up and graph capture included)."""
+        shapes, seconds = self._compiled_before
+        self.stats["compiled_shapes"] = COMPILED.shapes - shapes
+        self.stats["compile_s"] = round(COMPILED.seconds - seconds, 2)
 
     # ------------------------------------------------------------------ sizing
 
@@ -145,6 +181,7 @@ class Engine:
                             max(len(s.spec.prompt) + s.spec.budget for s in seqs), bs, prefill_tokens,
                             max(len(s.spec.prefix_prompt) for s in seqs), bool(self.n_snapshots))
         scratch = EngineCache.allocate(self.specs, 2, bs, n_rows, max(self.n_snapshots, 1), model.device)
+        self._bound_attention(scratch, n_rows)
         runner = Runner(model, scratch, n_rows, max(len(plan.prefix_features), 1),
                         self.max_prefix_len, max(self.own_blocks), self.seqs_per_prefix, False, self.sampling, self.scores)
         return runner.warm_up(plan, feats)
@@ -172,6 +209,7 @@ class Engine:
         stats = self.stats
         stats["steps"] += 1
         stats["graph_steps"] = self.runner.graph_steps
+        self._count_compiles()
         if inflight.oom_rows:  # the step still ran whole, in parts; later steps get half its rows
             cap = self.scheduler.shrink(inflight.oom_rows // 2)
             stats["oom_halvings"] = stats.get("oom_halvings", 0) + 1
@@ -183,7 +221,8 @@ class Engine:
         s = self.stats
         share = s["graph_steps"] / s["steps"] if s["steps"] else 0.0
         return (f"{s['steps']} steps, {share:.0%} replayed a CUDA graph ({s['graph_capture_s']:.1f} s to capture), "
-                f"{s['rows']} rows, {s['kv_blocks']} KV blocks")
+                f"{s['rows']} rows, {s['kv_blocks']} KV blocks, flex_attention compiled {s['compiled_shapes']} shapes "
+                f"in {s['compile_s']:.1f} s")
 
     def _feed(self, items: Iterator[WorkItem]) -> bool:
         """Encode more images when the admission queue runs short. -> False once input is exhausted."""
@@ -194,11 +233,15 @@ class Engine:
             slot = sched.take_feature_slot()
             if slot is None:
                 break
-            item = next(items, None)
+            item, self._held = self._held or next(items, None), None
             if item is None:
                 sched.free_feature_slots.append(slot)
                 self._encode(batch)
                 return False
+            if batch and cost + item.image.cost > MAX_VISION_COST:  # the warm-up measured at most this
+                self._held = item
+                sched.free_feature_slots.append(slot)
+                break
             image = ImageWork(item.ticket, item.image, item.key)
             by_prompt: dict[tuple[int, ...], Prefix] = {}
             for s in self.seqs:

@@ -48,8 +48,11 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple] = {}  # (graph | None, static inputs, outputs | body)
         self.pool = None
         t0 = time.perf_counter()
-        for key in buckets(runner.n_rows):
-            self._capture(*key)
+        # Under inference_mode, as the steps that replay them: flex_attention's compiled entries
+        # are guarded on it, so capturing outside would compile every shape twice.
+        with torch.inference_mode():
+            for key in buckets(runner.n_rows):
+                self._capture(*key)
         self.capture_s = time.perf_counter() - t0
 
     def _capture(self, n_rows: int, n_images: int):

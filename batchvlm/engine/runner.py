@@ -93,14 +93,27 @@ class Runner:
         """Encode images into feature slots. On CUDA this runs on its own stream, overlapping
         decode steps; a step that prefills these images waits for this batch's event."""
         if self.vision_stream is None:
-            event, feats = HostEvent(), self.model.encode(images)
+            event, feats = HostEvent(), self._encode_fitting(images)
         else:
             event = torch.cuda.Event()
             with torch.cuda.stream(self.vision_stream):
-                feats = self.model.encode(images)
+                feats = self._encode_fitting(images)
                 event.record(self.vision_stream)
         for slot, f in zip(slots, feats):
             self.features[slot], self.vision_events[slot] = f, event
+
+    def _encode_fitting(self, images: list[Prepared]) -> list[Any]:
+        """The vision batch; on out-of-memory, its two halves, recursively (rare: the warm-up
+        measured a maximal batch, but other allocations may have grown since)."""
+        try:
+            return self.model.encode(images)
+        except torch.OutOfMemoryError:
+            if len(images) < 2:
+                raise
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        half = len(images) // 2
+        return self._encode_fitting(images[:half]) + self._encode_fitting(images[half:])
 
     def vision_waits(self, prefix_features: np.ndarray) -> list[torch.cuda.Event | HostEvent]:
         """The events of the vision batches holding these images, each once: a prefill waits for
@@ -204,7 +217,8 @@ class Runner:
                                      list(x.prefix_tokens.split(plan.prefix_prompt_lens.tolist())))
             embeds.append(prefix.embeds_NC)
             write_slots.append(slot_of(x.prefix_tables[x.pre_img], x.pre_j, bs))
-            groups.append(PrefixGroup(x.q_pre, x.prefix_tables, x.prefix_lens, m.causal_prefix))
+            groups.append(PrefixGroup(x.q_pre, x.prefix_tables, x.prefix_lens, m.causal_prefix,
+                                      _extent(plan.prefix_lens)[1]))
         if S:
             embeds.append(m.embed_tokens(x.prompt_tokens))
             own_pos.append(x.flat_pos)

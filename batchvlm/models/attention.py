@@ -75,6 +75,7 @@ class PrefixGroup:
     table: torch.Tensor  # [I, n_prefix_blocks] long: prefix blocks; padding -> 0 (null block)
     lens: torch.Tensor  # [I] long: prefix length L of each image
     causal: bool
+    all_full: bool = False  # known on the host: every prefix is L long (a bidirectional one needs no key mask)
 
 
 @dataclass

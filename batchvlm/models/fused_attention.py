@@ -26,10 +26,26 @@ the prefix part); the null block is owned by nobody, so padding entries see no k
 whole truth on every slot, so the eager flex fallback (which evaluates it on every slot of the
 cache) and the compiled kernel (which evaluates it on visited blocks only) agree.
 
-Compiled shapes. Batch entries, queries per entry and table widths are padded up to powers of
-two (padding entries have `kv_num_blocks` 0), so a long run compiles a bounded number of
-kernels: O(log rows * log prompt * log blocks) per group kind. KV stays in the model dtype;
-softmax and LSE accumulate in float32 inside the kernel.
+Compiled shapes. dynamo keeps at most `recompile_limit` compiled entries per code object (8 by
+default; every flex_attention call of the process shares one), and past it flex runs unfused:
+the whole layer cache in float32 and dense scores, ~50x slower. So the engine gives the backend
+fixed maxima (`MaskBounds`: rows, prompt length, own and prefix blocks, sequences per image) and
+every mask is padded to them: entries to the row count, queries to 1 (decode) or the longest
+prompt, tables to the widest table. Padding entries have `kv_num_blocks` 0, so the kernel skips
+them and the padding costs almost nothing. One engine configuration then compiles 2 shapes per
+group kind (own / prefix part, decode / prompt) per KV cache size, 8 with the warm-up's scratch
+cache. The limit is raised deliberately and hitting it is an error (`fail_on_recompile_limit_hit`,
+`fullgraph`): a fallback must never be silent. Without bounds (tests of random batches) and in
+eager flex (which compiles nothing), sizes are padded up to powers of two. KV stays in the model
+dtype; softmax and LSE accumulate in float32 inside the kernel.
+
+Kernel tiles. Inductor picks flex's decode kernel when a call has < 128 queries per entry and the
+query heads per KV head are a power of two; else the main kernel. The block mask's KV block is the
+cache block, and both kernels need their BLOCK_N to divide it (the main kernel's sm_90 defaults
+are 32-128 wide, more than a 16-token block), so `flex_tiles` passes `kernel_options` with a
+BLOCK_N that divides every supported block size (16, 32, 64, 128). The decode kernel's query tile
+holds queries x group heads (next power of two, >= 16) and must divide the mask's query block:
+the query block grows with it (e.g. 64 queries x 4 heads -> 256).
 
 CUDA graphs: every step here is device tensor work with shapes that follow the input shapes
 (no host sync, no data-dependent shapes), so the fixed-shape decode body (engine/graphs.py)
@@ -51,16 +67,70 @@ from .attention import AttentionBatch, PrefixGroup, Reads, TaskGroup, bucket, wr
 
 log = logging.getLogger(__name__)
 
-Q_BLOCK = 128  # flex's query tile; a decode step (one query per entry) uses one
+Q_BLOCK = 128  # the mask's query block for the main kernel (its BLOCK_M, <= 128, divides it)
+RECOMPILE_LIMIT = 64  # compiled flex entries per process: a few engine configurations, 8 each
+
+
+def flex_tiles(block_size: int, dtype: torch.dtype, head_dim: int, n_queries: int, group: int
+               ) -> tuple[int, dict[str, int | bool]]:
+    """-> (the mask's query block, kernel_options) of one flex call with `n_queries` (padded)
+    queries per entry and `group` query heads per KV head. Tiles never exceed inductor's sm_90
+    defaults (so they fit in shared memory) and BLOCK_N divides the KV block size."""
+    pow2_group = group & (group - 1) == 0
+    if n_queries < 128 and pow2_group:  # inductor's decode kernel
+        return max(Q_BLOCK, bucket(n_queries * group)), {"BLOCK_N": min(block_size, 64)}
+    wide = dtype == torch.float32
+    options: dict[str, int | bool] = {"BLOCK_M": 32 if wide and head_dim > 64 else 128,
+                                      "BLOCK_N": min(block_size, 32 if wide else 64)}
+    if not pow2_group:  # torch < 2.10 would still try the decode kernel, which needs a power of two
+        options["FORCE_USE_FLEX_ATTENTION"] = True
+    return Q_BLOCK, options
+
+
+@dataclass(frozen=True)
+class MaskBounds:
+    """The engine's fixed maxima that every paged mask is padded to (one compiled shape per kind)."""
+
+    rows: int  # sequences in one step; images in one step (each has >= 1 row) are as many at most
+    own_blocks: int  # widest own block table
+    prefix_blocks: int  # widest prefix block table
+    prompt: int  # longest prompt (own queries of one sequence in a prompt step)
+    seqs_per_image: int
+
+    def own(self, Tq: int) -> tuple[int, int, int]:
+        """(entries, queries, table width) of an own part with Tq queries per sequence."""
+        return self.rows, 1 if Tq == 1 else bucket(self.prompt), self.own_blocks
+
+    def prefix(self, M: int) -> tuple[int, int, int]:
+        """The same for a prefix part with M queries per image (decode: <= one per sequence)."""
+        per = self.seqs_per_image
+        return self.rows, per if M <= per else per * bucket(self.prompt), self.prefix_blocks
 
 
 @dataclass
 class PagedMask:
-    """A paged block mask for one flex_attention call, and the padded batch it applies to."""
+    """A paged block mask for one flex_attention call, and the padded batch it applies to. The
+    BlockMask itself is made on the first layer's call, when the query heads are known (its query
+    block depends on them); later layers reuse it."""
 
-    block_mask: BlockMask
+    kv_num_blocks: torch.Tensor  # [Bp, 1, n_q_blocks] int32
+    kv_indices: torch.Tensor  # [Bp, 1, n_q_blocks, nbp] int32
+    mask_mod: Callable
+    seq_lengths: tuple[int, int]  # (Tqp, n_slots)
+    block_size: int
     q_rows: torch.Tensor  # [Bp, Tqp] long: flat query rows; padding -> row N (a zero query)
     n_real: tuple[int, int]  # (B, Tq): entries and queries per entry before the padding
+    _made: tuple | None = None  # (group, dtype, head dim, BlockMask, kernel options)
+
+    def for_heads(self, group: int, dtype: torch.dtype, head_dim: int) -> tuple[BlockMask, dict]:
+        key = (group, dtype, head_dim)
+        if self._made is None or self._made[:3] != key:
+            q_block, options = flex_tiles(self.block_size, dtype, head_dim, self.seq_lengths[0], group)
+            mask = BlockMask.from_kv_blocks(self.kv_num_blocks, self.kv_indices, BLOCK_SIZE=(q_block, self.block_size),
+                                            mask_mod=self.mask_mod, seq_lengths=self.seq_lengths,
+                                            compute_q_blocks=False)
+            self._made = (*key, mask, options)
+        return self._made[3], self._made[4]
 
 
 @dataclass
@@ -68,7 +138,7 @@ class FusedPlan:
     """Per-forward derived tensors of a group, shared by all layers."""
 
     group: PrefixGroup | TaskGroup
-    key_mask: torch.Tensor | None = None  # [I, 1, 1, L] bool: bidirectional prefix groups
+    key_mask: torch.Tensor | None = None  # [I, 1, 1, L] bool: bidirectional prefixes of unequal lengths
     own: PagedMask | None = None  # task groups: each sequence's own tokens
     prefix: PagedMask | None = None  # task groups: each image's prefix, once per image
 
@@ -78,13 +148,17 @@ def _pad2(t: torch.Tensor, rows: int, cols: int, value: int) -> torch.Tensor:
 
 
 def paged_mask(q_rows: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, n_slots: int, block_size: int,
-               n_rows: int, q_own: torch.Tensor | None = None) -> PagedMask:
+               n_rows: int, padded: tuple[int, int, int], q_own: torch.Tensor | None = None) -> PagedMask:
     """Block mask for entries b with queries `q_rows` [B, Tq] reading the `lens` [B] first tokens of
-    their blocks `table` [B, nb] in a cache of `n_slots` slots. With `q_own` [B, Tq] (own
-    indices), query t of entry b sees its tokens o <= q_own[b, t] only (causal own part)."""
+    their blocks `table` [B, nb] in a cache of `n_slots` slots, padded to `padded` (Bp, Tqp, nbp).
+    With `q_own` [B, Tq] (own indices), query t of entry b sees its tokens o <= q_own[b, t] only
+    (causal own part)."""
     dev = table.device
     B, Tq = q_rows.shape
-    Bp, Tqp, nbp = bucket(B), bucket(Tq), bucket(table.shape[1])
+    Bp, Tqp, nbp = padded
+    if B > Bp or Tq > Tqp or table.shape[1] > nbp:
+        raise ValueError(f"a step of {B} entries x {Tq} queries x {table.shape[1]} blocks exceeds the mask "
+                         f"bounds {padded}")
     n_blocks = n_slots // block_size
     table_p = _pad2(table, Bp, nbp, 0)  # [Bp, nbp]
     lens_p = F.pad(lens, (0, Bp - B), value=0)  # [Bp]
@@ -113,12 +187,44 @@ def paged_mask(q_rows: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, n_
             o = logical[blk] * block_size + kv % block_size
             return (owner[blk] == b) & (o < lens32[b]) & (o <= own32[b, q])
 
+    # ceil(Tqp / Q_BLOCK) query blocks: the main kernel's; the decode kernel (Tqp < 128) has one
+    # either way, whatever query block for_heads picks.
     n_q_blocks = -(-Tqp // Q_BLOCK)
     kv_num_blocks = used.to(torch.int32)[:, None, None].expand(Bp, 1, n_q_blocks).contiguous()
     kv_indices = table_p.to(torch.int32)[:, None, None, :].expand(Bp, 1, n_q_blocks, nbp).contiguous()
-    block_mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_BLOCK, block_size),
-                                          mask_mod=mask_mod, seq_lengths=(Tqp, n_slots), compute_q_blocks=False)
-    return PagedMask(block_mask, _pad2(q_rows, Bp, Tqp, n_rows), (B, Tq))
+    return PagedMask(kv_num_blocks, kv_indices, mask_mod, (Tqp, n_slots), block_size, _pad2(q_rows, Bp, Tqp, n_rows),
+                     (B, Tq))
+
+
+@dataclass
+class CompileStats:
+    """Process-wide: flex_attention graphs compiled (one per dynamo cache entry) and the seconds of
+    the calls that compiled them."""
+
+    shapes: int = 0
+    seconds: float = 0.0
+
+
+COMPILED = CompileStats()
+_compiled_flex: dict[str, Callable] = {}
+
+
+def compiled_flex(backend: str = "inductor") -> Callable:
+    """flex_attention through torch.compile, one wrapper per backend for the whole process (the
+    dynamo cache is per code object anyway). The recompile limit is raised once and hitting it
+    raises. "eager" runs the traced graph without inductor: CPU tests count entries with it."""
+    if backend not in _compiled_flex:
+        inner = torch._dynamo.lookup_backend(backend)
+
+        def counting(gm, example_inputs):
+            COMPILED.shapes += 1
+            return inner(gm, example_inputs)
+
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
+        cfg.fail_on_recompile_limit_hit = True
+        _compiled_flex[backend] = torch.compile(flex_attention, backend=counting, dynamic=False, fullgraph=True)
+    return _compiled_flex[backend]
 
 
 class FusedAttention:
@@ -126,13 +232,21 @@ class FusedAttention:
 
     `compile=True` runs flex_attention through torch.compile (the fused kernel; what CUDA uses);
     `compile=False` runs flex's eager implementation, which materializes scores over the whole
-    cache: slow, but it evaluates the same block masks and mask_mods, so CPU tests check them."""
+    cache: slow, but it evaluates the same block masks and mask_mods, so CPU tests check them.
+    `bounds` (set by the engine before its first step) fixes the padded shapes; see the module docstring."""
 
-    def __init__(self, compile: bool):
+    def __init__(self, compile: bool, backend: str = "inductor", bounds: MaskBounds | None = None):
         self.compile = compile
-        self._flex: Callable = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
-        self._seen: set[tuple] = set()
-        self.compile_s = 0.0  # time spent in calls that compiled a new kernel (logged separately)
+        self._flex: Callable = compiled_flex(backend) if compile else flex_attention
+        self.bounds = bounds
+        self.compile_s = 0.0  # time spent in this backend's calls that compiled a new kernel
+        self.compiled_shapes = 0
+
+    def _padded(self, kind: str, B: int, Tq: int, nb: int) -> tuple[int, int, int]:
+        # Eager flex compiles nothing, and its dense scores grow with every padding entry.
+        if self.bounds is None or not self.compile:
+            return bucket(B), bucket(Tq), bucket(nb)
+        return self.bounds.own(Tq) if kind == "own" else self.bounds.prefix(Tq)
 
     def plan(self, batch: AttentionBatch, n_slots: int) -> list[FusedPlan]:
         bs = batch.block_size
@@ -141,32 +255,35 @@ class FusedAttention:
         for g in batch.groups:
             if isinstance(g, PrefixGroup):
                 key_mask = None
-                if not g.causal:
+                if not g.causal and not g.all_full:
                     j = torch.arange(g.q_rows.shape[1], device=g.lens.device)
                     key_mask = (j[None, :] < g.lens[:, None])[:, None, None, :]
                 plans.append(FusedPlan(g, key_mask=key_mask))
                 continue
             p = g.prefix
+            own_pad = self._padded("own", *g.q_rows.shape, g.table.shape[1])
+            pre_pad = self._padded("prefix", *p.q_rows.shape, p.tables.shape[1])
             plans.append(FusedPlan(
-                g, own=paged_mask(g.q_rows, g.table, g.own_len, n_slots, bs, n_rows, g.q_own),
-                prefix=paged_mask(p.q_rows, p.tables, p.lens, n_slots, bs, n_rows)))
+                g, own=paged_mask(g.q_rows, g.table, g.own_len, n_slots, bs, n_rows, own_pad, g.q_own),
+                prefix=paged_mask(p.q_rows, p.tables, p.lens, n_slots, bs, n_rows, pre_pad)))
         return plans
 
     def _paged(self, q_pad: torch.Tensor, k_1HSD: torch.Tensor, v_1HSD: torch.Tensor,
                m: PagedMask) -> tuple[torch.Tensor, torch.Tensor]:
         """-> output [B, Tq, H, D] (query dtype), LSE [B, Tq, H] float32 (natural log)."""
         q_BHTD = q_pad[m.q_rows].transpose(1, 2)
-        gqa = k_1HSD.shape[1] != q_BHTD.shape[1]
-        key = (tuple(q_BHTD.shape), tuple(m.block_mask.kv_indices.shape), tuple(k_1HSD.shape), q_BHTD.dtype)
-        new = self.compile and key not in self._seen
-        t0 = time.perf_counter() if new else 0.0
-        o, aux = self._flex(q_BHTD, k_1HSD, v_1HSD, block_mask=m.block_mask, enable_gqa=gqa,
-                            return_aux=AuxRequest(lse=True))
-        if new:
-            self._seen.add(key)
+        H, Hkv = q_BHTD.shape[1], k_1HSD.shape[1]
+        block_mask, options = m.for_heads(H // Hkv, q_BHTD.dtype, q_BHTD.shape[-1])
+        before, t0 = COMPILED.shapes, time.perf_counter()
+        o, aux = self._flex(q_BHTD, k_1HSD, v_1HSD, block_mask=block_mask, enable_gqa=H != Hkv,
+                            return_aux=AuxRequest(lse=True), kernel_options=options)
+        if COMPILED.shapes != before:
             dt = time.perf_counter() - t0
             self.compile_s += dt
-            log.info("flex_attention compiled for %s in %.1f s", key, dt)
+            self.compiled_shapes += COMPILED.shapes - before
+            COMPILED.seconds += dt
+            log.info("flex_attention compiled for q %s, kv blocks %s, cache %s, %s in %.1f s", tuple(q_BHTD.shape),
+                     tuple(m.kv_indices.shape), tuple(k_1HSD.shape), q_BHTD.dtype, dt)
         B, Tq = m.n_real
         return o[:B, :, :Tq].transpose(1, 2), aux.lse[:B, :, :Tq].transpose(1, 2)
 

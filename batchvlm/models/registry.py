@@ -44,6 +44,9 @@ def open_family(spec: ModelSpec, weights: bool = True) -> Family:
         raise ModelLoadError(f"model.backend: native, but batchvlm has no native family for model_type "
                              f"{model_type!r} (native: {', '.join(sorted(FAMILIES))}); use transformers or auto")
     if native is not None and spec.backend != "transformers":
+        if model_type == "moondream1" and (given := [f for f in ("min_pixels", "max_pixels") if getattr(spec, f)]):
+            raise ModelLoadError(f"model.{given[0]}: a Qwen3-VL setting; Moondream sees fixed-size crops "
+                                 "(fewer: model.max_crops)")
         family = native(folder, spec, revision)
     else:
         if spec.max_crops is not None:

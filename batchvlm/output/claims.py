@@ -17,7 +17,9 @@ import threading
 import time
 from pathlib import Path
 
-from .manifest import pid_alive
+from ..data.sources import ShardRef
+from .layout import Layout
+from .manifest import is_done, pid_alive
 from .writer import tmp_path
 
 LAUNCH_ENV = "BATCHVLM_LAUNCH"
@@ -75,6 +77,15 @@ class Claims:
         tmp = tmp_path(self.path(stem))
         tmp.write_bytes(self.me)
         os.replace(tmp, self.path(stem))
+        return True
+
+    def take_pending(self, layout: Layout, ref: ShardRef) -> bool:
+        """Claim a shard that is not done: False if it is, or another rank holds it."""
+        if is_done(layout, ref) or not self.take(ref.stem):
+            return False
+        if is_done(layout, ref):  # finished and released between the check and the take
+            self.release(ref.stem)
+            return False
         return True
 
     def release(self, stem: str) -> None:

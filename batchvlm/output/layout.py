@@ -6,7 +6,8 @@
         shards.json              the frozen shard list: which files / row ranges each shard holds
         shards.lock              held while a rank extends the shard list
         run-<rank>-of-<world>.lock  held by the run of one rank (output/lock.py)
-        <shard>.stats.json       rows, errors, timings; written last: the done marker
+        <shard>.stats.json       rows, errors, timings, the file it is for: the done marker
+        partial/<shard>.parquet  a shard cut short by --limit (complete: false), until it is redone
         <shard>.claim            work-stealing leases
         *.tmp-<host>-<pid>       files being written (a shard's Parquet is renamed up into <dir>)
 
@@ -16,6 +17,8 @@ refused with a one-line message: their shard names differ too (`_root`), so they
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +31,15 @@ OLD_JOB_FILE = "_job.json"
 
 class OutputConflict(RuntimeError):
     pass
+
+
+def is_old_stats(path: Path) -> bool:
+    """A stats file batchvlm wrote (either layout) names its own shard."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and d.get("shard") == path.name.removesuffix(".stats.json")
 
 
 @dataclass(frozen=True)
@@ -63,8 +75,36 @@ class Layout:
     def stats(self, stem: str) -> Path:
         return self.meta / f"{stem}.stats.json"
 
+    @property
+    def partial_dir(self) -> Path:
+        return self.meta / "partial"
+
+    def partial(self, stem: str) -> Path:
+        """Where a shard that is not done keeps its rows: out of every reader's sight."""
+        return self.partial_dir / f"{stem}.parquet"
+
+    def file_of(self, stem: str, stats: dict | None) -> Path:
+        """The Parquet file a shard's stats describe: the labels when done, else its partial rows
+        (or, in folders written before partial/ existed, the top-level file)."""
+        if stats and not stats.get("complete") and self.partial(stem).exists():
+            return self.partial(stem)
+        return self.parquet(stem)
+
     def old_layout(self) -> bool:
-        return (self.dir / OLD_JOB_FILE).exists() or next(self.dir.glob("*.stats.json"), None) is not None
+        """`_job.json`, or a done marker of the first layout beside the Parquet files (one that
+        names its own shard: a user's `mine.stats.json` is no such thing)."""
+        return (self.dir / OLD_JOB_FILE).exists() or any(is_old_stats(p) for p in self.dir.glob("*.stats.json"))
+
+    def remove_if_unused(self, created_dir: bool) -> None:
+        """After a refused run: the metadata folder if it holds nothing but locks (this run made
+        it to hold its lock), and the output folder if this run created it and it is empty."""
+        try:
+            if self.meta.is_dir() and all(self.is_run_lock(p) or p == self.shard_lock for p in self.meta.iterdir()):
+                shutil.rmtree(self.meta)
+            if created_dir:
+                self.dir.rmdir()
+        except OSError:
+            pass  # not empty, or gone: nothing of ours to undo
 
     def check(self) -> None:
         """Refuse a folder of the first layout (before any of its files is touched)."""

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..job import is_url
-from .layout import OLD_JOB_FILE, Layout, OutputConflict
-from .writer import atomic_write_bytes
+from ..job import is_url, model_path
+from .layout import OLD_JOB_FILE, Layout, OutputConflict, is_old_stats
+from .writer import atomic_write_bytes, output_stat
 
 if TYPE_CHECKING:
     from ..data.sources import ShardRef
@@ -39,17 +39,33 @@ def read_stats(layout: Layout, stem: str) -> dict[str, Any] | None:
         return None
 
 
-def input_stat(ref: ShardRef) -> dict[str, int] | None:
-    """What a done marker remembers of its input file, to tell when it was replaced."""
+def input_stat(ref: ShardRef) -> dict[str, int | str] | None:
+    """What a done marker remembers of its input, to tell when it changed: a file's size and
+    mtime, a folder shard's digest of its images' (the same, per file)."""
+    if ref.signature is not None:
+        return {"files": ref.signature}
     return None if ref.size is None else {"size": ref.size, "mtime_ns": ref.mtime_ns}
 
 
 def done_stats(layout: Layout, ref: ShardRef) -> dict[str, Any] | None:
     """The stats of a finished shard whose input is unchanged since; None if it is to be (re)labelled."""
     stats = read_stats(layout, ref.stem)
-    done = (bool(stats and stats.get("complete")) and stats.get("input") == input_stat(ref)
-            and layout.parquet(ref.stem).exists())
+    # a folder marker written before folders were compared (input null) stays valid
+    same_input = stats is not None and (stats.get("input") == input_stat(ref)
+                                        or (ref.kind == "folder" and stats.get("input") is None))
+    done = bool(stats and stats.get("complete")) and same_input and has_output(layout, stats)
     return stats if done else None
+
+
+def has_output(layout: Layout, stats: dict[str, Any]) -> bool:
+    """The shard's Parquet file is the one its stats were written for: by its size, which a
+    copy of the folder keeps (mtimes it may not). Markers written before they named their file:
+    the file exists."""
+    path = layout.file_of(str(stats.get("shard")), stats)
+    if not isinstance(stats.get("output"), dict):
+        return path.exists()
+    now = output_stat(path)
+    return now is not None and now["size"] == stats["output"].get("size")
 
 
 def damaged_note(stem: str, rows: int) -> str:
@@ -100,13 +116,6 @@ def written_by_us(path: Path) -> bool:
         return False
 
 
-def _our_old_stats(path: Path) -> bool:
-    try:
-        return json.loads(path.read_text()).get("shard") == path.name.removesuffix(".stats.json")
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def is_our_stats(path: Path) -> bool:
     """A stats file batchvlm wrote (a done marker or a failure record) names its own shard."""
     try:
@@ -132,7 +141,7 @@ def clear_outputs(layout: Layout) -> None:
             else:
                 p.unlink(missing_ok=True)
     for p in layout.dir.glob("*.stats.json"):  # the first layout's done markers
-        if _our_old_stats(p):
+        if is_old_stats(p):
             p.unlink(missing_ok=True)
     for pattern in ("*.parquet.tmp-*", "*.stats.json.tmp-*", "*.claim", "*.claim.takeover-*", OLD_JOB_FILE):
         for p in layout.dir.glob(pattern):
@@ -158,6 +167,7 @@ class PriorJob:
     fingerprint: str
     settings: dict[str, Any] | None  # label_settings() of the job that wrote the folder
     weights_sha256: str | None
+    backend: str | None  # the backend model.backend resolved to (native | transformers)
 
 
 def read_prior(layout: Layout) -> PriorJob | None:
@@ -165,31 +175,60 @@ def read_prior(layout: Layout) -> PriorJob | None:
         d = json.loads(layout.job_file.read_text())
     except (OSError, ValueError):
         return None
-    return PriorJob(d.get("label_fingerprint", ""), d.get("label_settings"),
-                    (d.get("model") or {}).get("weights_sha256"))
+    model = d.get("model") or {}
+    return PriorJob(d.get("label_fingerprint", ""), d.get("label_settings"), model.get("weights_sha256"),
+                    model.get("backend"))
+
+
+def _as_run(settings: dict[str, Any], backend: str | None) -> dict[str, Any]:
+    """Label settings as the prior run resolved them: `backend: auto` ran as `backend` (native
+    where a family matches), so `auto` and that backend label alike; a local model folder is
+    its real path."""
+    model = settings.get("model")
+    if not isinstance(model, dict):
+        return settings
+    model = model | {"name": model_path(str(model.get("name")))}
+    if backend and model.get("backend") == "auto":
+        model["backend"] = backend
+    return settings | {"model": model}
+
+
+_ABSENT = object()  # a list item or key one side does not have
 
 
 def _first_difference(before: Any, now: Any, path: str = "") -> tuple[str, Any, Any] | None:
+    """(path, before, now) of the first setting that differs; a list that grew or shrank
+    differs at its first extra or missing item (a task added is that task, not both lists)."""
     if isinstance(before, dict) and isinstance(now, dict):
         for k in sorted(set(before) | set(now), key=str):
-            if found := _first_difference(before.get(k), now.get(k), f"{path}.{k}" if path else str(k)):
+            here = f"{path}.{k}" if path else str(k)
+            if found := _first_difference(before.get(k, _ABSENT), now.get(k, _ABSENT), here):
                 return found
         return None
-    if isinstance(before, list) and isinstance(now, list) and len(before) == len(now):
-        for i, (a, b) in enumerate(zip(before, now)):
+    if isinstance(before, list) and isinstance(now, list):
+        for i in range(max(len(before), len(now))):
+            a = before[i] if i < len(before) else _ABSENT
+            b = now[i] if i < len(now) else _ABSENT
             if found := _first_difference(a, b, f"{path}.{i}"):
                 return found
         return None
     return None if before == now else (path, before, now)
 
 
+def _shown(value: Any) -> str:
+    return "not there" if value is _ABSENT else json.dumps(value)
+
+
 def check_settings(layout: Layout, fingerprint: str, settings: dict[str, Any] | None = None) -> None:
     prior = read_prior(layout)
     if not prior or prior.fingerprint == fingerprint:
         return
+    if prior.settings is not None and settings is not None:
+        if _as_run(prior.settings, prior.backend) == _as_run(settings, prior.backend):
+            return
     diff = (_first_difference(prior.settings, settings)
             if prior.settings is not None and settings is not None else None)
-    what = (f"{diff[0]} was {json.dumps(diff[1])}, is now {json.dumps(diff[2])}" if diff
+    what = (f"{diff[0]} was {_shown(diff[1])}, is now {_shown(diff[2])}" if diff
             else "model, tasks, sampling or which images a shard holds changed")
     raise OutputConflict(f"{layout.dir} holds labels made with other settings ({what}); "
                          "use --overwrite to start over, or another output.dir")

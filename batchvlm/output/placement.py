@@ -48,6 +48,6 @@ def check_apart_from_inputs(out_dir: Path, inp: InputSpec, shard_urls: list[tupl
                                  "become inputs. Choose an output folder outside it")
     for stem, url in shard_urls:
         target = out / f"{stem}.parquet"
-        if not is_url(url) and target.exists() and target.samefile(url):
+        if not is_url(url) and target.exists() and os.path.exists(url) and target.samefile(url):
             raise OutputConflict(f"output.dir: {out} holds the input {url}; labels would replace it. "
                                  "Choose another output folder")

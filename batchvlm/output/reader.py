@@ -17,12 +17,12 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from ..data.shardlist import plan
+from .shardlist import plan
 from ..data.sources import Encoded, ShardRef, SourceError, read_shard
 from ..job import InputSpec, Job, is_url
 from ..tasks import column_of, kind_of
 from .layout import Layout, OutputConflict
-from .manifest import read_stats
+from .manifest import has_output, read_stats
 
 
 class OutputError(ValueError):
@@ -113,21 +113,24 @@ class Output:
         if listed is not None:
             for shard in listed:
                 stats = read_stats(self.layout, shard.stem)
-                if stats and self.layout.parquet(shard.stem).exists() and (
+                if stats and has_output(self.layout, stats) and (
                         stats.get("complete") or (partial and "rows" in stats)):
                     done.append(shard)
             return done
-        for p in sorted(self.dir.glob("*.parquet")):  # the inputs are gone: listed from the stats
-            stats = read_stats(self.layout, p.stem)
-            if stats and (stats.get("complete") or (partial and "rows" in stats)):
+        files = list(self.dir.glob("*.parquet")) + (list(self.layout.partial_dir.glob("*.parquet"))
+                                                    if partial else [])
+        for stem in sorted({p.stem for p in files}):  # the inputs are gone: listed from the stats
+            stats = read_stats(self.layout, stem)
+            if stats and (stats.get("complete") or (partial and "rows" in stats)) and has_output(self.layout, stats):
                 source = _moved(str(stats.get("source", "")), self.recorded_dir, self.dir.resolve())
-                done.append(ShardRef(p.stem, source, _kind(self.job.input)))
+                done.append(ShardRef(stem, source, _kind(self.job.input)))
         return done
 
     def rows(self, limit: int | None = None, partial: bool = False) -> Iterator[tuple[ShardRef, dict[str, Any]]]:
         n = 0
         for shard in self.shards(partial):
-            for row in pq.read_table(self.layout.parquet(shard.stem)).to_pylist():
+            path = self.layout.file_of(shard.stem, read_stats(self.layout, shard.stem))
+            for row in pq.read_table(path).to_pylist():
                 if limit is not None and n >= limit:
                     return
                 yield shard, row

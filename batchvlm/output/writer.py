@@ -1,9 +1,11 @@
 """Parquet output: one file per input shard, written whole under a temporary name in
-`__batchvlm__/`, fsynced, renamed up into the output folder, and only then marked done by
-`__batchvlm__/<stem>.stats.json` (also written atomically).
+`__batchvlm__/`, fsynced, marked done by `__batchvlm__/<stem>.stats.json` (written atomically,
+naming the size of the file it is for), and only then renamed up into
+the output folder. A shard that is not done (cut short by --limit) goes to
+`__batchvlm__/partial/` instead: readers of the output folder see done shards only.
 
 A crash at any moment leaves either no file, a `*.tmp-*` file in `__batchvlm__/` (never seen by
-readers, swept on the next run), or a Parquet file without its stats (redone from scratch on
+readers, swept on the next run), or a done marker that matches no file (redone from scratch on
 the next run). A finished shard is never rewritten by a resumed run; one whose input changed
 is replaced by the rename, so readers see the old file or the new one, never a mix.
 """
@@ -25,7 +27,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..tasks import Task, column_of, kind_of, raw_column, scores_column, truncated_column
+from ..tasks import Task, kind_of, label_columns
 from .layout import Layout
 
 BOX = pa.struct([("label", pa.string()), ("x_min", pa.float32()), ("y_min", pa.float32()),
@@ -51,13 +53,10 @@ def schema(tasks: list[Task], metadata: dict[str, Any], kept: list[pa.Field] | N
         pa.field("status", pa.string(), nullable=False),
         pa.field("error", pa.string()),
     ]
-    for t in tasks:
-        fields.append(pa.field(column_of(t), TYPES[kind_of(t)]))
-        if scores := scores_column(t):
-            fields.append(pa.field(scores, SCORES))
-        if raw_text and (raw := raw_column(t)):
-            fields.append(pa.field(raw, RAW_TEXT))
-    fields += [pa.field(c, pa.bool_()) for t in tasks if (c := truncated_column(t))] + (kept or [])
+    for col, i, what in label_columns(tasks, raw_text):
+        fields.append(pa.field(col, {"label": TYPES[kind_of(tasks[i])], "scores": SCORES, "raw": RAW_TEXT,
+                                "truncated": pa.bool_()}[what]))
+    fields += kept or []
     return pa.schema(fields, metadata={"batchvlm": json.dumps(metadata)})
 
 
@@ -110,9 +109,21 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+def output_stat(path: Path) -> dict[str, int] | None:
+    """What a done marker remembers of its Parquet file (a rename keeps both; manifest.py
+    compares the size)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
 def write_shard(layout: Layout, stem: str, rows: list[dict[str, Any]], sch: pa.Schema, compression: str,
                 stats: dict[str, Any]) -> None:
-    final = layout.parquet(stem)
+    done = bool(stats.get("complete"))
+    final = layout.parquet(stem) if done else layout.partial(stem)
+    final.parent.mkdir(exist_ok=True)
     tmp = tmp_path(final, layout.meta)  # same filesystem: the rename is atomic
     meta = json.loads(sch.metadata[b"batchvlm"]) | {"shard": stem, "finished": stats.get("finished")}
     table = pa.Table.from_pylist(rows, schema=sch.with_metadata({"batchvlm": json.dumps(meta)}))
@@ -120,9 +131,13 @@ def write_shard(layout: Layout, stem: str, rows: list[dict[str, Any]], sch: pa.S
         pq.write_table(table, tmp, compression=None if compression == "none" else compression)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        # the marker first: until the rename it names a file that is not there (not done)
+        stats = stats | {"output": output_stat(tmp)}
+        atomic_write_bytes(layout.stats(stem), json.dumps(stats, indent=1).encode())
         os.replace(tmp, final)
-    _fsync_dir(layout.dir)
-    atomic_write_bytes(layout.stats(stem), json.dumps(stats, indent=1).encode())
+    _fsync_dir(final.parent)
+    if done:
+        layout.partial(stem).unlink(missing_ok=True)
 
 
 @dataclass

@@ -17,6 +17,7 @@ import torch
 
 from ..decoding import Decision, PromptRows, RowState, choice_scores, decide_text, emit_text, with_scores
 from ..family import ModelInfo, PrefixInputs
+from ..pinned import PinnedUpload
 from .model import QwenVLModel
 from .positions import prefix_positions
 from .preprocess import PreparedImage, Preprocessor
@@ -40,16 +41,23 @@ class QwenVLEngineModel:
         self.model, self.info = model, info
         self.device, self.dtype = model.device, model.dtype
         self.head = torch.tensor(head, dtype=torch.long, device=self.device)
-        self.vision_end = model.config.vision_end_id
+        self.vision_end = torch.tensor([model.config.vision_end_id], dtype=torch.long, device=self.device)
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
         self.pre = pre
+        self._upload = PinnedUpload(self.device)
         self.end_id = end_id  # classify: <|im_end|> ends a choice
 
     def prefix_layout(self, image: PreparedImage, prompt: tuple[int, ...]) -> tuple[int, int]:
         return image.prefix_len + len(prompt), image.next_pos + len(prompt)
 
     def encode(self, images: list[PreparedImage]) -> list[ImageFeatures]:
-        out = self.model.visual([im.pixels.to(self.device, non_blocking=True) for im in images])
+        # One pinned staging copy and one upload for the batch; images differ in size, so flat.
+        flat = self._upload([im.pixels.reshape(-1) for im in images])
+        pixels, at = [], 0
+        for im in images:
+            pixels.append(flat[at : at + im.pixels.numel()].view(im.pixels.shape))
+            at += im.pixels.numel()
+        out = self.model.visual(pixels)
         deepstack = torch.stack(out.deepstack) if out.deepstack else out.features_TC.new_zeros(0, *out.features_TC.shape)
         feats, at = [], 0
         for im, n in zip(images, out.tokens):
@@ -67,7 +75,7 @@ class QwenVLEngineModel:
     def prefix_inputs(self, features: list[ImageFeatures], prompts: list[torch.Tensor]) -> PrefixInputs:
         h = len(self.head)
         head = self.model.embed(self.head)
-        end = self.model.embed(torch.tensor([self.vision_end], device=self.device))
+        end = self.model.embed(self.vision_end)
         embeds, positions, rows = [], [], []
         at = 0
         for f, prompt in zip(features, prompts):

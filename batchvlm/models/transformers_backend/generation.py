@@ -58,6 +58,7 @@ def _seen_sizes(enc, image_processor) -> list[tuple[int, int]] | None:
 class StaticLabeler:
     def __init__(self, model, processor, prompts: list[Prompt], settings: EngineSpec):
         self.model, self.processor, self.prompts, self.settings = model, processor, prompts, settings
+        self.batch_size = settings.batch_size_for(model.device.type)  # the device's default where none is given
         processor.tokenizer.padding_side = "left"
         self.config = copy.deepcopy(model.generation_config)
         self.config.num_beams = 1
@@ -93,7 +94,7 @@ class StaticLabeler:
         batch: list[WorkItem] = []
         for item in items:
             batch.append(item)
-            if len(batch) == self.settings.max_batch_size:
+            if len(batch) == self.batch_size:
                 yield from self._batch(batch)
                 batch = []
         if batch:

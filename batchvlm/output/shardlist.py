@@ -16,26 +16,29 @@ moments of one launch agree on every shard they both saw (the partition is by po
 
 Shard names never start with `_` or `.` (readers skip such files): a directory is named by its
 relative path with `__` for `/` and leading dots and underscores dropped, `root` for the top
-level, with a `+N` suffix where two directories would get the same name.
+level; a tar or Parquet file by its stem, leading dots and underscores dropped; with a `+N`
+suffix where two directories or two files (`d1/x.tar`, `d2/x.tar`) would get the same name.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from ..data.sources import (FolderScan, ShardRef, SourceError, file_stat, file_stem, list_files, parquet_rows,
+                            scan_folder)
 from ..job import InputSpec
-from ..output.layout import Layout
-from ..output.writer import atomic_write_bytes
-from .sources import ShardRef, SourceError, file_stat, file_stem, list_files, parquet_rows, scan_folder
+from .layout import Layout
+from .writer import atomic_write_bytes
 
 VERSION = 1
 
 
-def plan(inp: InputSpec, layout: Layout | None = None, freeze: bool = False) -> list[ShardRef]:
+def plan(inp: InputSpec, layout: Layout | None = None, freeze: bool = False) -> ShardList:
     """The frozen shards of `layout` plus those for images added since. With `freeze`, the list is
     written back (under a lock, so concurrent ranks extend it one at a time) and outputs of
     Parquet row ranges that no longer exist are removed."""
@@ -46,12 +49,13 @@ def plan(inp: InputSpec, layout: Layout | None = None, freeze: bool = False) -> 
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         prior = _load(inp, layout)
         shards, dropped = _merge(inp, prior)
-        frozen = [s for s in shards if s.planned]
+        frozen = [replace(s, signature=None) for s in shards if s.planned]
         if frozen != prior:
             _save(inp, layout, frozen)
         for stem in dropped:
             layout.parquet(stem).unlink(missing_ok=True)
             layout.stats(stem).unlink(missing_ok=True)
+            layout.partial(stem).unlink(missing_ok=True)
         return shards
 
 
@@ -76,7 +80,7 @@ def _save(inp: InputSpec, layout: Layout, shards: list[ShardRef]) -> None:
     root = Path(inp.folder) if inp.folder else None
 
     def entry(s: ShardRef) -> dict[str, Any]:
-        e = {k: v for k, v in asdict(s).items() if v is not None}
+        e = {k: v for k, v in asdict(s).items() if v is not None and k != "signature"}
         if root:  # relative: the folder may move
             e["url"] = Path(s.url).relative_to(root).as_posix()
         return e
@@ -85,9 +89,25 @@ def _save(inp: InputSpec, layout: Layout, shards: list[ShardRef]) -> None:
     atomic_write_bytes(layout.shard_list, json.dumps(data, separators=(",", ":")).encode())
 
 
-def _merge(inp: InputSpec, prior: list[ShardRef]) -> tuple[list[ShardRef], list[str]]:
+class ShardList(list[ShardRef]):
+    """The planned shards, and the files a folder scan did not take: reason -> count."""
+
+    def __init__(self, shards: list[ShardRef], skipped: dict[str, int] | None = None):
+        super().__init__(shards)
+        self.skipped = skipped or {}
+
+    def skipped_note(self) -> str:
+        """`3 file(s) skipped (2 HEIC images ..., 1 macOS metadata ...)`, or ''."""
+        if not self.skipped:
+            return ""
+        parts = ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items(), key=lambda kv: -kv[1]))
+        return f"{sum(self.skipped.values())} file(s) skipped ({parts})"
+
+
+def _merge(inp: InputSpec, prior: list[ShardRef]) -> tuple[ShardList, list[str]]:
     """-> (all shards, stems of frozen shards that no longer exist)."""
     shards, dropped = (_merge_folder(inp, prior), []) if inp.folder else _merge_files(inp, prior)
+    shards = shards if isinstance(shards, ShardList) else ShardList(shards)
     stems = [s.stem for s in shards]
     if len(set(stems)) != len(stems):
         dupe = next(s for s in stems if stems.count(s) > 1)
@@ -105,7 +125,16 @@ def _dir_name(rel: str, used: set[str]) -> str:
     return name
 
 
-def _merge_folder(inp: InputSpec, prior: list[ShardRef]) -> list[ShardRef]:
+def _signature(scan: FolderScan, rel: str, files: tuple[str, ...]) -> str:
+    """A digest of the shard's images as they are now: replacing, touching or deleting one changes it."""
+    h = hashlib.sha256()
+    for name in files:
+        size, mtime_ns = scan.stat.get(f"{rel}/{name}" if rel != "." else name, (-1, -1))
+        h.update(f"{name}\0{size}\0{mtime_ns}\n".encode())
+    return h.hexdigest()[:32]
+
+
+def _merge_folder(inp: InputSpec, prior: list[ShardRef]) -> ShardList:
     root = Path(inp.folder)
     scan = scan_folder(root)
     by_dir: dict[str, list[ShardRef]] = {}
@@ -130,19 +159,44 @@ def _merge_folder(inp: InputSpec, prior: list[ShardRef]) -> list[ShardRef]:
             shards.append(ShardRef(f"{_dir_name(rel, used)}-00000", str(root / rel), "folder", None))
     if not shards:
         raise SourceError(f"input.folder: no images found in {root}")
-    return shards
+    signed = [replace(s, signature=_signature(scan, Path(s.url).relative_to(root).as_posix(), s.files))
+              if s.files is not None else s for s in shards]
+    return ShardList(signed, dict(scan.skipped))
 
 
-def _split(url: str, inp: InputSpec, size: int | None, mtime_ns: int | None) -> list[ShardRef]:
+def _split(url: str, base: str, inp: InputSpec, size: int | None, mtime_ns: int | None) -> list[ShardRef]:
     if inp.kind == "tar":
-        return [ShardRef(file_stem(url), url, "tar", size=size, mtime_ns=mtime_ns)]
+        return [ShardRef(base, url, "tar", size=size, mtime_ns=mtime_ns)]
     n = parquet_rows(url, inp)
     if n is None:  # unreadable: a placeholder that fails when read; the next run plans it again
-        return [ShardRef(file_stem(url), url, "parquet", size=size, mtime_ns=mtime_ns)]
+        return [ShardRef(base, url, "parquet", size=size, mtime_ns=mtime_ns)]
     if n <= inp.shard_size:
-        return [ShardRef(file_stem(url), url, "parquet", rows=(0, n), size=size, mtime_ns=mtime_ns)]
-    return [ShardRef(f"{file_stem(url)}-{k:05d}", url, "parquet", rows=(i, min(i + inp.shard_size, n)), size=size,
+        return [ShardRef(base, url, "parquet", rows=(0, n), size=size, mtime_ns=mtime_ns)]
+    return [ShardRef(f"{base}-{k:05d}", url, "parquet", rows=(i, min(i + inp.shard_size, n)), size=size,
                      mtime_ns=mtime_ns) for k, i in enumerate(range(0, n, inp.shard_size))]
+
+
+def _base_of(shards: list[ShardRef]) -> str:
+    """The name a frozen file's shards were made from (`x`, or `x` of `x-00000`, `x-00001`)."""
+    return shards[0].stem if len(shards) == 1 else shards[0].stem.rsplit("-", 1)[0]
+
+
+def _new_file(url: str, inp: InputSpec, used: set[str], size: int | None, mtime_ns: int | None) -> list[ShardRef]:
+    """A new file's shards, named by its stem without leading dots and underscores, with `+N`
+    where another file (`d1/x.tar`, `d2/x.tar`) or a row range already has a name."""
+    base = file_stem(url).lstrip("._") or "shard"
+    n = 1
+    while True:
+        shards = _split(url, base if n == 1 else f"{base}+{n}", inp, size, mtime_ns)
+        if not used.intersection(s.stem for s in shards):
+            return shards
+        n += 1
+
+
+def _by_name(url: str) -> tuple[str, bool, str]:
+    """New files in the order of their names (`a.tar` before `_a.tar`: the plain name wins `a`)."""
+    stem = file_stem(url)
+    return stem.lstrip("._"), stem != stem.lstrip("._"), url
 
 
 def _merge_files(inp: InputSpec, prior: list[ShardRef]) -> tuple[list[ShardRef], list[str]]:
@@ -150,15 +204,23 @@ def _merge_files(inp: InputSpec, prior: list[ShardRef]) -> tuple[list[ShardRef],
     frozen: dict[str, list[ShardRef]] = {}
     for s in prior:
         frozen.setdefault(s.url, []).append(s)
+    listed = set(urls)
+    # names of files still listed; a frozen file no longer listed (moved with the project) lends
+    # its name to the file found in its place, so its done markers still apply
+    used = {s.stem for s in prior if s.url in listed}
     current, dropped = {}, []
-    for url in urls:
+    for url in [u for u in frozen if u in listed] + sorted((u for u in urls if u not in frozen), key=_by_name):
         size, mtime_ns = file_stat(url)
         old = frozen.get(url)
         if old and (inp.kind == "tar" or (old[0].size, old[0].mtime_ns) == (size, mtime_ns)):
             # a tar's membership is the tar: only its stat is refreshed (done markers compare it)
             current[url] = [replace(s, size=size, mtime_ns=mtime_ns) for s in old]
+            continue
+        if old:
+            current[url] = _split(url, _base_of(old), inp, size, mtime_ns)
         else:
-            current[url] = _split(url, inp, size, mtime_ns)
-            dropped += [s.stem for s in old or [] if s.stem not in {c.stem for c in current[url]}]
-    order = [u for u in frozen if u in current] + sorted((u for u in urls if u not in frozen), key=file_stem)
+            current[url] = _new_file(url, inp, used, size, mtime_ns)
+        used |= {c.stem for c in current[url]}
+        dropped += [s.stem for s in old or [] if s.stem not in {c.stem for c in current[url]}]
+    order = [u for u in frozen if u in current] + sorted((u for u in urls if u not in frozen), key=_by_name)
     return [s for u in order for s in current[u]], dropped

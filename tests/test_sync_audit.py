@@ -1,0 +1,130 @@
+"""No host sync on the engine's hot path (STYLE 9), audited on CPU. A dispatch mode records every
+op that makes the host wait for the device on CUDA: `.item()` / `bool()` (_local_scalar_dense),
+data-dependent shapes (nonzero, boolean-mask indexing or assignment, masked_select) and tensors made
+from Python data (`torch.tensor(...)`: a blocking upload from pageable memory on CUDA), while the
+engine labels images with Moondream and with Qwen3-VL through the fused attention (CUDA's path),
+eager steps and the CUDA-graph decode body both. The intended wait, the emission read in
+`collect`, is an event and numpy views: it dispatches nothing. The flex_attention call itself is
+one compiled kernel on CUDA, so its eager CPU stand-in is not audited. (CPU-only blind spot:
+`.tolist()` of a CPU tensor dispatches nothing.)"""
+
+import traceback
+
+import pytest
+import torch
+from helpers import LoadedMoondream, hub_folder, id_tokenizer, random_state
+from PIL import Image
+from test_engine import TASKS, run_engine
+from test_fused_attention import one_thread  # noqa: F401 (autouse fixture)
+from test_moondream_loading import TINY
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from batchvlm.engine.engine import Engine
+from batchvlm.engine.graphs import DecodeGraphs
+from batchvlm.engine.labeler import WorkItem
+from batchvlm.job import EngineSpec, ModelSpec
+from batchvlm.models import attention
+from batchvlm.models.fused_attention import FusedAttention
+from batchvlm.models.moondream.config import MoondreamConfig
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+aten = torch.ops.aten
+DATA_DEPENDENT = {aten.nonzero.default, aten.masked_select.default, aten.masked_scatter.default}
+
+
+class SyncAudit(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        frames = [f for f in traceback.extract_stack()
+                  if "/torch/" not in f.filename and f.name != "__torch_dispatch__"]
+        where = frames[-1] if frames else None  # the innermost caller outside torch
+        why = None
+        if func is aten._local_scalar_dense.default:
+            why = ".item() / bool()"
+        elif func is aten.lift_fresh.default:
+            # torch.tensor(list) (a blocking pageable upload on CUDA), not from_numpy of a staged
+            # array, nor the 0-dim wrap of a Python scalar argument
+            if where is not None and "torch.tensor(" in (where.line or "") and args[0].dim() > 0:
+                why = "torch.tensor from Python data"
+        elif func in DATA_DEPENDENT:
+            why = str(func)
+        elif func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+            why = "boolean-mask index"
+        if why:
+            self.found.append(f"{why} at {where.filename.split('/')[-1]}:{where.lineno} {where.name}"
+                              if where else f"{why} at ?")
+        return func(*args, **(kwargs or {}))
+
+
+def unaudited_flex(monkeypatch):
+    """The fused backend for every cache, its flex call (one kernel on CUDA) outside the audit."""
+    def backend(device):
+        b = FusedAttention(compile=False)
+        flex = b._flex
+
+        def kernel(*args, **kwargs):
+            with _disable_current_modes():
+                return flex(*args, **kwargs)
+
+        b._flex = kernel
+        return b
+
+    monkeypatch.setattr(attention, "backend_for", backend)
+
+
+def test_the_audit_sees_each_kind_of_sync():
+    x = torch.arange(5)
+    with SyncAudit() as audit:
+        (lambda: torch.tensor([1, 2]))()
+        (lambda: x[x > 2].sum().item())()
+    assert [f.split(" at ")[0] for f in audit.found] == ["torch.tensor from Python data", "boolean-mask index",
+                                                         ".item() / bool()"]
+
+
+def test_moondream_hot_path_has_no_host_sync(tmp_path, monkeypatch):
+    unaudited_flex(monkeypatch)
+    folder = hub_folder(tmp_path / "tiny", TINY, random_state(MoondreamConfig.from_dict(TINY), seed=5),
+                        id_tokenizer(64))
+    md = LoadedMoondream(str(folder))
+    g = torch.Generator().manual_seed(4)
+    prepared = [md.preprocessor(Image.fromarray(torch.randint(0, 256, (50 + 40 * i, 70, 3), generator=g,
+                                                              dtype=torch.uint8).numpy())) for i in range(1)]
+    seqs = md.sequences(TASKS, max_new_tokens=4, max_objects=2)
+    with SyncAudit() as audit:  # engine start-up (graph buckets) and the run: eager steps and graph bodies
+        run_engine(md, prepared, seqs, fixed_shape_decode=True, max_batch_size=6, pipelined=True)
+    assert audit.found == [], "\n".join(dict.fromkeys(audit.found))
+
+
+def test_qwen3_vl_hot_path_has_no_host_sync(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    from qwen3vl_fixture import write_checkpoint
+    from test_qwen3vl_engine import TASKS as QWEN_TASKS
+    from test_qwen3vl_engine import images
+
+    from batchvlm.data.decode import decode
+    from batchvlm.models.registry import open_family
+    from helpers import encode_image
+
+    unaudited_flex(monkeypatch)
+    folder = write_checkpoint(tmp_path / "qwen", seed=2)
+    family = open_family(ModelSpec(name=str(folder)))
+    settings = EngineSpec(max_new_tokens=3, max_batch_size=6, pipelined=True)
+    seqs = family.sequences(QWEN_TASKS, settings)
+    model = family.load("float32", "cpu")
+    pre = family.preprocessor()
+    prepared = []
+    for im in images()[:2]:  # two: the padded multi-image vision layout
+        d = decode(encode_image(im, "PNG"), 10**8)
+        prepared.append(pre(d.image, d.width, d.height))
+    with SyncAudit() as audit:
+        engine = Engine(model, seqs, settings, family.max_prefix_len())
+        r = engine.runner
+        r.graphs = DecodeGraphs(r, -(-family.max_prefix_len() // r.bs), max(engine.own_blocks), len(seqs),
+                                capture=False)
+        done = list(engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared)))
+    assert len(done) == 2 and r.graph_steps > 0
+    assert audit.found == [], "\n".join(dict.fromkeys(audit.found))
