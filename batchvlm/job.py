@@ -203,7 +203,8 @@ class Job(Strict):
     def _columns_distinct(self) -> Job:
         """Every output column has one writer: the row's own, the tasks', `input.keep`'s."""
         owner = {c: "a column every row has" for c in RESERVED_COLUMNS}
-        described = {"label": "column", "raw": "raw text column (output.raw_text)", "truncated": "truncation flag"}
+        described = {"label": "column", "scores": "scores column", "raw": "raw text column (output.raw_text)",
+                     "truncated": "truncation flag"}
         for col, i, what in label_columns(self.tasks, self.output.raw_text):
             if col in owner:
                 raise ValueError(f"tasks.{i}: its {described[what]} {col!r} is also {owner[col]}; give the task a "
@@ -221,7 +222,7 @@ class Job(Strict):
         return {
             # the weights hash pins the family; a local folder is named by its real path
             "model": self.model.model_dump(exclude={"device", "family"}) | {"name": model_path(self.model.name)},
-            "tasks": [t.model_dump() for t in self.tasks],
+            "tasks": [t.model_dump(by_alias=True) for t in self.tasks],
             "engine": {k: getattr(e, k) for k in ("max_new_tokens", "max_objects", "temperature", "top_p", "seed")},
             # which image a row holds, and the pixels the model sees
             "input": self.input.fingerprint_fields(),

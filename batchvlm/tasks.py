@@ -3,9 +3,12 @@ columns. What a task becomes for a model (prompts, sequences) is the family's bu
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+
+from .json_schema import check_schema
 
 
 class Strict(BaseModel):
@@ -37,6 +40,41 @@ class ObjectsArgs(Strict):
         return objects
 
 
+class ClassifyArgs(Strict):
+    question: str = Field(min_length=1, description="Asked of every image, as a query would be.")
+    choices: list[str] = Field(min_length=1, max_length=1000,
+                               description="The answers to score (stripped; distinct, none empty). The column holds "
+                                           "the most probable; <name>_scores every probability, in this order.")
+    name: str | None = Field(None, description="Output column (default: classify).")
+
+    @field_validator("choices")
+    @classmethod
+    def _distinct(cls, choices: list[str]) -> list[str]:
+        stripped = [c.strip() for c in choices]
+        if "" in stripped:
+            raise ValueError(f"choice {stripped.index('')} is empty")
+        for i, c in enumerate(stripped):
+            if c in stripped[:i]:
+                raise ValueError(f"choice {c!r} is given twice")
+        return stripped
+
+
+class JsonArgs(Strict):
+    prompt: str = Field(min_length=1, description="Asked of every image, as written (the schema is not added).")
+    json_schema: dict[str, Any] = Field(alias="schema", description="The JSON Schema every answer follows "
+                                        "(decoding is constrained to it; compact JSON, properties in schema order).")
+    name: str | None = Field(None, description="Output column (default: json).")
+    max_new_tokens: int | None = Field(None, ge=1, description="Overrides engine.max_new_tokens.")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _supported(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        check_schema(schema)
+        return schema
+
+
 class OcrArgs(Strict):
     name: str | None = Field(None, description="Output column (default: ocr).")
     max_new_tokens: int | None = Field(None, ge=1, description="Overrides engine.max_new_tokens.")
@@ -65,6 +103,16 @@ class PointTask(Strict):
     point: ObjectsArgs
 
 
+class ClassifyTask(Strict):
+    classify: ClassifyArgs
+
+
+class JsonTask(Strict):
+    json_: JsonArgs = Field(alias="json")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
 class OcrTask(Strict):
     """The text in the image, as one string (families that can read text: Florence-2, Qwen3-VL)."""
 
@@ -81,7 +129,7 @@ def _task_kind(v: Any) -> str | None:
     if isinstance(v, dict) and len(v) == 1:
         return next(iter(v))
     if isinstance(v, BaseModel):
-        return next(iter(type(v).model_fields))
+        return kind_of(v)
     return None
 
 
@@ -90,29 +138,39 @@ Task = Annotated[
     | Annotated[QueryTask, Tag("query")]
     | Annotated[DetectTask, Tag("detect")]
     | Annotated[PointTask, Tag("point")]
+    | Annotated[ClassifyTask, Tag("classify")]
+    | Annotated[JsonTask, Tag("json")]
     | Annotated[OcrTask, Tag("ocr")]
     | Annotated[RegionsTask, Tag("regions")],
     Discriminator(_task_kind, custom_error_type="task_kind",
-                  custom_error_message="a task is one of caption, query, detect, point, ocr, regions (one key)"),
+                  custom_error_message="a task is one of caption, query, detect, point, ocr, regions, classify, json "
+                                       "(one key)"),
 ]
 
 
 def kind_of(task: Task) -> str:
-    return next(iter(type(task).model_fields))
+    name, field = next(iter(type(task).model_fields.items()))
+    return field.alias or name  # `json` is an alias: a field of that name would shadow BaseModel.json
 
 
 def args_of(task: Task) -> Any:
-    return getattr(task, kind_of(task))
+    return getattr(task, next(iter(type(task).model_fields)))
 
 
 def column_of(task: Task) -> str:
     return args_of(task).name or kind_of(task)
 
 
-def truncated_column(task: Task) -> str:
+def truncated_column(task: Task) -> str | None:
     """Per task, a boolean column: the label was cut short by a limit (max_new_tokens or
-    max_objects), so a caption may stop mid-sentence or objects may be missing."""
-    return f"{column_of(task)}_truncated"
+    max_objects), so a caption may stop mid-sentence or objects may be missing. None for
+    classify, which generates nothing."""
+    return None if kind_of(task) == "classify" else f"{column_of(task)}_truncated"
+
+
+def scores_column(task: Task) -> str | None:
+    """A classify task's probability of every choice, in choice order (None for others)."""
+    return f"{column_of(task)}_scores" if kind_of(task) == "classify" else None
 
 
 def raw_column(task: Task) -> str | None:
@@ -120,17 +178,29 @@ def raw_column(task: Task) -> str | None:
     return f"{column_of(task)}_raw" if kind_of(task) in ("detect", "point") else None
 
 
+def choice_values(choices: list[str], logprobs: list[float]) -> tuple[str, list[dict[str, Any]]]:
+    """Summed log-probabilities of each choice -> (the most probable choice, the scores cell):
+    a softmax over the choices, in float64 (the first of equal scores wins)."""
+    top = max(logprobs)
+    weights = [math.exp(lp - top) for lp in logprobs]
+    total = sum(weights)
+    best = max(range(len(choices)), key=lambda i: (logprobs[i], -i))
+    return choices[best], [{"label": c, "prob": w / total} for c, w in zip(choices, weights)]
+
+
 def label_columns(tasks: list[Task], raw_text: bool = False) -> list[tuple[str, int, str]]:
     """The columns the tasks add to a row, in schema order, as (column, task index, what): each
-    task's column (with `raw_text`, a detect / point task's `<name>_raw` after it), then the
-    truncation flags. `what` is "label", "raw" or "truncated". Each column must be unique in the
-    row (job.py checks)."""
+    task's column (a classify task's `<name>_scores` after it; with `raw_text`, a detect / point
+    task's `<name>_raw`), then the truncation flags (none for classify). `what` is "label",
+    "scores", "raw" or "truncated". Each column must be unique in the row (job.py checks)."""
     out = []
     for i, t in enumerate(tasks):
         out.append((column_of(t), i, "label"))
+        if scores := scores_column(t):
+            out.append((scores, i, "scores"))
         if raw_text and (raw := raw_column(t)):
             out.append((raw, i, "raw"))
-    return out + [(truncated_column(t), i, "truncated") for i, t in enumerate(tasks)]
+    return out + [(c, i, "truncated") for i, t in enumerate(tasks) if (c := truncated_column(t))]
 
 
 def _clamp(v: float) -> float:

@@ -29,7 +29,7 @@ import torch
 from ..cache.spans import StateSpans
 from ..cache.tensors import EngineCache
 from ..models.attention import AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
-from ..models.decoding import Decision, RowState
+from ..models.decoding import Decision, PromptRows, RowState
 from ..models.family import EngineModel, Prepared
 from .graphs import DecodeGraphs
 from .inputs import DecodeInputs, step_inputs
@@ -54,13 +54,15 @@ class HostEvent:
 
 class Runner:
     def __init__(self, model: EngineModel, cache: EngineCache, n_rows: int, n_feature_slots: int, max_prefix_len: int,
-                 max_own_blocks: int, seqs_per_image: int, cuda_graphs: bool, sampling: bool):
+                 max_own_blocks: int, seqs_per_image: int, cuda_graphs: bool, sampling: bool,
+                 scores_prompts: bool = False):
         self.model = model
         self.cache = cache
         self.device = dev = model.device
         self.bs = cache.block_size
         self.n_rows = n_rows
         self.sampling = sampling
+        self.scores_prompts = scores_prompts  # MODE_SCORE sequences: decide gets the prompt rows
         self.recurrent = bool(cache.recurrent)
         R = n_rows + 1  # the last row is scratch for padding
         self.state_int = {f: torch.zeros(R, dtype=torch.long, device=dev) for f in STATE_INT}
@@ -237,7 +239,11 @@ class Runner:
                                 x.decode.rows, first_decode, x.cu_seqlens, x.span_read, x.span_write)
         batch = AttentionBatch(torch.cat(write_slots), groups, bs, layout.n_pre, states)
         hidden = m.forward(torch.cat(embeds), positions, batch, self.cache, prefix)
-        return self.decide(torch.cat([x.new_rows, x.decode.rows]), hidden[x.last], x.heads)
+        prompt = None
+        if S and self.scores_prompts:  # classify choices (models/family.py (c))
+            prompt = PromptRows(hidden[layout.n_pre: first_decode], x.prompt_tokens, x.flat_seq, x.flat_own,
+                                x.prompt_lens)
+        return self.decide(torch.cat([x.new_rows, x.decode.rows]), hidden[x.last], x.heads, prompt)
 
     def decode_group(self, d: DecodeInputs, first_row: int, embeds, own_pos, write_slots, groups,
                      extent: tuple[int | None, bool] = (None, False)) -> None:
@@ -261,12 +267,13 @@ class Runner:
         self.state_float["temperature"][rows] = floats[:, 0]
         self.state_float["top_p"][rows] = floats[:, 1]
 
-    def decide(self, rows: torch.Tensor, hidden_BC: torch.Tensor, heads) -> Decision:
+    def decide(self, rows: torch.Tensor, hidden_BC: torch.Tensor, heads, prompt: PromptRows | None = None) -> Decision:
         st = RowState(mode=self.state_int["mode"][rows], phase=self.state_int["phase"][rows],
                       count=self.state_int["count"][rows], limit=self.state_int["limit"][rows],
                       after_prompt=self.after_prompt[rows], temperature=self.state_float["temperature"][rows],
                       top_p=self.state_float["top_p"][rows], seed=self.state_int["seed"][rows])
-        d = self.model.decide(hidden_BC, st, self.sampling, heads)
+        d = self.model.decide(hidden_BC, st, self.sampling, heads) if prompt is None else \
+            self.model.decide(hidden_BC, st, self.sampling, heads, prompt)
         self.state_int["phase"][rows] = st.phase
         self.state_int["count"][rows] = st.count
         self.after_prompt[rows] = st.after_prompt

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 
 MODE_TEXT = 0  # a family's other modes are its own (values above 0)
+MODE_SCORE = -1  # a classify choice: its prompt rows are scored, it finishes at its first decision
 EMIT_NONE, EMIT_TOKEN = 0, 1  # a family's other emission codes are its own (values above 1)
+EMIT_SCORE = -1  # value[0]: the summed log-probability of a MODE_SCORE row's scored tokens
 INPUT_TOKEN = 0  # the kind of a step's input: a token id (a family may add kinds)
 HEAD_TOKEN = 1  # bit 0 of a head set: the token head. A family has at most N_HEADS output heads.
 N_HEADS = 3
@@ -42,8 +44,9 @@ class SeqSpec:
 
     @property
     def budget(self) -> int:
-        """Positions the sequence may write after its prompt (an upper bound)."""
-        return len(self.heads) * self.limit
+        """Positions the sequence may write after its prompt (an upper bound). A MODE_SCORE
+        sequence's `limit` is how many of its last prompt rows are scored; it writes nothing."""
+        return 1 if self.mode == MODE_SCORE else len(self.heads) * self.limit
 
 
 @dataclass
@@ -139,6 +142,41 @@ def decide_text(logits_BV: torch.Tensor, state: RowState, stop_ids: torch.Tensor
 
 
 @dataclass
+class PromptRows:
+    """The own prompt tokens of a step's new sequences (the first S emitting rows), on the device:
+    what a family that scores choices needs besides the last row of each (models/family.py (c))."""
+
+    hidden_NC: torch.Tensor  # [n_prompt, C]
+    ids_N: torch.Tensor  # [n_prompt] their token ids
+    seq_N: torch.Tensor  # [n_prompt] emitting row of each token
+    own_N: torch.Tensor  # [n_prompt] its index in its prompt
+    lens_S: torch.Tensor  # [S] prompt lengths
+
+
+def choice_scores(logits_fn, prompt: PromptRows, state: RowState, end_id: int) -> torch.Tensor:
+    """[B] summed float32 log-probabilities of what each MODE_SCORE row's last `limit` prompt rows
+    predict: the choice's tokens (each scored at the row before it), then `end_id` at the last row
+    (the end is never fed). Other rows get 0. Fixed shapes: every prompt row's logits are computed."""
+    ids, seq, own = prompt.ids_N, prompt.seq_N, prompt.own_N
+    L = prompt.lens_S[seq]
+    last = own == L - 1
+    target = torch.where(last, end_id, torch.roll(ids, -1))
+    scored = (state.mode[seq] == MODE_SCORE) & (own >= L - state.limit[seq])
+    logp = torch.log_softmax(logits_fn(prompt.hidden_NC).float(), -1).gather(-1, target[:, None])[:, 0]
+    return torch.zeros(state.mode.shape[0], dtype=torch.float32, device=ids.device).index_add_(
+        0, seq, torch.where(scored, logp, 0.0))
+
+
+def with_scores(d: Decision, state: RowState, scores_B: torch.Tensor) -> Decision:
+    """MODE_SCORE rows emit their score and finish; other rows keep their decision."""
+    is_score = state.mode == MODE_SCORE
+    value = d.value.clone()
+    value[:, 0] = torch.where(is_score, scores_B, value[:, 0])
+    return Decision(torch.where(is_score, EMIT_SCORE, d.code), d.token, value, d.finished | is_score,
+                    d.next_kind, d.next_token, d.next_value)
+
+
+@dataclass
 class RawOutput:
     """What one sequence emitted, assembled on the host by its family's `emit`: token ids, or
     objects (family-defined tuples, e.g. points / boxes), with `pending` as the family's scratch."""
@@ -158,6 +196,8 @@ class RawOutput:
 
 
 def emit_text(out: RawOutput, spec: SeqSpec, code: int, token: int, v0: float, v1: float) -> None:
-    """The host half of plain text decoding: keep emitted tokens."""
+    """The host half of plain text decoding: keep emitted tokens (and a choice's score)."""
     if code == EMIT_TOKEN:
         out.tokens.append(token)
+    elif code == EMIT_SCORE:
+        out.objects.append((v0,))

@@ -51,9 +51,10 @@ Engine contract v2: how each kind of model plugs in.
       prompt is [last prompt token] + the choice's tokens, with limit 1 (it finishes at its
       first decision: one prefill step, no decode loop). Its score, the sum of the choice
       tokens' log-probs, needs the logits of every own prompt row, where `decide` sees the last
-      row only: the one addition is a model flag asking the runner to also pass the step's
-      prompt rows (hidden [n_prompt, C], their ids and [S + 1] offsets, all already on the
-      device) to `decide`, which reduces them per row into `Decision.value`.
+      row only: in a job with MODE_SCORE sequences, `decide` gets the step's prompt rows as well
+      (`PromptRows`: hidden [n_prompt, C], ids, row and own index of each, already on the device)
+      and reduces them per row into `Decision.value` (decoding.py `choice_scores`). MODE_SCORE
+      rows score their last `limit` rows and write nothing after their prompt (budget 1).
   (d) JSON / constrained decoding. A grammar object owned by the family keeps its state per row
       on the device (e.g. a state id in `RowState.phase`) and a mask table [n_states, V] (or a
       packed bitmask) on the device: `decide` masks the logits with table[phase] before the
@@ -72,7 +73,7 @@ import torch
 from PIL import Image
 
 from ..tasks import kind_of
-from .decoding import Decision, RawOutput, RowState, SeqSpec
+from .decoding import Decision, PromptRows, RawOutput, RowState, SeqSpec
 
 if TYPE_CHECKING:
     from ..cache.specs import StateSpec
@@ -247,9 +248,10 @@ class EngineModel(Protocol):
         `attend`, recurrent states by `run_recurrent`)."""
 
     def decide(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
-               heads: tuple[torch.Tensor, ...] | None) -> Decision:
+               heads: tuple[torch.Tensor, ...] | None, prompt: PromptRows | None = None) -> Decision:
         """One step of every row's decoding; updates `state` in place. `heads[b]`: the rows whose
-        head schedule (SeqSpec.heads) needs head b this step (None: every row, every head)."""
+        head schedule (SeqSpec.heads) needs head b this step (None: every row, every head).
+        `prompt`: the step's prompt rows, in a job with MODE_SCORE sequences (note (c))."""
 
     def emit(self, out: RawOutput, spec: SeqSpec, code: int, token: int, v0: float, v1: float) -> None:
         """The host half of the grammar: apply one emission of a sequence (one step behind)."""

@@ -28,13 +28,21 @@ class RawText(BaseModel):
     text: str = Field(description="The decoded text of that object's sequence, before parsing.")
 
 
+class Score(BaseModel):
+    label: str = Field(description="A classify task's choice.")
+    prob: float = Field(ge=0, le=1, description="Its probability: a softmax over the choices' summed token "
+                                                "log-probabilities (the choices' probabilities sum to 1).")
+
+
 class LabelRow(BaseModel):
     """One row per input sample. Task columns are named by the task's `name` (default: its kind):
-    caption / query / ocr -> string; detect / regions -> list of Box; point -> list of Point; null on
-    error rows.
-    Each task also has `<name>_truncated` (boolean): its label was cut short by a limit
-    (engine.max_new_tokens / max_objects), so a caption may stop mid-sentence or objects may be
-    missing; null on error rows. With output.raw_text, `<name>_raw` beside each detect / point
+    caption / query / ocr -> string; detect / regions -> list of Box; point -> list of Point;
+    classify -> string (the most probable choice) and `<name>_scores` -> list of Score (every
+    choice, in choice order); json -> string (compact JSON that validates against the task's schema
+    unless truncated); null on error rows. Each task but classify also has `<name>_truncated`
+    (boolean): its label was cut short by a limit (engine.max_new_tokens / max_objects), so a
+    caption may stop mid-sentence, a json answer is incomplete, or objects may be missing; null on
+    error rows. With output.raw_text, `<name>_raw` beside each detect / point
     column -> list of RawText (the decoded text of each object's sequence).
     Then one column per `input.keep` name, on every row (error rows too): a Parquet input's column
     with its type; a tar / folder sidecar (`json`, `txt`, ...) as a string; `path` (folder input)
@@ -60,11 +68,12 @@ def error_kind(error: str) -> str:
 def json_schema() -> dict:
     schema = LabelRow.model_json_schema()
     schema["$defs"] = schema.get("$defs", {}) | {"Box": Box.model_json_schema(), "Point": Point.model_json_schema(),
-                                                 "RawText": RawText.model_json_schema()}
+                                                 "RawText": RawText.model_json_schema(), "Score": Score.model_json_schema()}
     schema["additionalProperties"] = {"anyOf": [
         {"type": "string"}, {"type": "array", "items": {"$ref": "#/$defs/Box"}},
         {"type": "array", "items": {"$ref": "#/$defs/Point"}},
-        {"type": "array", "items": {"$ref": "#/$defs/RawText"}}, {"type": "boolean"}, {"type": "null"},
+        {"type": "array", "items": {"$ref": "#/$defs/RawText"}},
+        {"type": "array", "items": {"$ref": "#/$defs/Score"}}, {"type": "boolean"}, {"type": "null"},
         {"description": "an input.keep column: the input column's type, or a string for sidecars and path"}]}
     schema["title"] = "batchvlm label row"
     return schema

@@ -33,15 +33,17 @@ from .layout import Layout
 BOX = pa.struct([("label", pa.string()), ("x_min", pa.float32()), ("y_min", pa.float32()),
                  ("x_max", pa.float32()), ("y_max", pa.float32())])
 POINT = pa.struct([("label", pa.string()), ("x", pa.float32()), ("y", pa.float32())])
+SCORES = pa.list_(pa.struct([("label", pa.string()), ("prob", pa.float32())]))
 TYPES = {"caption": pa.string(), "query": pa.string(), "detect": pa.list_(BOX), "point": pa.list_(POINT),
-         "ocr": pa.string(), "regions": pa.list_(BOX)}
+         "ocr": pa.string(), "regions": pa.list_(BOX), "classify": pa.string(), "json": pa.string()}
 RAW_TEXT = pa.list_(pa.struct([("label", pa.string()), ("text", pa.string())]))
 
 
 def schema(tasks: list[Task], metadata: dict[str, Any], kept: list[pa.Field] | None = None,
            raw_text: bool = False) -> pa.Schema:
-    """The label columns, the task columns (with `raw_text`, a `<name>_raw` column after each
-    detect / point column: output.raw_text), the truncation flags, then the `input.keep`
+    """The label columns, the task columns (a classify column followed by its `<name>_scores`;
+    with `raw_text`, a `<name>_raw` column after each detect / point column: output.raw_text),
+    the truncation flags, then the `input.keep`
     columns (`kept`)."""
     fields = [
         pa.field("key", pa.string(), nullable=False),
@@ -52,7 +54,8 @@ def schema(tasks: list[Task], metadata: dict[str, Any], kept: list[pa.Field] | N
         pa.field("error", pa.string()),
     ]
     for col, i, what in label_columns(tasks, raw_text):
-        fields.append(pa.field(col, {"label": TYPES[kind_of(tasks[i])], "raw": RAW_TEXT, "truncated": pa.bool_()}[what]))
+        fields.append(pa.field(col, {"label": TYPES[kind_of(tasks[i])], "scores": SCORES, "raw": RAW_TEXT,
+                                "truncated": pa.bool_()}[what]))
     fields += kept or []
     return pa.schema(fields, metadata={"batchvlm": json.dumps(metadata)})
 

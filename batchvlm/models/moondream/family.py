@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...tasks import args_of, box_values, column_of, kind_of, point_values, truncated_column
+from ...tasks import (args_of, box_values, choice_values, column_of, kind_of, point_values, scores_column,
+                      truncated_column)
 from ...cache.specs import PagedKV, bytes_per_slot
 from ...cache.tensors import EngineCache
 from ..attention import AttentionBatch, KVCache
-from ..decoding import MODE_TEXT, Decision, RawOutput, RowState, SeqSpec
+from ..decoding import (MODE_SCORE, MODE_TEXT, Decision, PromptRows, RawOutput, RowState, SeqSpec, choice_scores,
+                        with_scores)
 from . import grammar
 from .grammar import MODE_DETECT, MODE_POINT
 from ..family import FamilyError, ModelInfo, PrefixInputs, TaskSequence, check_kinds
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
     from ...job import EngineSpec
     from ...tasks import Task
 
-KINDS = ("caption", "query", "point", "detect")
+KINDS = ("caption", "query", "point", "detect", "classify")
 
 
 class Moondream:
@@ -59,7 +61,7 @@ class Moondream:
     def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[TaskSequence]:
         check_kinds(tasks, KINDS, "Moondream")
         seqs = [TaskSequence(t, label, spec) for t, task in enumerate(tasks)
-                for label, spec in self._task_sequences(task, engine)]
+                for label, spec in self._task_sequences(t, task, engine)]
         P, n_ctx = self.config.prefix_len, self.config.text.max_context
         for s in seqs:
             if P + len(s.spec.prompt) + s.spec.budget > n_ctx:
@@ -69,9 +71,11 @@ class Moondream:
                     "or lower engine.max_new_tokens / engine.max_objects")
         return seqs
 
-    def _task_sequences(self, task: Task, e: EngineSpec) -> list[tuple[str | None, SeqSpec]]:
+    def _task_sequences(self, t: int, task: Task, e: EngineSpec) -> list[tuple[str | None, SeqSpec]]:
         """(object label or None, sequence) for each sequence the task runs on an image."""
         kind, a = kind_of(task), args_of(task)
+        if kind == "classify":
+            return self._choices(t, a)
         tpl = self.config.tokenizer.templates.get(kind)
         if tpl is None:
             raise FamilyError(f"tasks: the model has no {kind} template")
@@ -88,11 +92,34 @@ class Moondream:
                                    a.max_objects or e.max_objects))
                 for obj in a.objects]
 
+    def _choices(self, t: int, a) -> list[tuple[str, SeqSpec]]:
+        """One sequence per choice: the query's prompt, then the choice's tokens (after the answer
+        ids: the same alone as in context), scored with the end token (models/family.py (c)). The
+        image prefix attends to itself bidirectionally, so the prompt cannot join it as a prefix
+        prompt: each choice row carries it (Moondream's query prompts are short)."""
+        tpl = self.config.tokenizer.templates.get("query")
+        if tpl is None:
+            raise FamilyError("tasks: the model has no query template")
+        prompt = tuple(tpl["prefix"] + self.tokenizer.encode(a.question) + tpl["suffix"] + tpl["suffix"])
+        out: list[tuple[str, SeqSpec]] = []
+        for c in a.choices:
+            ids = tuple(self.tokenizer.encode(c))
+            for label, s in out:
+                if s.prompt == prompt + ids:
+                    raise FamilyError(f"tasks.{t}.classify.choices: {label!r} and {c!r} are the same tokens for "
+                                      "this model")
+            out.append((c, SeqSpec(MODE_SCORE, prompt + ids, len(ids) + 1)))
+        return out
+
     def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for t, task in enumerate(tasks):
             mine = [(s, r) for s, r in zip(seqs, raws) if s.task == t]
             kind = kind_of(task)
+            if kind == "classify":  # each choice's score (decoding.py choice_scores)
+                out[column_of(task)], out[scores_column(task)] = choice_values([s.label for s, _ in mine],
+                                                                               [r.objects[0][0] for _, r in mine])
+                continue
             if kind in ("caption", "query"):
                 out[column_of(task)] = self.tokenizer.decode(mine[0][1].tokens).strip()
             else:
@@ -164,5 +191,10 @@ class MoondreamEngineModel:
     emit = staticmethod(grammar.emit)
 
     def decide(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
-               heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> Decision:
-        return decide(self.model, hidden_BC, state, sampling, heads)
+               heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+               prompt: PromptRows | None = None) -> Decision:
+        d = decide(self.model, hidden_BC, state, sampling, heads)
+        if prompt is None:
+            return d
+        scores = choice_scores(self.model.text.logits, prompt, state, self.model.config.tokenizer.eos_id)
+        return with_scores(d, state, scores)

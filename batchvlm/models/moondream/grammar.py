@@ -8,7 +8,7 @@ then y (coordinate); detect then needs (w, h) (size).
 
 from __future__ import annotations
 
-from ..decoding import EMIT_TOKEN, MODE_TEXT, Decision, RawOutput, SeqSpec
+from ..decoding import EMIT_SCORE, EMIT_TOKEN, MODE_TEXT, Decision, RawOutput, SeqSpec
 
 MODE_POINT, MODE_DETECT = 1, 2
 EMIT_X, EMIT_Y, EMIT_SIZE = 2, 3, 4
@@ -26,6 +26,8 @@ def emit(out: RawOutput, spec: SeqSpec, code: int, token: int, v0: float, v1: fl
     does, and are not clamped."""
     if code == EMIT_TOKEN:
         out.tokens.append(token)
+    elif code == EMIT_SCORE:
+        out.objects.append((v0,))
     elif code == EMIT_X:
         out.pending = [v0]
     elif code == EMIT_Y:

@@ -44,4 +44,4 @@ class Qwen35(QwenVLHost):
         model = build_model(self.config, torch.from_numpy(self.settings.lookup_table()), dev, dt)
         load_weights(model, files)
         info = self.model_info(weights_sha256(files), str(dt).removeprefix("torch."), str(dev))
-        return Qwen35EngineModel(model, info, self.head, self.stop_ids, self.pre)
+        return Qwen35EngineModel(model, info, self.head, self.stop_ids, self.pre, self.tokenizer.id_of("<|im_end|>"))

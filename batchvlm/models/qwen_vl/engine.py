@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding import Decision, RowState, decide_text, emit_text
+from ..decoding import Decision, PromptRows, RowState, choice_scores, decide_text, emit_text, with_scores
 from ..family import ModelInfo, PrefixInputs
 from ..pinned import PinnedUpload
 from .model import QwenVLModel
@@ -37,7 +37,7 @@ class QwenVLEngineModel:
     causal_prefix = True
 
     def __init__(self, model: QwenVLModel, info: ModelInfo, head: list[int], stop_ids: list[int],
-                 pre: Preprocessor):
+                 pre: Preprocessor, end_id: int):
         self.model, self.info = model, info
         self.device, self.dtype = model.device, model.dtype
         self.head = torch.tensor(head, dtype=torch.long, device=self.device)
@@ -45,9 +45,10 @@ class QwenVLEngineModel:
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
         self.pre = pre
         self._upload = PinnedUpload(self.device)
+        self.end_id = end_id  # classify: <|im_end|> ends a choice
 
     def prefix_layout(self, image: PreparedImage, prompt: tuple[int, ...]) -> tuple[int, int]:
-        return image.prefix_len, image.next_pos
+        return image.prefix_len + len(prompt), image.next_pos + len(prompt)
 
     def encode(self, images: list[PreparedImage]) -> list[ImageFeatures]:
         # One pinned staging copy and one upload for the batch; images differ in size, so flat.
@@ -77,12 +78,14 @@ class QwenVLEngineModel:
         end = self.model.embed(self.vision_end)
         embeds, positions, rows = [], [], []
         at = 0
-        for f in features:
-            n = f.features_TC.shape[0]
-            embeds += [head, f.features_TC.to(head.dtype), end]
-            positions.append(prefix_positions(h, f.grid, self.device))
+        for f, prompt in zip(features, prompts):
+            n, p = f.features_TC.shape[0], prompt.shape[0]
+            embeds += [head, f.features_TC.to(head.dtype), end, self.model.embed(prompt)]
+            # a prefix prompt (classify's shared prompt) continues 1-D after vision_end
+            image_pos = prefix_positions(h, f.grid, self.device)
+            positions += [image_pos, image_pos[:, -1:] + 1 + torch.arange(p, device=self.device)]
             rows.append(torch.arange(at + h, at + h + n, device=self.device))
-            at += h + n + 1
+            at += h + n + 1 + p
         deepstack = None
         if self.model.config.vision.deepstack_layers:
             deepstack = DeepStack(torch.cat(rows),
@@ -101,5 +104,8 @@ class QwenVLEngineModel:
     emit = staticmethod(emit_text)
 
     def decide(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
-               heads: tuple[torch.Tensor, ...] | None) -> Decision:
-        return decide_text(self.model.logits(hidden_BC), state, self.stop_ids, sampling)
+               heads: tuple[torch.Tensor, ...] | None, prompt: PromptRows | None = None) -> Decision:
+        d = decide_text(self.model.logits(hidden_BC), state, self.stop_ids, sampling)
+        if prompt is None:
+            return d
+        return with_scores(d, state, choice_scores(self.model.logits, prompt, state, self.end_id))

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ...tasks import args_of, kind_of
-from ..decoding import MODE_TEXT, RawOutput, SeqSpec
+from ..decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
 from ..family import FamilyError, ModelInfo, TaskSequence, check_kinds
 from ..hub import TokenizerAdapter
 from ..qwen_prompts import QWEN3
@@ -67,6 +67,7 @@ class QwenVLHost:
     backend = "native"
     name: str
     title: str  # in messages: "Qwen3-VL"
+    kinds: tuple[str, ...] = KINDS  # the task kinds the family runs
 
     def __init__(self, config: QwenConfig, settings: PixelSettings, tokenizer, folder: Path, model_name: str,
                  revision: str | None, min_pixels: int | None = None, max_pixels: int | None = None):
@@ -88,10 +89,13 @@ class QwenVLHost:
         return len(self.head) + self.pre.max_tokens() + 1
 
     def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[TaskSequence]:
-        check_kinds(tasks, KINDS, self.title)
+        check_kinds(tasks, self.kinds, self.title)
         seqs = []
         for t, task in enumerate(tasks):
             kind, a = kind_of(task), args_of(task)
+            if kind == "classify":
+                seqs += self._choices(t, a)
+                continue
             if kind in ("caption", "query", "ocr"):
                 pairs = [(None, QWEN3.words(kind, a), a.max_new_tokens or engine.max_new_tokens)]
             else:
@@ -108,6 +112,25 @@ class QwenVLHost:
                     f"tasks.{s.task}: a {len(s.spec.prompt)}-token prompt and up to {s.spec.budget} generated tokens "
                     f"after an image prefix of up to {P} tokens exceed the model's context of {n_ctx}; lower "
                     "model.max_pixels or engine.max_new_tokens")
+        return seqs
+
+    def _choices(self, t: int, a) -> list[TaskSequence]:
+        """One sequence per choice: the query's prompt minus its last token is the shared prefix
+        prompt; own tokens are that last token and the choice's tokens encoded in context, all
+        scored, then <|im_end|> (models/family.py (c))."""
+        text = self.template.split(QWEN3.words("query", a))[1]
+        base = self.tokenizer.encode(text)
+        seqs: list[TaskSequence] = []
+        for c in a.choices:
+            full = self.tokenizer.encode(text + c)
+            if full[: len(base)] != base or len(full) == len(base):
+                raise FamilyError(f"tasks.{t}.classify.choices: {c!r} merges with the prompt's last token")
+            own = (base[-1], *full[len(base):])
+            for s in seqs:
+                if s.spec.prompt == own:
+                    raise FamilyError(f"tasks.{t}.classify.choices: {s.label!r} and {c!r} are the same tokens for "
+                                      "this model")
+            seqs.append(TaskSequence(t, c, SeqSpec(MODE_SCORE, own, len(own), prefix_prompt=tuple(base[:-1]))))
         return seqs
 
     def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput]) -> dict[str, Any]:

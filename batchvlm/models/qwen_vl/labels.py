@@ -16,7 +16,8 @@ import math
 import re
 from typing import Any
 
-from ...tasks import Task, box_values, column_of, kind_of, point_values, raw_column, truncated_column
+from ...tasks import (Task, box_values, choice_values, column_of, kind_of, point_values, raw_column, scores_column,
+                      truncated_column)
 from ..decoding import RawOutput
 from ..family import PARSE_FAILURES, TaskSequence
 from ..grounding import qwen3_boxes, qwen3_points
@@ -43,6 +44,10 @@ def column_values(tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOut
     for t, task in enumerate(tasks):
         mine = [(s, r) for s, r in zip(seqs, raws) if s.task == t]
         kind = kind_of(task)
+        if kind == "classify":  # each choice's score (decoding.py choice_scores)
+            out[column_of(task)], out[scores_column(task)] = choice_values([s.label for s, _ in mine],
+                                                                           [r.objects[0][0] for _, r in mine])
+            continue
         texts = [answer_text(decode, r.tokens) for _, r in mine]
         cut = any(r.hit_limit(s.spec) for s, r in mine)  # the token limit ended an answer
         if kind in ("caption", "query", "ocr"):

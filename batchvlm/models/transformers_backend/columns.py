@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...tasks import Task, box_values, column_of, kind_of, point_values, raw_column, truncated_column
+from ...tasks import (Task, args_of, box_values, choice_values, column_of, kind_of, point_values, raw_column,
+                      scores_column, truncated_column)
 from ..grounding import florence2_regions
 from ..qwen_prompts import answer_text
 from .architectures import GroundingFormat
@@ -42,7 +43,12 @@ def column_values(tasks: list[Task], prompts: list[Prompt], raws: list[Generated
         kind = kind_of(task)
         mine = [(p, r) for p, r in zip(prompts, raws) if p.task == t]
         truncated = any(not r.stopped for _, r in mine)
-        if kind in ("caption", "query", "ocr"):
+        if kind == "classify":
+            out[column_of(task)], out[scores_column(task)] = choice_values(args_of(task).choices, list(mine[0][1].scores))
+            continue
+        if kind == "json":  # compact JSON as the grammar wrote it
+            out[column_of(task)] = tokenizer.decode(list(mine[0][1].tokens), skip_special_tokens=True).strip()
+        elif kind in ("caption", "query", "ocr"):
             out[column_of(task)] = _text(tokenizer, mine[0][1].tokens, None)
         elif kind == "regions":  # Florence-2's: each box with its own phrase
             p, r = mine[0]

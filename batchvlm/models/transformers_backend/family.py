@@ -20,6 +20,7 @@ from .generation import Generated, StaticLabeler
 from .loading import HostSide, host_side, load_model
 from .preprocess import ImagePreprocessor
 from .prompts import Prompt, chat_renderer, prompts_for
+from .structured import with_choices
 
 
 class TransformersFamily:
@@ -38,8 +39,9 @@ class TransformersFamily:
         return ImagePreprocessor(self.host.processor.image_processor)
 
     def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[Prompt]:
-        return prompts_for(tasks, architectures.style(self.name), self.format, chat_renderer(self.host.processor),
-                           self.name, engine.max_new_tokens, engine.max_objects)
+        prompts = prompts_for(tasks, architectures.style(self.name), self.format, chat_renderer(self.host.processor),
+                              self.name, engine.max_new_tokens, engine.max_objects)
+        return with_choices(prompts, tasks, self.host.processor.tokenizer)
 
     def columns(self, tasks: list[Task], seqs: list[Prompt], raws: list[Generated]) -> dict[str, Any]:
         return column_values(tasks, seqs, raws, self.host.processor.tokenizer, self.format)

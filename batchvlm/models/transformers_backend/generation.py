@@ -28,6 +28,7 @@ from ...job import EngineSpec
 from ..decoding import sequence_seed
 from ..family import WorkItem
 from .prompts import Prompt
+from .structured import GrammarLogits, end_of_turn, score_choices
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Generated:
     tokens: tuple[int, ...]  # new token ids, cut before the first stop token
     stopped: bool  # the model ended it (else max_new_tokens did: the text may be cut short)
     seen: tuple[int, int] | None  # (width, height) of the image as the model saw it, where known
+    scores: tuple[float, ...] = ()  # classify: each choice's summed log-probability
 
 
 def _stop_ids(generation_config) -> set[int]:
@@ -74,6 +76,19 @@ class StaticLabeler:
         # A template that writes BOS itself must not get a second one from the tokenizer (what
         # apply_chat_template does); other prompts keep the processor's own default.
         self.text_kwargs = [{"add_special_tokens": False} if bos and p.text.startswith(bos) else {} for p in prompts]
+        self.grammars = self._compile([p.schema for p in prompts])
+
+    def _compile(self, schemas: list[dict | None]) -> list[Any]:
+        """Each json prompt's grammar, compiled once per job for the model's vocabulary."""
+        if not any(schemas):
+            return [None] * len(schemas)
+        from ..grammar import Vocabulary
+
+        tok = self.processor.tokenizer
+        vocab = Vocabulary(tok.backend_tokenizer, self.model.get_output_embeddings().weight.shape[0],
+                           [end_of_turn(tok)])
+        self.vocab = vocab
+        return [vocab.compile(s) if s else None for s in schemas]
 
     def label(self, items: Iterable[WorkItem]) -> Iterator[tuple[Any, list[Generated]]]:
         batch: list[WorkItem] = []
@@ -102,9 +117,15 @@ class StaticLabeler:
         for k, v in enc.items():  # pixel values in the model's dtype; ids and masks stay integers
             if torch.is_floating_point(v):
                 enc[k] = v.to(self.model.dtype)
+        if prompt.choices:
+            return [Generated((), True, seen[j] if seen else None, tuple(row))
+                    for j, row in enumerate(score_choices(self.model, enc, prompt.choices))]
         if self.sampling:
             torch.manual_seed(sequence_seed(self.settings.seed, first_key, s))
-        out = self.model.generate(**enc, generation_config=self.config, max_new_tokens=prompt.max_new_tokens)
+        grammar = self.grammars[s]
+        extra = {"logits_processor": [GrammarLogits(self.vocab, grammar, len(images), enc["input_ids"].shape[1])]} \
+            if grammar is not None else {}
+        out = self.model.generate(**enc, generation_config=self.config, max_new_tokens=prompt.max_new_tokens, **extra)
         # Decoder-only models return the prompt too; encoder-decoders start with the decoder's start token.
         new = out[:, 1:] if self.model.config.is_encoder_decoder else out[:, enc["input_ids"].shape[1]:]
         results = []

@@ -31,6 +31,8 @@ class Prompt:
     text: str  # what the processor gets beside the image
     max_new_tokens: int
     max_objects: int | None = None  # detect / point / regions: objects kept, in the order the model wrote them
+    choices: tuple[tuple[int, ...], ...] = ()  # classify: each choice's ids after `text`, then the end token
+    schema: dict | None = None  # json: decoding is constrained to it
 
 
 def _words(kind: str, args, obj: str | None, style: Style, fmt: GroundingFormat | None) -> str:
@@ -38,8 +40,10 @@ def _words(kind: str, args, obj: str | None, style: Style, fmt: GroundingFormat 
         return florence2.task_text(kind, args, obj)
     if kind == "caption":
         return {"chat": CHAT_CAPTIONS, "paligemma": PALIGEMMA_CAPTIONS}[style][args.length]
-    if kind == "query":
+    if kind in ("query", "classify"):  # a classify prompt is the query's, so its answer is scored
         return f"answer en {args.question}" if style == "paligemma" else args.question
+    if kind == "json":
+        return args.prompt
     if kind == "ocr":
         return "ocr" if style == "paligemma" else OCR
     template = fmt.detect if kind == "detect" else fmt.point
@@ -60,17 +64,21 @@ def prompts_for(tasks: list[Task], style: Style, fmt: GroundingFormat | None, ch
             known = f"its format, {fmt.name}, has no points" if fmt else "batchvlm knows no grounding format for it"
             raise FamilyError(f"tasks.{i}.{kind}: model_type {model_type!r} through the transformers backend "
                               f"cannot {kind} ({known}); supported formats: {supported_formats()}")
+        if kind in ("classify", "json") and style != "chat":
+            raise FamilyError(f"tasks.{i}.{kind}: model_type {model_type!r} is not a chat model; batchvlm runs "
+                              f"{kind} tasks on chat models only")
         if style == "chat" and chat_template is None:
             raise FamilyError(f"tasks.{i}.{kind}: the model has no chat template (chat_template.jinja / .json or in "
                               "tokenizer_config.json), so batchvlm cannot put a task to it")
         # A detect / point answer lists every object: its length is bounded by max_new_tokens too.
         spatial = kind in ("detect", "point")
-        budget = None if spatial else args.max_new_tokens
+        budget = None if spatial or kind == "classify" else args.max_new_tokens
         for obj in (args.objects if spatial else [None]):
             words = _words(kind, args, obj, style, fmt)
             text = chat_template(words) if style == "chat" else words
             out.append(Prompt(i, obj, text, budget or max_new_tokens,
-                              (args.max_objects or max_objects) if spatial or kind == "regions" else None))
+                              (args.max_objects or max_objects) if spatial or kind == "regions" else None,
+                              schema=args.json_schema if kind == "json" else None))
     return out
 
 

@@ -1,0 +1,97 @@
+"""classify and json through transformers: choices scored by one forward, answers constrained by
+the grammar's masks inside `generate`.
+
+classify: the prompt is the one a query with that question gets. A choice's tokens are those of
+the choice written after the prompt (encoded in context), then the end-of-turn token
+(`<|im_end|>` where the tokenizer has it, else its eos token). Each choice runs as one forward
+of the whole batch: [left-padded prompt | choice ids, right-padded]; the log-probabilities of its
+tokens (float32 log-softmax) are summed per row. Padding after a row's choice is masked out and
+comes after every scored position, so it changes nothing.
+
+json: a `LogitsProcessor` holds one grammar matcher per row (models/grammar.py); `generate` calls
+it synchronously, so here the mask of step k is computed after forward k (the native engine
+could overlap the two; it runs no json yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ...tasks import Task, args_of, kind_of
+from ..family import FamilyError
+from ..grammar import RowGrammars, Vocabulary, apply_mask
+from .prompts import Prompt
+
+
+def end_of_turn(tokenizer) -> int:
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return im_end if isinstance(im_end, int) and im_end != tokenizer.unk_token_id else tokenizer.eos_token_id
+
+
+def with_choices(prompts: list[Prompt], tasks: list[Task], tokenizer) -> list[Prompt]:
+    """Classify prompts get their choices' ids in context. Raises FamilyError naming the field
+    when two choices are the same tokens, or a choice does not follow the prompt's tokens."""
+    end, out = end_of_turn(tokenizer), []
+    for p in prompts:
+        task = tasks[p.task]
+        if kind_of(task) == "classify":
+            base = tokenizer.encode(p.text, add_special_tokens=False)
+            ids = []
+            for c in args_of(task).choices:
+                full = tokenizer.encode(p.text + c, add_special_tokens=False)
+                if full[: len(base)] != base or len(full) == len(base):
+                    raise FamilyError(f"tasks.{p.task}.classify.choices: {c!r} merges with the prompt's last token")
+                ids.append(tuple(full[len(base):]) + (end,))
+            for i, c in enumerate(ids):
+                if c in ids[:i]:
+                    raise FamilyError(f"tasks.{p.task}.classify.choices: {args_of(task).choices[ids.index(c)]!r} and "
+                                      f"{args_of(task).choices[i]!r} are the same tokens for this model")
+            p = replace(p, choices=tuple(ids))
+        elif kind_of(task) == "json":
+            try:
+                import xgrammar  # noqa: F401
+            except ImportError:
+                raise FamilyError(f"tasks.{p.task}.json: needs xgrammar: pip install 'batchvlm[structured]'") from None
+        out.append(p)
+    return out
+
+
+def _extend(v, B: int, T: int, n: int):
+    """Per-token inputs besides the ids and mask (token types: text = 0) grow by the choice's n."""
+    if isinstance(v, torch.Tensor) and v.dim() == 2 and tuple(v.shape) == (B, T):
+        return torch.cat([v, v.new_zeros(B, n)], 1)
+    return v
+
+
+def score_choices(model, enc: dict, choices: tuple[tuple[int, ...], ...]) -> list[list[float]]:
+    """-> per row, each choice's summed log-probability after the row's (left-padded) prompt."""
+    ids_BT, mask_BT = enc["input_ids"], enc["attention_mask"]
+    B, T = ids_BT.shape
+    scores_CB = []
+    for choice in choices:
+        c = torch.tensor(choice, device=ids_BT.device).expand(B, -1)
+        extended = {k: _extend(v, B, T, len(choice)) for k, v in enc.items()}
+        extended |= {"input_ids": torch.cat([ids_BT, c], 1), "attention_mask": torch.cat([mask_BT, torch.ones_like(c)], 1)}
+        logits_BLV = model(**extended).logits[:, T - 1: T - 1 + len(choice)].float()
+        logp_BL = torch.log_softmax(logits_BLV, -1).gather(-1, c[..., None])[..., 0]
+        scores_CB.append(logp_BL.sum(-1))
+    return torch.stack(scores_CB, 1).tolist()
+
+
+class GrammarLogits:
+    """A transformers LogitsProcessor: each row's answer follows the grammar."""
+
+    def __init__(self, vocab: Vocabulary, grammar, batch: int, prompt_len: int):
+        self.rows = RowGrammars(batch, vocab)
+        for r in range(batch):
+            self.rows.start(r, grammar)
+        self.prompt_len, self.mask_BW = prompt_len, torch.empty(batch, self.rows.W, dtype=torch.int32)
+
+    def __call__(self, input_ids_BT: torch.Tensor, scores_BV: torch.Tensor) -> torch.Tensor:
+        rows = list(range(input_ids_BT.shape[0]))
+        if input_ids_BT.shape[1] > self.prompt_len:  # feed the token the last step emitted
+            self.rows.advance(rows, input_ids_BT[:, -1].tolist())
+        self.rows.fill(rows, self.mask_BW)
+        return apply_mask(scores_BV, self.mask_BW.to(scores_BV.device))

@@ -1,0 +1,29 @@
+"""Five JSON schemas of the kinds labelling jobs ask for, each with a valid answer and one that
+breaks exactly what the schema adds. Strings are bounded: a random model's free string never ends (shared by the json tests and scripts/bench_grammar.py)."""
+
+NESTED = {"type": "object", "properties": {
+    "object": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                "colour": {"type": "string", "maxLength": 6}},
+               "required": ["name", "colour"], "additionalProperties": False}},
+    "required": ["object"], "additionalProperties": False}
+ENUMS = {"type": "object", "properties": {"scene": {"enum": ["indoor", "outdoor", "studio"]},
+                                          "light": {"type": "string", "enum": ["day", "night"]}},
+         "required": ["scene", "light"]}
+BOUNDS = {"type": "object", "properties": {"count": {"type": "integer", "minimum": 0, "maximum": 9},
+                                           "score": {"type": "integer", "minimum": -5, "maximum": 5}},
+          "required": ["count", "score"], "additionalProperties": False}
+ARRAYS = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                                                    "minItems": 1, "maxItems": 3}},
+          "required": ["tags"], "additionalProperties": False}
+REQUIRED = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 12}, "people": {"type": "boolean"},
+                                             "year": {"anyOf": [{"type": "integer", "minimum": 1900, "maximum": 2100},
+                                                                {"type": "null"}]}},
+            "required": ["title", "people", "year"], "additionalProperties": False}
+
+SCHEMAS = {
+    "nested": (NESTED, {"object": {"name": "cup", "colour": "red"}}, {"object": {"name": "cup", "colour": 3}}),
+    "enums": (ENUMS, {"scene": "studio", "light": "day"}, {"scene": "garden", "light": "day"}),
+    "bounds": (BOUNDS, {"count": 3, "score": -2}, {"count": 12, "score": 0}),
+    "arrays": (ARRAYS, {"tags": ["a", "bc"]}, {"tags": ["a", "b", "c", "d"]}),
+    "required": (REQUIRED, {"title": "x", "people": True, "year": None}, {"title": "x", "people": True}),
+}

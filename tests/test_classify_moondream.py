@@ -1,0 +1,84 @@
+"""classify on the native Moondream engine (the demo model, whose answers mean something): each
+choice is a row of one prefill step on the shared image prefix; its probabilities equal those
+from the model's own batch-1 forward of prefix + prompt + choice (the forward whose prefill logits
+match upstream Moondream in test_moondream_parity), at engine batch sizes 1, 7 and 64."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import LoadedMoondream
+
+from batchvlm.engine.engine import Engine
+from batchvlm.engine.labeler import WorkItem
+from batchvlm.job import EngineSpec
+from batchvlm.models.attention import AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
+from batchvlm.models.moondream.generate import encode_images
+from batchvlm.shapes.world import COUNT_QUESTION, NUMBERS, SPEC, draw_scene
+from batchvlm.tasks import ClassifyTask, choice_values
+
+COUNTS = list(NUMBERS)
+SHARED = ["red", "red circle", "reddish", "blue"]  # choices that share leading tokens
+FIFTY = [f"{c} {n}" for c in ("red", "green", "blue", "yellow", "purple") for n in range(10)]
+CASES = [(COUNT_QUESTION, COUNTS), ("what colour is the circle?", SHARED), (COUNT_QUESTION, ["one"]),
+         ("what is it?", FIFTY)]
+TASKS = [ClassifyTask(classify={"question": q, "choices": c, "name": f"c{i}"}) for i, (q, c) in enumerate(CASES)]
+
+
+def reference_scores(md: LoadedMoondream, image, prompts: list[list[int]], n_scored: list[int]) -> list[float]:
+    """The image prefix once, then each prompt alone on it through the model's forward primitives
+    (batch 1): the summed log-probabilities of its last n - 1 tokens and the end token."""
+    m, eos = md.model, md.config.tokenizer.eos_id
+    P, bs, T = m.config.prefix_len, 16, max(map(len, prompts))
+    nb, nown = -(-P // bs), -(-T // bs)
+    cache = m.new_kv_cache(1 + nb + nown, bs)
+    prefix_t, own_t = torch.arange(1, 1 + nb)[None], torch.arange(1 + nb, 1 + nb + nown)[None]
+    j, lens = torch.arange(P), torch.tensor([P])
+    prefix = m.prefix_embeds(encode_images(m, [md.preprocessor(image)]))[0]
+    batch = AttentionBatch(slot_of(prefix_t[0], j, bs), [PrefixGroup(j[None], prefix_t, lens, causal=False)], bs)
+    m.forward_tokens(prefix, j, batch, cache)
+    out = []
+    for ids, n in zip(prompts, n_scored):
+        o = torch.arange(len(ids))
+        shared = SharedPrefix(prefix_t, lens, o[None], o[None])
+        batch = AttentionBatch(slot_of(own_t[0], o, bs),
+                               [TaskGroup(o[None], o[None], own_t, torch.tensor([len(ids)]), shared)], bs)
+        hidden = m.forward_tokens(m.text.wte[torch.tensor(ids)], P + o, batch, cache)
+        logp = torch.log_softmax(m.text.logits(hidden[len(ids) - n:]).float(), -1)
+        out.append(float(logp.gather(-1, torch.tensor(ids[len(ids) - n + 1:] + [eos])[:, None]).sum()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup():
+    md = LoadedMoondream("demo", dtype="float32")
+    rng = random.Random(5)
+    ims = [draw_scene(rng, SPEC)[0] for _ in range(2)]
+    seqs = md.sequences(TASKS)
+    expected = []
+    with torch.inference_mode():
+        for im in ims:
+            scores = reference_scores(md, im, [list(s.spec.prompt) for s in seqs], [s.spec.limit for s in seqs])
+            expected.append([choice_values(c, [x for s, x in zip(seqs, scores) if s.task == t])
+                             for t, (_, c) in enumerate(CASES)])
+    return dict(md=md, seqs=seqs, prepared=[md.preprocessor(im) for im in ims], expected=expected)
+
+
+@pytest.mark.parametrize("batch,pipelined,n_tasks,n_images", [(1, True, 3, 1), (7, False, 4, 1), (64, True, 4, 2)])
+def test_probabilities_equal_the_models_forward(setup, batch, pipelined, n_tasks, n_images):
+    md, tasks = setup["md"], TASKS[:n_tasks]
+    seqs = [s for s in setup["seqs"] if s.task < n_tasks]
+    engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=batch, pipelined=pipelined), md.P)
+    done = {im.ticket: [s.output for s in im.seqs]
+            for im in engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(setup["prepared"][:n_images]))}
+    assert engine.scheduler.blocks.used == 0
+    for i in range(n_images):
+        row = md.family.columns(tasks, seqs, done[i])
+        for t, (label, scores) in enumerate(setup["expected"][i][:n_tasks]):
+            got = row[f"c{t}_scores"]
+            assert [s["label"] for s in got] == CASES[t][1]
+            assert [s["prob"] for s in got] == pytest.approx([s["prob"] for s in scores], abs=1e-5, rel=0)
+            assert row[f"c{t}"] == label
+        assert row["c2_scores"] == [{"label": "one", "prob": 1.0}]

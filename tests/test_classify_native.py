@@ -1,0 +1,102 @@
+"""classify on the native Qwen3-VL engine: each choice is a row of one prefill step that shares
+the image prefix and the prompt (a prefix prompt); its probabilities equal those computed from
+transformers' own batch-1 forward log-probabilities of the choice's tokens and <|im_end|> after
+the same prompt, at engine batch sizes 1, 7 and 64, pipelined and synchronous."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from qwen3vl_fixture import IDS, write_checkpoint
+from test_qwen3vl_engine import images, prepared
+
+from batchvlm.engine.engine import Engine
+from batchvlm.engine.labeler import WorkItem
+from batchvlm.job import EngineSpec, ModelSpec
+from batchvlm.models.registry import open_family
+from batchvlm.tasks import ClassifyTask, choice_values
+
+pytest.importorskip("transformers")
+
+SHARED = ["red", "red car", "reddish", "blue"]  # choices that share leading tokens
+FIFTY = [f"option {i}" for i in range(50)]
+CASES = [("What is it?", SHARED), ("Is it?", ["yes"]), ("Which option?", FIFTY)]
+TASKS = [ClassifyTask(classify={"question": q, "choices": c, "name": f"c{i}"}) for i, (q, c) in enumerate(CASES)]
+N_IMAGES = 2
+
+
+def reference_logprobs(folder, ims) -> list[list[list[float]]]:
+    """transformers alone: chat template, image processor, pad expansion; each choice's ids in
+    context after the prompt, then <|im_end|>, scored by one batch-1 forward."""
+    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    model = Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    processor = Qwen2VLImageProcessorPil.from_pretrained(folder)
+    out = []
+    with torch.inference_mode():
+        for im in ims:
+            pix = processor(images=[im], return_tensors="pt")
+            n = int(pix["image_grid_thw"].prod()) // 4
+            per_task = []
+            for question, choices in CASES:
+                messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                text = text.replace("<|image_pad|>", "<|image_pad|>" * n)
+                base = tok(text)["input_ids"]
+                rows = [base + tok(text + c)["input_ids"][len(base):] + [IDS["<|im_end|>"]] for c in choices]
+                L = max(map(len, rows))  # one right-padded forward per task: padding follows every scored row
+                ids = torch.tensor([r + [IDS["<|endoftext|>"]] * (L - len(r)) for r in rows])
+                mask = torch.tensor([[1] * len(r) + [0] * (L - len(r)) for r in rows])
+                B = len(rows)
+                logp = torch.log_softmax(model(
+                    input_ids=ids, attention_mask=mask, pixel_values=pix["pixel_values"].repeat(B, 1),
+                    image_grid_thw=pix["image_grid_thw"].repeat(B, 1),
+                    mm_token_type_ids=(ids == IDS["<|image_pad|>"]).int()).logits.float(), -1)
+                scores = [float(logp[b, len(base) - 1: len(r) - 1].gather(-1, torch.tensor(r[len(base):])[:, None]).sum())
+                          for b, r in enumerate(rows)]
+                per_task.append(scores)
+            out.append(per_task)
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    folder = write_checkpoint(tmp_path_factory.mktemp("qwen3vl"), seed=2)
+    family = open_family(ModelSpec(name=str(folder)))
+    seqs = family.sequences(TASKS, EngineSpec())
+    ims = images()[:N_IMAGES]
+    setup = dict(folder=folder, family=family, model=family.load("float32", "cpu"), seqs=seqs, images=ims)
+    setup["prepared"] = prepared(setup)
+    setup["expected"] = [[choice_values(c, lp) for (_, c), lp in zip(CASES, per_image)]
+                         for per_image in reference_logprobs(folder, ims)]
+    return setup
+
+
+def test_choices_share_the_prompt_as_a_prefix(setup):
+    seqs = setup["seqs"]
+    assert len(seqs) == 4 + 1 + 50 and all(s.spec.budget == 1 for s in seqs)
+    shared = [s.spec for s in seqs if s.task == 0]
+    assert len({s.prefix_prompt for s in shared}) == 1 and all(len(s.prompt) == s.limit >= 2 for s in shared)
+
+
+@pytest.mark.parametrize("batch,pipelined,n_images", [(1, True, 1), (7, False, 2), (64, True, 2)])
+def test_probabilities_equal_transformers(setup, batch, pipelined, n_images):
+    engine = Engine(setup["model"], setup["seqs"], EngineSpec(max_batch_size=batch, pipelined=pipelined),
+                    setup["family"].max_prefix_len())
+    done = {im.ticket: [s.output for s in im.seqs]
+            for im in engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(setup["prepared"][:n_images]))}
+    assert engine.scheduler.blocks.used == 0
+    fifty = []
+    for i in range(n_images):
+        row = setup["family"].columns(TASKS, setup["seqs"], done[i])
+        for t, (label, scores) in enumerate(setup["expected"][i]):
+            got = row[f"c{t}_scores"]
+            assert [s["label"] for s in got] == CASES[t][1]
+            assert [s["prob"] for s in got] == pytest.approx([s["prob"] for s in scores], abs=1e-5, rel=0)
+            assert row[f"c{t}"] == label
+        assert row["c1_scores"] == [{"label": "yes", "prob": 1.0}]
+        fifty.append([s["prob"] for s in row["c2_scores"]])
+    assert max(fifty[0]) > 1.5 / 50  # random weights, yet not one flat distribution
+    assert n_images == 1 or fifty[0] != fifty[1]  # and the image matters
