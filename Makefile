@@ -18,7 +18,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/batchvlm run jobs/demo.yaml
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile  # one worker per core, a test file per worker
 
 bench: $(VENV)/.installed
 	$(PY) scripts/bench_engine.py

@@ -8,7 +8,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one worker per core: one thread each, and the same for the CLI processes the
+    # tests start (OMP_NUM_THREADS is inherited), or OpenMP threads oversubscribe the cores and
+    # small-op CPU work slows many times over.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 # The shared fixtures live beside the checkout (../shared), inside it (shared/), or where
 # BATCHVLM_SHARED points.
