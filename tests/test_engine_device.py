@@ -243,6 +243,6 @@ def _graphs_forced(init):
     """Runner.__init__ that builds DecodeGraphs whenever graphs are asked for (CPU has none)."""
     def wrapped(self, *args):
         init(self, *args)
-        if args[-2]:  # cuda_graphs
+        if args[7]:  # cuda_graphs (after model, cache, rows, feature slots, prefix len, own blocks, seqs)
             self.graphs = DecodeGraphs(self, 1, 1, 1)
     return wrapped
