@@ -1,6 +1,7 @@
 """classify on the native Moondream engine (the demo model, whose answers mean something): each
-choice is a row of one prefill step on the shared image prefix; its probabilities equal those
-from the model's own batch-1 forward of prefix + prompt + choice (the forward whose prefill logits
+choice is a row of one prefill step on the shared prefix (the image, bidirectional, then the
+prompt, causal); its probabilities equal those from the model's own batch-1 forward of the image
+prefix, then prompt + choice as the sequence's own tokens (the forward whose prefill logits
 match upstream Moondream in test_moondream_parity), at engine batch sizes 1, 7 and 64."""
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def setup():
     expected = []
     with torch.inference_mode():
         for im in ims:
-            scores = reference_scores(md, im, [list(s.spec.prompt) for s in seqs], [s.spec.limit for s in seqs])
+            scores = reference_scores(md, im, [list(s.spec.prefix_prompt + s.spec.prompt) for s in seqs],
+                                      [s.spec.limit for s in seqs])
             expected.append([choice_values(c, [x for s, x in zip(seqs, scores) if s.task == t])
                              for t, (_, c) in enumerate(CASES)])
     return dict(md=md, seqs=seqs, prepared=[md.preprocessor(im) for im in ims], expected=expected)
@@ -70,6 +72,7 @@ def setup():
 def test_probabilities_equal_the_models_forward(setup, batch, pipelined, n_tasks, n_images):
     md, tasks = setup["md"], TASKS[:n_tasks]
     seqs = [s for s in setup["seqs"] if s.task < n_tasks]
+    assert all(s.spec.prefix_prompt == seqs[0].spec.prefix_prompt != () for s in seqs if s.task == 0)  # shared
     engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=batch, pipelined=pipelined), md.P)
     done = {im.ticket: [s.output for s in im.seqs]
             for im in engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(setup["prepared"][:n_images]))}

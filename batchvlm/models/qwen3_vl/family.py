@@ -11,7 +11,7 @@ import torch
 from ..family import ModelLoadError
 from ..hub import load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
 from ..qwen_vl.config import ConfigError
-from ..qwen_vl.host import KINDS, QwenVLHost
+from ..qwen_vl.host import QwenVLHost
 from ..qwen_vl.preprocess import PixelSettings
 from .engine_model import Qwen3VLEngineModel
 from .weights import build_model, load_weights, read_config
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 class Qwen3VL(QwenVLHost):
     name = "qwen3_vl"
     title = "Qwen3-VL"
-    kinds = (*KINDS, "classify")  # Qwen3.5's recurrent prefix with a prefix prompt is not tested yet
 
     @classmethod
     def open(cls, folder: Path, spec: ModelSpec, revision: str | None) -> Qwen3VL:
