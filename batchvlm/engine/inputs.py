@@ -155,7 +155,8 @@ def step_inputs(plan: StepPlan, recurrent: bool, snapshot_index) -> tuple[StepIn
         layout.span_read = [ZERO] * I + [snapshot_index(f) for f in plan.prompt_fork.tolist()]
         layout.span_write = [snapshot_index(s) for s in plan.prefix_snapshot.tolist()] + plan.new_rows.tolist()
     inputs = StepInputs(
-        plan.prefix_tokens, plan.prefix_lens, plan.prefix_lens - plan.prefix_prompt_lens, plan.prefix_tables, q_pre, pre_img, pre_j,
+        plan.prefix_tokens, plan.prefix_lens, plan.prefix_lens - plan.prefix_prompt_lens, plan.prefix_tables, q_pre,
+        pre_img, pre_j,
         plan.new_rows, plan.new_int, plan.new_float, plan.prompt_tokens, plan.prompt_lens, plan.prompt_tables,
         plan.prompt_image_tables, plan.prompt_image_lens, q_prompt, own_prompt, prompt_by_image, prompt_slot,
         flat_seq, flat_own, plan.prompt_pos0[flat_seq] + flat_own, decode, _ints(last),

@@ -74,7 +74,7 @@ class Scores:
     query: Accuracy = field(default_factory=Accuracy)
     detect: F1 = field(default_factory=F1)
     point: F1 = field(default_factory=F1)
-    classify: Accuracy = field(default_factory=Accuracy)  # a classify task's chosen label, where the spec asks its question
+    classify: Accuracy = field(default_factory=Accuracy)  # chosen labels, where the spec asks the question
 
     def add_caption(self, scene: Scene, text: str) -> None:
         self.caption.add(text.strip() == scene.caption())
