@@ -85,3 +85,26 @@ def test_probabilities_equal_the_models_forward(setup, batch, pipelined, n_tasks
             assert [s["prob"] for s in got] == pytest.approx([s["prob"] for s in scores], abs=1e-5, rel=0)
             assert row[f"c{t}"] == label
         assert row["c2_scores"] == [{"label": "one", "prob": 1.0}]
+
+
+def test_only_the_scored_rows_get_logits(setup, monkeypatch):
+    """A step with a caption's prompt and a classify's choices computes choice logits for the
+    choices' scored rows alone, not for every prompt row of the step."""
+    from batchvlm.models.moondream import family as moondream_family
+    from batchvlm.tasks import CaptionTask
+
+    md = setup["md"]
+    rows = []
+    real = moondream_family.choice_scores
+
+    def counting(logits_fn, prompt, state, end_id):
+        rows.append(prompt.hidden_NC.shape[0])
+        return real(logits_fn, prompt, state, end_id)
+
+    monkeypatch.setattr(moondream_family, "choice_scores", counting)
+    tasks = [CaptionTask(caption={"length": "short"}), TASKS[0]]
+    seqs = md.sequences(tasks)
+    engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=64, max_new_tokens=4), md.P)
+    list(engine.run([WorkItem(0, setup["prepared"][0], "k0")]))
+    choices = [s.spec for s in seqs if s.task == 1]
+    assert rows == [sum(s.limit for s in choices)] and sum(len(s.spec.prompt) for s in seqs) > rows[0]
