@@ -124,7 +124,6 @@ def _posenc(pos_N: torch.Tensor) -> torch.Tensor:
 
 class EncDecToy(ToyModel):
     causal_prefix = False
-    causal_prefix_prompt = False  # an encoder: bidirectional over image and prompt
 
     def __init__(self, seed: int = 0):
         super().__init__(seed)

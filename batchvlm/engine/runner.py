@@ -215,8 +215,10 @@ class Runner:
                                      list(x.prefix_tokens.split(plan.prefix_prompt_lens.tolist())))
             embeds.append(prefix.embeds_NC)
             write_slots.append(slot_of(x.prefix_tables[x.pre_img], x.pre_j, bs))
-            # A bidirectional image part, then a prefix prompt that the family reads causally.
-            mixed = not m.causal_prefix and m.causal_prefix_prompt and bool(plan.prefix_prompt_lens.any())
+            # A bidirectional image part, then a prefix prompt that the family reads causally
+            # (an optional attribute: a family without it, an encoder, reads the prompt bidirectionally).
+            mixed = (not m.causal_prefix and getattr(m, "causal_prefix_prompt", False)
+                     and bool(plan.prefix_prompt_lens.any()))
             groups.append(PrefixGroup(x.q_pre, x.prefix_tables, x.prefix_lens, m.causal_prefix or mixed,
                                       _extent(plan.prefix_lens)[1], x.prefix_bidir if mixed else None))
         if S:

@@ -217,8 +217,9 @@ class EngineModel(Protocol):
     device: torch.device
     dtype: torch.dtype
     causal_prefix: bool  # False: the image prefix attends to itself bidirectionally
-    # Read when causal_prefix is False: True, a prefix prompt after the image is read causally
-    # (Moondream's shared classify prompt); False, the whole prefix is bidirectional (an encoder).
+    # Read when causal_prefix is False, optional (default False): True, a prefix prompt after the
+    # image is read causally (Moondream's shared classify prompt); False, the whole prefix is
+    # bidirectional (an encoder).
     causal_prefix_prompt: bool
 
     def state_specs(self) -> list[StateSpec]:
