@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...tasks import args_of, kind_of
-from ..decoding import MODE_TEXT, SeqSpec
+from ..decoding import MODE_TEXT, RawOutput, SeqSpec
 from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence, check_kinds
 from ..hub import load_tokenizer, read_json, resolve_device, resolve_dtype, weight_files, weights_sha256
 from .config import ConfigError, Florence2Config, GenerationSettings
-from .generate import Florence2Static
-from .labels import Decoded, column_values
+from .engine import Florence2EngineModel
+from .labels import column_values
 from .preprocess import PixelSettings, Preprocessor
 from .prompts import KINDS, instruction, task_text
 from .weights import build_model, load_weights, read_config
@@ -130,10 +130,10 @@ class Florence2:
                                   "positions; lower engine.max_new_tokens (or the task's max_new_tokens)")
         return seqs
 
-    def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[Decoded]) -> dict[str, Any]:
+    def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput]) -> dict[str, Any]:
         return column_values(tasks, seqs, raws, self.tokenizer, self.max_objects)
 
-    def load(self, dtype: str = "auto", device: str = "auto") -> Florence2Static:
+    def load(self, dtype: str = "auto", device: str = "auto") -> Florence2EngineModel:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         files = weight_files(self.folder)
@@ -141,4 +141,5 @@ class Florence2:
         load_weights(model, files)
         info = ModelInfo(self.model_name, self.revision, str(self.folder), weights_sha256(files),
                          str(dt).removeprefix("torch."), str(dev), self.name, self.backend)
-        return Florence2Static(model, info, self.generation)
+        return Florence2EngineModel(model, info, self.generation, self.image_tokens,
+                                    (self.settings.width, self.settings.height))

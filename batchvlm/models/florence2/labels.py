@@ -7,29 +7,24 @@ max_objects of them, in the order the model wrote them. Detect text is `<name>_r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from ...tasks import Task, box_values, column_of, kind_of, raw_column, truncated_column
+from ..decoding import RawOutput
 from ..family import TaskSequence
 from ..grounding import florence2_boxes, florence2_regions
+from .decoding import was_cut
 
 
-@dataclass(frozen=True)
-class Decoded:
-    """What one sequence generated."""
-
-    tokens: tuple[int, ...]  # without the start token, cut before the end token
-    cut: bool  # the token limit ended it (also when the checkpoint forces the end token there)
-
-
-def column_values(tasks: list[Task], seqs: list[TaskSequence], raws: list[Decoded], tokenizer,
+def column_values(tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput], tokenizer,
                   max_objects: dict[int, int]) -> dict[str, Any]:
+    """`raws`: each sequence's tokens (without the start token, cut before the end token) and
+    whether the token limit ended it (decoding.py `was_cut`)."""
     out: dict[str, Any] = {}
     for t, task in enumerate(tasks):
         mine = [(s, r) for s, r in zip(seqs, raws) if s.task == t]
         kind = kind_of(task)
-        cut = any(r.cut for _, r in mine)
+        cut = any(was_cut(r) for _, r in mine)
         if kind in ("caption", "query", "ocr"):
             out[column_of(task)] = tokenizer.decode(mine[0][1].tokens, special=False).strip()
         elif kind == "regions":
