@@ -29,7 +29,6 @@ from batchvlm.job import EngineSpec, ModelSpec
 from batchvlm.models import grounding
 from batchvlm.models.family import FamilyError, WorkItem
 from batchvlm.models.florence2 import prompts
-from batchvlm.models.florence2.decoding import was_cut
 from batchvlm.models.registry import open_family
 from batchvlm.tasks import Task
 from tiny_vlms import florence2
@@ -112,7 +111,7 @@ def test_prompts_are_the_processors(checkpoints, refs):
     with pytest.raises(FamilyError, match=r"^tasks\.0\.ocr: Moondream cannot do ocr tasks"):
         open_family(ModelSpec(name="demo")).sequences(tasks_of([{"ocr": {}}]), EngineSpec())
     hf = open_family(ModelSpec(name=str(checkpoints["a"]), backend="transformers"))
-    assert [p.text for p in hf.sequences(tasks_of(TASKS), EngineSpec())] == TEXTS  # the one mapping
+    assert [p.spec.text for p in hf.sequences(tasks_of(TASKS), EngineSpec())] == TEXTS  # the one mapping
 
 
 def test_qwen3_vl_reads_text_by_prompt_and_refuses_regions(tmp_path):
@@ -187,7 +186,7 @@ def test_engine_greedy_tokens_equal_batch_1_generate(greedy, name, batch, pipeli
     assert engine.stats["vision_images"] == n
     # Both checkpoints force the end token: a cut answer is one the limit ended by writing it
     # (one token short of the limit).
-    cuts = [r for img in got for r in img if was_cut(r)]
+    cuts = [r for img in got for r in img if r.cut]
     assert cuts and all(len(r.tokens) == NEW_TOKENS - 1 for r in cuts)
 
 

@@ -6,8 +6,8 @@ applied in transformers' order to every row's logits, without a host round trip:
                     start token included) is banned;
   forced_bos        the first generated token is this one, whatever the logits;
   forced_eos        the token at the last allowed position (the limit-th) is this one. When it is
-                    the end token, the answer ends there unwritten and is cut (EMIT_CUT), unless
-                    the model chose the end token itself.
+                    the end token, the answer ends there unwritten and is cut (EMIT_CUT:
+                    RawOutput.cut), unless the model chose the end token itself.
 Otherwise as decoding.py's `decide_text`: a row that writes its limit-th token finishes (cut).
 
 The n-gram ban needs each row's tokens: `History` keeps them on the device, one row per
@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from ..decoding import EMIT_NONE, EMIT_TOKEN, Decision, RawOutput, RowState, SeqSpec, sample_tokens
 from .config import GenerationSettings
 
-# Emission codes beside EMIT_NONE / EMIT_TOKEN: the answer was cut by the limit (with or without
-# a token written at that step).
-EMIT_CUT, EMIT_TOKEN_CUT = 2, 3
+# Emission code beside EMIT_NONE / EMIT_TOKEN: the forced end token cut the answer (nothing
+# written). A limit-th token written ends the answer too; the scheduler sees that one itself
+# (RawOutput.hit_limit).
+EMIT_CUT = 2
 
 
 class History:
@@ -72,26 +73,19 @@ def decide(logits_BV: torch.Tensor, state: RowState, sampling: bool, g: Generati
     last = state.count + 1 >= state.limit  # this decision writes the limit-th token
     token = chosen if g.forced_eos is None else torch.where(last, g.forced_eos, chosen)
     written = token != g.eos
-    cut = last & (chosen != g.eos) if g.forced_eos is not None else last & written
+    cut = last & ~written & (chosen != g.eos)  # the forced end in place of the model's token
     if history is not None:
         history.write(state.row, state.count, token)
     state.count = state.count + written.long()
     state.after_prompt = torch.zeros_like(state.after_prompt)
-    code = torch.where(written, torch.where(cut, EMIT_TOKEN_CUT, EMIT_TOKEN), torch.where(cut, EMIT_CUT, EMIT_NONE))
+    code = torch.where(written, EMIT_TOKEN, torch.where(cut, EMIT_CUT, EMIT_NONE))
     zeros = logits_BV.new_zeros(token.shape[0], 2, dtype=torch.float32)
     return Decision(code, token, zeros, ~written | last, torch.zeros_like(token), token, zeros)
 
 
-CUT = (1.0,)  # RawOutput.objects holds this once when the limit cut the answer
-
-
 def emit(out: RawOutput, spec: SeqSpec, code: int, token: int, v0: float, v1: float) -> None:
-    """The host half: keep written tokens, note a cut."""
-    if code in (EMIT_TOKEN, EMIT_TOKEN_CUT):
+    """The host half: keep written tokens, note a forced cut."""
+    if code == EMIT_TOKEN:
         out.tokens.append(token)
-    if code in (EMIT_CUT, EMIT_TOKEN_CUT):
-        out.objects.append(CUT)
-
-
-def was_cut(out: RawOutput) -> bool:
-    return CUT in out.objects
+    elif code == EMIT_CUT:
+        out.cut = True

@@ -84,6 +84,10 @@ class PreparedImage:
         32 images of the released models' 768 x 768)."""
         return max(1, self.pixels.shape[0] * self.pixels.shape[1] // 384**2)
 
+    @property
+    def seen(self) -> tuple[int, int]:
+        return self.pixels.shape[1], self.pixels.shape[0]
+
 
 @dataclass(frozen=True)
 class Preprocessor:
