@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -100,6 +101,13 @@ def _tasks(expected):
             DetectTask(detect={"objects": [obj]}), PointTask(point={"objects": [obj]})]
 
 
+def wanted_more(e: dict, kind: str, n: int, eos: int) -> bool:
+    """The reference's decision after its n-th object (decisions[0] is the prompt's): another
+    object, not EOS. A run with max_objects = n is truncated exactly then."""
+    decisions = e[kind]["decisions"]
+    return len(decisions) > n and decisions[n]["token"] != eos
+
+
 def test_generation_matches_reference(case):
     md, expected, _, images = case
     tasks = _tasks(expected)
@@ -109,21 +117,34 @@ def test_generation_matches_reference(case):
 
     from batchvlm.models.moondream.generate import generate
 
-    outs = generate(md.model, [md.preprocessor(im) for im in images], [s.spec for s in seqs])
-    for e, (cap, query, det, pt) in zip(expected["images"], outs):
+    specs = [s.spec for s in seqs]
+    k = len(expected["images"][3]["point"]["points"])  # img3 finds k points, then EOS
+    tight = [replace(specs[2], limit=1), replace(specs[3], limit=k)]  # detect with max_objects 1, point with k
+    outs = generate(md.model, [md.preprocessor(im) for im in images], specs + tight)
+    eos = md.config.tokenizer.eos_id
+    for e, (cap, query, det, pt, det1, ptk) in zip(expected["images"], outs):
         assert cap.tokens == e["caption_normal"]["token_ids"]
         assert query.tokens == e["query"]["token_ids"]
         boxes = [(o["x_min"], o["y_min"], o["x_max"], o["y_max"]) for o in e["detect"]["objects"]]
         assert len(det.objects) == len(boxes)
         np.testing.assert_allclose(np.array(det.objects).reshape(-1, 4), np.array(boxes).reshape(-1, 4), atol=1e-6)
         assert pt.objects == [(p["x"], p["y"]) for p in e["point"]["points"]]
+        assert det1.objects == det.objects[:1] and ptk.objects == pt.objects[:k]
+        # <name>_truncated (hit_limit) means the model wanted more than max_objects
+        for out, spec, kind in ((det, specs[2], "detect"), (pt, specs[3], "point"), (det1, tight[0], "detect"),
+                                (ptk, tight[1], "point")):
+            assert out.hit_limit(spec) == wanted_more(e, kind, spec.limit, eos), (e["file"], kind, spec.limit)
+    assert len(outs[3][5].objects) == k and not outs[3][5].hit_limit(tight[1])  # exactly max_objects found: not cut
 
 
 def test_labels_clamp_boxes_and_keep_model_order(case):
     md, expected, _, images = case
     rows = md.label(images, _tasks(expected), max_new_tokens=20, max_objects=5)
+    eos = md.config.tokenizer.eos_id
     for e, row in zip(expected["images"], rows):
         assert row["caption"] == " ".join(map(str, e["caption_normal"]["token_ids"]))
+        assert [row["detect_truncated"], row["point_truncated"]] == [wanted_more(e, k, 5, eos)
+                                                                    for k in ("detect", "point")]
         assert len(row["detect"]) == len(e["detect"]["objects"])
         for got, ref in zip(row["detect"], e["detect"]["objects"]):
             assert got["y_min"] == pytest.approx(min(1.0, max(0.0, ref["y_min"])), abs=1e-6)
