@@ -170,7 +170,7 @@ def sync(dev: torch.device) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", choices=list(FAMILIES), default="qwen3_vl")
-    ap.add_argument("--config", choices=["mid", "2b"], default="mid")
+    ap.add_argument("--config", choices=["mid", "2b", "tiny"], default="mid", help="tiny: Qwen3-VL only (the dry run)")
     ap.add_argument("--moe", action="store_true", help="the config's MoE variant (qwen3_vl_moe / qwen3_5_moe)")
     ap.add_argument("--seed", type=int, default=0, help="of the random checkpoint's weights")
     ap.add_argument("--device", default="auto")
@@ -193,6 +193,8 @@ def main() -> int:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     fixture, hf_class, configs, template_kwargs = FAMILIES[args.family]
+    if args.config not in configs:
+        ap.error(f"--config {args.config}: not a {args.family} config ({', '.join(configs)})")
     config = dict(configs[args.config])
     if args.moe:
         hf_class = HF_MOE[args.family]
