@@ -7,7 +7,7 @@ that cannot be served."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, TypeVar
 
 
 class ConfigError(ValueError):
@@ -160,6 +160,9 @@ def moe_config(t: dict[str, Any], shared_expert: bool) -> MoEConfig:
     return MoEConfig(n, k, int(t["moe_intermediate_size"]), shared, tuple(sorted(dense)))
 
 
+C = TypeVar("C", bound="QwenVLConfig")
+
+
 @dataclass(frozen=True)
 class QwenVLConfig:
     """A family's config: its TextConfig, the vision tower and the image tokens. A family sets
@@ -185,7 +188,7 @@ class QwenVLConfig:
         raise NotImplementedError
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Self:
+    def from_dict(cls: type[C], raw: dict[str, Any]) -> C:
         model_type = raw.get("model_type")
         if model_type not in cls.model_types:
             raise ConfigError(f"model_type {model_type!r} is not {' or '.join(cls.model_types)}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import torch
 
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from .model import QwenVLModel
 
 KINDS = ("caption", "query", "point", "detect", "ocr")
+H = TypeVar("H", bound="QwenVLHost")
 
 
 def stop_ids(folder: Path, tokenizer: TokenizerAdapter) -> list[int]:
@@ -93,7 +94,7 @@ class QwenVLHost:
         self.max_objects: dict[int, int] = {}  # task -> objects kept per name (set by sequences)
 
     @classmethod
-    def open(cls, folder: Path, spec: ModelSpec, revision: str | None) -> Self:
+    def open(cls: type[H], folder: Path, spec: ModelSpec, revision: str | None) -> H:
         if spec.max_crops is not None:
             raise ModelLoadError(f"model.max_crops is Moondream's; {cls.title} sizes images by model.min_pixels / "
                                  "model.max_pixels")
