@@ -208,8 +208,8 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     folder = Path(tempfile.mkdtemp(prefix=f"bench-{args.family}-"))
     t0 = time.perf_counter()
-    fixture.write_checkpoint(folder, seed=args.seed, min_pixels=64 * 64, max_pixels=640 * 640, corpus=CORPUS, dtype=dtype,
-                             **config)
+    fixture.write_checkpoint(folder, seed=args.seed, min_pixels=64 * 64, max_pixels=640 * 640, corpus=CORPUS,
+                             dtype=dtype, **config)
     print(f"# checkpoint written in {time.perf_counter() - t0:.1f} s: {folder}", file=sys.stderr)
     hf = getattr(transformers, hf_class).from_pretrained(folder, dtype=dtype).to(dev).eval()
     tok = AutoTokenizer.from_pretrained(folder)
@@ -221,7 +221,8 @@ def main() -> int:
     tokens = sum(family.preprocessor()(im).grid[0] * family.preprocessor()(im).grid[1] for im in images) / len(images)
     host = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     hw = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({host})"
-    print(f"# bench_qwen3vl: family={args.family} config={args.config}{' moe ' + str(config['moe']) if args.moe else ''} seed={args.seed} device={hw} dtype={args.dtype} torch={torch.__version__} "
+    moe_note = f" moe {config['moe']}" if args.moe else ""
+    print(f"# bench_qwen3vl: family={args.family} config={args.config}{moe_note} seed={args.seed} device={hw} dtype={args.dtype} torch={torch.__version__} "
           f"images={args.images} (mean {tokens:.0f} image tokens) sequences/image={len(seqs)} "
           f"max_new_tokens={args.max_new_tokens} engine batch={args.batch} hf rows/call={args.hf_batch} "
           f"repeat={args.repeat} (best of)")

@@ -67,7 +67,8 @@ def case(request, tmp_path_factory):
     folder = write_checkpoint(tmp_path_factory.mktemp(request.param), **CONFIGS[request.param])
     config = read_config(folder, Qwen35Config)
     settings = PixelSettings.read(folder)
-    model = build_model(Qwen35Model, config, torch.from_numpy(settings.lookup_table()), torch.device("cpu"), torch.float32)
+    model = build_model(Qwen35Model, config, torch.from_numpy(settings.lookup_table()), torch.device("cpu"),
+                        torch.float32)
     load_weights(model, weight_files(folder), ("mtp.",))
     moe = "moe" in CONFIGS[request.param]
     ref = (Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration).from_pretrained(folder)

@@ -87,7 +87,8 @@ def reference_tokens(folder, ims: list[Image.Image], prompts: list[str], hf_clas
 
 DETECT = 'Locate every instance that belongs to the following categories: "{}". Report bbox coordinates in JSON format.'
 PROMPTS = ["Describe this image in one sentence.", "What colour is the sky?", DETECT.format("cat"),
-           DETECT.format("red car"), "Locate every dog in this image with points. Output the point coordinates in JSON format."]
+           DETECT.format("red car"),
+           "Locate every dog in this image with points. Output the point coordinates in JSON format."]
 
 
 @pytest.fixture(scope="module", params=list(N_IMAGES))

@@ -70,7 +70,8 @@ def case(request, tmp_path_factory):
     folder = write_checkpoint(tmp_path_factory.mktemp(request.param), **CONFIGS[request.param])
     config = read_config(folder, Qwen3VLConfig)
     settings = PixelSettings.read(folder)
-    model = build_model(Qwen3VLModel, config, torch.from_numpy(settings.lookup_table()), torch.device("cpu"), torch.float32)
+    model = build_model(Qwen3VLModel, config, torch.from_numpy(settings.lookup_table()), torch.device("cpu"),
+                        torch.float32)
     load_weights(model, weight_files(folder))
     moe = "moe" in CONFIGS[request.param]
     ref = (Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration).from_pretrained(folder)

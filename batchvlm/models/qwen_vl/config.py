@@ -130,8 +130,9 @@ def text_fields(raw: dict[str, Any], rotary_fraction: float, default_section: tu
     if t.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"text hidden_act {t['hidden_act']!r} is not supported (only silu)")
     tie = raw.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
+    ff_dim = int(t.get("intermediate_size") or 0) if moe else int(t["intermediate_size"])  # MoE: dense layers only
     return dict(
-        vocab_size=int(t["vocab_size"]), dim=int(t["hidden_size"]), ff_dim=int(t.get("intermediate_size") or 0) if moe else int(t["intermediate_size"]),
+        vocab_size=int(t["vocab_size"]), dim=int(t["hidden_size"]), ff_dim=ff_dim,
         n_heads=n_heads, n_kv_heads=int(t.get("num_key_value_heads") or n_heads), head_dim=head_dim,
         rotary_dim=rotary_dim, rope_theta=float(rope["rope_theta"]), mrope_section=section,
         rms_eps=float(t.get("rms_norm_eps", 1e-6)), max_context=int(t.get("max_position_embeddings", 262144)),
@@ -153,7 +154,8 @@ def moe_config(t: dict[str, Any], shared_expert: bool) -> MoEConfig:
     step = int(t.get("decoder_sparse_step", 1))
     dense = {int(i) for i in t.get("mlp_only_layers") or ()} | {i for i in range(n_layers) if (i + 1) % step}
     if dense and not int(t.get("intermediate_size") or 0):
-        raise ConfigError("text mlp_only_layers / decoder_sparse_step leave dense layers but intermediate_size is unset")
+        raise ConfigError("text mlp_only_layers / decoder_sparse_step leave dense layers, but intermediate_size "
+                          "is not set")
     shared = int(t.get("shared_expert_intermediate_size") or 0) if shared_expert else 0
     if shared_expert and not shared:
         raise ConfigError("text shared_expert_intermediate_size must be set (this model type has a shared expert)")
