@@ -13,19 +13,21 @@ a family names its classes (dense and MoE model types alike: the config says whi
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import torch
 
 from ...tasks import args_of, kind_of
+from ..columns import task_columns
 from ..decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
 from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence, check_kinds
 from ..hub import TokenizerAdapter, load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
 from ..qwen_prompts import QWEN3
 from .chat import ChatTemplate, read_template, special_tokens
 from .config import ConfigError, QwenVLConfig, VisionConfig
-from .labels import column_values
+from .labels import task_values
 from .preprocess import PixelSettings, Preprocessor
 from .weights import build_model, load_weights, read_config
 
@@ -91,7 +93,6 @@ class QwenVLHost:
         self.head = self.tokenizer.encode(self.template.head())
         self.stop_ids = stop_ids(folder, self.tokenizer)
         self.pre = Preprocessor.create(config.vision, settings, len(self.head), min_pixels, max_pixels)
-        self.max_objects: dict[int, int] = {}  # task -> objects kept per name (set by sequences)
 
     @classmethod
     def open(cls: type[H], folder: Path, spec: ModelSpec, revision: str | None) -> H:
@@ -128,14 +129,14 @@ class QwenVLHost:
                 seqs += self._choices(t, a)
                 continue
             if kind in ("caption", "query", "ocr"):
-                pairs = [(None, QWEN3.words(kind, a), a.max_new_tokens or engine.max_new_tokens)]
+                pairs, kept = [(None, QWEN3.words(kind, a), a.max_new_tokens or engine.max_new_tokens)], None
             else:
-                self.max_objects[t] = a.max_objects or engine.max_objects
                 pairs = [(obj, QWEN3.words(kind, a, obj), engine.max_new_tokens) for obj in a.objects]
+                kept = a.max_objects or engine.max_objects
             for label, text, limit in pairs:
                 prompt = tuple(self.tokenizer.encode(self.template.split(text)[1]))
                 seqs.append(TaskSequence(t, label, SeqSpec(MODE_TEXT, prompt, limit, engine.temperature,
-                                                           engine.top_p)))
+                                                           engine.top_p), kept))
         P, n_ctx = self.max_prefix_len(), self.config.max_context
         for s in seqs:
             if P + len(s.spec.prompt) + s.spec.budget > n_ctx:
@@ -164,8 +165,9 @@ class QwenVLHost:
             seqs.append(TaskSequence(t, c, SeqSpec(MODE_SCORE, own, len(own), prefix_prompt=tuple(base[:-1]))))
         return seqs
 
-    def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput]) -> dict[str, Any]:
-        return column_values(tasks, seqs, raws, self.tokenizer.decode, self.max_objects)
+    def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput],
+                seen: tuple[int, int] | None = None) -> dict[str, Any]:
+        return task_columns(tasks, seqs, raws, seen, partial(task_values, self.tokenizer.decode))
 
     def model_info(self, files_sha256: str, dtype: str, device: str) -> ModelInfo:
         return ModelInfo(self.model_name, self.revision, str(self.folder), files_sha256, dtype, device, self.name,
