@@ -156,7 +156,7 @@ def test_greedy_tokens_equal_batch_1_generate_at_every_batch_size(checkpoints, r
         labeler = loaded.labeler(family.sequences(tasks, engine), engine)
         got = dict(labeler.label(items))
         for i in range(n_images):
-            assert [r.tokens for r in got[i]] == list(want[i]), (batch, i)
+            assert [tuple(r.tokens) for r in got[i]] == list(want[i]), (batch, i)
         # one vision pass per image and one encoder pass per (image, prompt), whatever the tasks
         assert labeler.stats["images_encoded"] == n_images
         assert labeler.stats["prompts_encoded"] == n_images * len(TEXTS)
