@@ -271,7 +271,7 @@ class Runner:
         st = RowState(mode=self.state_int["mode"][rows], phase=self.state_int["phase"][rows],
                       count=self.state_int["count"][rows], limit=self.state_int["limit"][rows],
                       after_prompt=self.after_prompt[rows], temperature=self.state_float["temperature"][rows],
-                      top_p=self.state_float["top_p"][rows], seed=self.state_int["seed"][rows])
+                      top_p=self.state_float["top_p"][rows], seed=self.state_int["seed"][rows], row=rows)
         d = self.model.decide(hidden_BC, st, self.sampling, heads) if prompt is None else \
             self.model.decide(hidden_BC, st, self.sampling, heads, prompt)
         self.state_int["phase"][rows] = st.phase
