@@ -41,6 +41,10 @@ class SeqSpec:
     # token): step k needs heads[k % len(heads)]. One emitted item (a token, an object) takes one
     # cycle, so `limit` items take at most len(heads) * limit positions.
     heads: tuple[int, ...] = (HEAD_TOKEN,)
+    # The sequence feeds its last allowed item and decides once more (does the model want another
+    # one?), so a list of exactly `limit` items is told from a cut one: `RawOutput.more`. It then
+    # writes up to `budget` positions; otherwise its last item is never fed (budget - 1).
+    decides_after_limit: bool = False
 
     @property
     def budget(self) -> int:
@@ -189,6 +193,7 @@ class RawOutput:
     objects: list[tuple[float, ...]] = field(default_factory=list)
     pending: list[float] = field(default_factory=list)
     cut: bool = False
+    more: bool = False  # a decides_after_limit sequence asked for another item past its limit
 
     @classmethod
     def empty(cls) -> RawOutput:
@@ -196,7 +201,10 @@ class RawOutput:
 
     def hit_limit(self, spec: SeqSpec) -> bool:
         """The sequence stopped because of its limit, not by itself. (A stop token is never
-        emitted, so `limit` emitted tokens means the limit ended it.)"""
+        emitted, so `limit` emitted tokens means the limit ended it; a decides_after_limit
+        sequence is cut when it asked for more.)"""
+        if spec.decides_after_limit:
+            return self.more
         return len(self.tokens if spec.mode == MODE_TEXT else self.objects) >= spec.limit
 
 
