@@ -3,7 +3,8 @@
 
     python scripts/eval_shapes.py jobs/out/shapes-demo
 
-Prints the SHAPES.md metrics (caption / query exact match, detect F1 at IoU 0.5, point F1)
+Prints the SHAPES.md metrics (caption / query exact match, detect F1 at IoU 0.5, point F1;
+classify exact match, where a classify task asks a question the spec answers)
 for the task kinds the job ran, as a markdown table. Exit code 1 if any is below --bar.
 """
 

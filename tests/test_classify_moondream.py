@@ -1,6 +1,7 @@
 """classify on the native Moondream engine (the demo model, whose answers mean something): each
-choice is a row of one prefill step on the shared image prefix; its probabilities equal those
-from the model's own batch-1 forward of prefix + prompt + choice (the forward whose prefill logits
+choice is a row of one prefill step on the shared prefix (the image, bidirectional, then the
+prompt, causal); its probabilities equal those from the model's own batch-1 forward of the image
+prefix, then prompt + choice as the sequence's own tokens (the forward whose prefill logits
 match upstream Moondream in test_moondream_parity), at engine batch sizes 1, 7 and 64."""
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def setup():
     expected = []
     with torch.inference_mode():
         for im in ims:
-            scores = reference_scores(md, im, [list(s.spec.prompt) for s in seqs], [s.spec.limit for s in seqs])
+            scores = reference_scores(md, im, [list(s.spec.prefix_prompt + s.spec.prompt) for s in seqs],
+                                      [s.spec.limit for s in seqs])
             expected.append([choice_values(c, [x for s, x in zip(seqs, scores) if s.task == t])
                              for t, (_, c) in enumerate(CASES)])
     return dict(md=md, seqs=seqs, prepared=[md.preprocessor(im) for im in ims], expected=expected)
@@ -70,6 +72,7 @@ def setup():
 def test_probabilities_equal_the_models_forward(setup, batch, pipelined, n_tasks, n_images):
     md, tasks = setup["md"], TASKS[:n_tasks]
     seqs = [s for s in setup["seqs"] if s.task < n_tasks]
+    assert all(s.spec.prefix_prompt == seqs[0].spec.prefix_prompt != () for s in seqs if s.task == 0)  # shared
     engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=batch, pipelined=pipelined), md.P)
     done = {im.ticket: [s.output for s in im.seqs]
             for im in engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(setup["prepared"][:n_images]))}
@@ -82,3 +85,26 @@ def test_probabilities_equal_the_models_forward(setup, batch, pipelined, n_tasks
             assert [s["prob"] for s in got] == pytest.approx([s["prob"] for s in scores], abs=1e-5, rel=0)
             assert row[f"c{t}"] == label
         assert row["c2_scores"] == [{"label": "one", "prob": 1.0}]
+
+
+def test_only_the_scored_rows_get_logits(setup, monkeypatch):
+    """A step with a caption's prompt and a classify's choices computes choice logits for the
+    choices' scored rows alone, not for every prompt row of the step."""
+    from batchvlm.models.moondream import family as moondream_family
+    from batchvlm.tasks import CaptionTask
+
+    md = setup["md"]
+    rows = []
+    real = moondream_family.choice_scores
+
+    def counting(logits_fn, prompt, state, end_id):
+        rows.append(prompt.hidden_NC.shape[0])
+        return real(logits_fn, prompt, state, end_id)
+
+    monkeypatch.setattr(moondream_family, "choice_scores", counting)
+    tasks = [CaptionTask(caption={"length": "short"}), TASKS[0]]
+    seqs = md.sequences(tasks)
+    engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=64, max_new_tokens=4), md.P)
+    list(engine.run([WorkItem(0, setup["prepared"][0], "k0")]))
+    choices = [s.spec for s in seqs if s.task == 1]
+    assert rows == [sum(s.limit for s in choices)] and sum(len(s.spec.prompt) for s in seqs) > rows[0]

@@ -1,13 +1,16 @@
-"""classify on the native Qwen3-VL engine: each choice is a row of one prefill step that shares
-the image prefix and the prompt (a prefix prompt); its probabilities equal those computed from
-transformers' own batch-1 forward log-probabilities of the choice's tokens and <|im_end|> after
-the same prompt, at engine batch sizes 1, 7 and 64, pipelined and synchronous."""
+"""classify on the native Qwen3-VL and Qwen3.5 engines: each choice is a row of one prefill step
+that shares the image prefix and the prompt (a prefix prompt; Qwen3.5's linear-attention state at
+its end is forked to every choice row); its probabilities equal those computed from transformers'
+own forward log-probabilities of the choice's tokens and <|im_end|> after the same prompt, at
+engine batch sizes 1, 7 and 64, pipelined and synchronous."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from qwen3vl_fixture import IDS, write_checkpoint
+import qwen35_fixture
+import qwen3vl_fixture
+from qwen3vl_fixture import IDS
 from test_qwen3vl_engine import images, prepared
 
 from batchvlm.engine.engine import Engine
@@ -23,15 +26,19 @@ FIFTY = [f"option {i}" for i in range(50)]
 CASES = [("What is it?", SHARED), ("Is it?", ["yes"]), ("Which option?", FIFTY)]
 TASKS = [ClassifyTask(classify={"question": q, "choices": c, "name": f"c{i}"}) for i, (q, c) in enumerate(CASES)]
 N_IMAGES = 2
+# family -> (fixture, transformers class, chat template variables: Qwen3.5 labels non-thinking)
+FAMILIES = {"qwen3_vl": (qwen3vl_fixture, "Qwen3VLForConditionalGeneration", {}),
+            "qwen3_5": (qwen35_fixture, "Qwen3_5ForConditionalGeneration", {"enable_thinking": False})}
 
 
-def reference_logprobs(folder, ims) -> list[list[list[float]]]:
+def reference_logprobs(folder, ims, hf_class: str, template_kwargs: dict) -> list[list[list[float]]]:
     """transformers alone: chat template, image processor, pad expansion; each choice's ids in
-    context after the prompt, then <|im_end|>, scored by one batch-1 forward."""
-    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+    context after the prompt, then <|im_end|>, scored by one right-padded forward per task."""
+    import transformers
+    from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    model = Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    model = getattr(transformers, hf_class).from_pretrained(folder, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(folder)
     processor = Qwen2VLImageProcessorPil.from_pretrained(folder)
     out = []
@@ -42,7 +49,8 @@ def reference_logprobs(folder, ims) -> list[list[list[float]]]:
             per_task = []
             for question, choices in CASES:
                 messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                               **template_kwargs)
                 text = text.replace("<|image_pad|>", "<|image_pad|>" * n)
                 base = tok(text)["input_ids"]
                 rows = [base + tok(text + c)["input_ids"][len(base):] + [IDS["<|im_end|>"]] for c in choices]
@@ -61,16 +69,18 @@ def reference_logprobs(folder, ims) -> list[list[list[float]]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    folder = write_checkpoint(tmp_path_factory.mktemp("qwen3vl"), seed=2)
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def setup(request, tmp_path_factory):
+    fixture, hf_class, template_kwargs = FAMILIES[request.param]
+    folder = fixture.write_checkpoint(tmp_path_factory.mktemp(request.param), seed=2)
     family = open_family(ModelSpec(name=str(folder)))
+    assert family.name == request.param and family.backend == "native"
     seqs = family.sequences(TASKS, EngineSpec())
     ims = images()[:N_IMAGES]
     setup = dict(folder=folder, family=family, model=family.load("float32", "cpu"), seqs=seqs, images=ims)
     setup["prepared"] = prepared(setup)
     setup["expected"] = [[choice_values(c, lp) for (_, c), lp in zip(CASES, per_image)]
-                         for per_image in reference_logprobs(folder, ims)]
+                         for per_image in reference_logprobs(folder, ims, hf_class, template_kwargs)]
     return setup
 
 

@@ -36,10 +36,11 @@ class Blocks:
         return [int(self.free.pop()) for _ in range(n)] + [0] * (width - n)
 
 
-def random_batch(seed: int, causal: bool, n_pad_rows: int, device: str = "cpu") -> tuple[AttentionBatch, int]:
+def random_batch(seed: int, causal: bool | str, n_pad_rows: int, device: str = "cpu") -> tuple[AttentionBatch, int]:
     """One step with every kind of group: new prefixes (variable lengths), prompts of tasks that
     share an image or have one alone, decode tokens, and graph-style padding rows (null block,
-    a padding image with a one-slot prefix). -> (batch, N flat tokens)."""
+    a padding image with a one-slot prefix). causal "mixed": each prefix is bidirectional over a
+    random head of it, causal after (an image part before a prefix prompt). -> (batch, N flat tokens)."""
     g = np.random.default_rng(seed)
     blocks = Blocks(g)
     rows, write = 0, []
@@ -87,7 +88,8 @@ def random_batch(seed: int, causal: bool, n_pad_rows: int, device: str = "cpu") 
     d_rows, d_slot = rows_by_image(decode_image[:5], q_decode[:5, None], 4, N)
     d_slot = np.concatenate([d_slot, np.full((n_pad_rows, 1), d_rows.size)])  # padding -> the zero slot
     groups = [
-        PrefixGroup(t(q_pre), t(new_tables), t(new_lens), causal),
+        PrefixGroup(t(q_pre), t(new_tables), t(new_lens), bool(causal),
+                    bidir_lens=t(g.integers(0, new_lens + 1)) if causal == "mixed" else None),
         TaskGroup(t(q_prompt), t(own_prompt), t(prompt_tables), t(prompt_lens),
                   SharedPrefix(t(old_tables), t(old_lens), t(p_rows), t(p_slot))),
         TaskGroup(t(q_decode[:, None]), t(own[:, None]), t(decode_tables), t(own + 1),
@@ -105,7 +107,7 @@ def run(backend, batch: AttentionBatch, N: int, seed: int, dtype=torch.float32, 
     return out, cache
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [False, True, "mixed"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_fused_equals_reference_on_random_paged_batches(causal, seed):
     batch, N = random_batch(seed, causal, n_pad_rows=3)

@@ -94,3 +94,16 @@ def test_the_native_engines_run_classify_and_refuse_json_at_validation():
     job = _job({"caption": {}}, {"json": {"prompt": "Describe it.", "schema": {"type": "object"}}})
     with pytest.raises(FamilyError, match=r"^tasks\.1\.json: Moondream cannot do json tasks"):
         open_family(job.model, weights=False).sequences(job.tasks, job.engine)
+
+
+def test_shapes_scores_classify_labels_against_the_scene():
+    from batchvlm.shapes.metrics import Scores
+    from batchvlm.shapes.world import COUNT_QUESTION, Scene, Shape
+
+    scene = Scene(200, 200, [Shape("circle", "red", (20, 20, 60, 60)), Shape("square", "blue", (100, 100, 160, 160))])
+    scores = Scores()
+    assert "classify_exact" not in scores.table()  # only once a classify label was scored
+    scores.add_classify(scene, COUNT_QUESTION, "two")
+    scores.add_classify(scene, COUNT_QUESTION, "three")
+    scores.add_classify(scene, "what color is the triangle?", "red")  # not asked by the spec: not scored
+    assert scores.table()["classify_exact"] == 0.5

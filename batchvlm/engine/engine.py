@@ -55,7 +55,7 @@ class Engine:
             torch.cuda.set_device(model.device)
         self._compiled_before = (COMPILED.shapes, COMPILED.seconds)  # flex compiles are process-wide
         self.sampling = any(s.spec.temperature > 0 for s in seqs)
-        self.scores = any(s.spec.mode == MODE_SCORE for s in seqs)  # classify: decide scores prompt rows
+        self.scores = any(s.spec.mode == MODE_SCORE for s in seqs)  # classify: the warm-up scores prompt rows
         self.specs = model.state_specs()
         bs = settings.block_size
         n_rows = settings.max_batch_size
@@ -78,14 +78,14 @@ class Engine:
         runner_args = (model, cache, n_rows, n_slots * self.prefixes_per_image, max_prefix_len,
                        max(self.own_blocks), self.seqs_per_prefix)
         try:
-            self.runner = Runner(*runner_args, settings.cuda_graphs, self.sampling, self.scores)
+            self.runner = Runner(*runner_args, settings.cuda_graphs, self.sampling)
         except torch.OutOfMemoryError:  # capturing the graphs: run every step eagerly instead
             if not settings.cuda_graphs:
                 raise
             torch.cuda.empty_cache()
             log("batchvlm: out of accelerator memory capturing CUDA graphs; every step runs eagerly "
                 "(engine.cuda_graphs: false skips the capture; a smaller engine.kv_memory_fraction leaves room for it)")
-            self.runner = Runner(*runner_args, False, self.sampling, self.scores)
+            self.runner = Runner(*runner_args, False, self.sampling)
         graphs = self.runner.graphs
         # With graphs, admit once an eighth of the rows is free: steps that admit run eagerly.
         self.scheduler = Scheduler(BlockManager(n_blocks, bs), n_rows, n_slots,
@@ -179,11 +179,11 @@ class Engine:
         max_prompt = max(len(s.spec.prompt) for s in seqs)
         plan = largest_step(n_rows, self.seqs_per_prefix, self.max_prefix_len, max_prompt,
                             max(len(s.spec.prompt) + s.spec.budget for s in seqs), bs, prefill_tokens,
-                            max(len(s.spec.prefix_prompt) for s in seqs), bool(self.n_snapshots))
+                            max(len(s.spec.prefix_prompt) for s in seqs), bool(self.n_snapshots), self.scores)
         scratch = EngineCache.allocate(self.specs, 2, bs, n_rows, max(self.n_snapshots, 1), model.device)
         self._bound_attention(scratch, n_rows)
         runner = Runner(model, scratch, n_rows, max(len(plan.prefix_features), 1),
-                        self.max_prefix_len, max(self.own_blocks), self.seqs_per_prefix, False, self.sampling, self.scores)
+                        self.max_prefix_len, max(self.own_blocks), self.seqs_per_prefix, False, self.sampling)
         return runner.warm_up(plan, feats)
 
     # ------------------------------------------------------------------ the loop

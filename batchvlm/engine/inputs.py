@@ -15,7 +15,7 @@ import numpy as np
 
 from ..cache.spans import ZERO
 from ..models.attention import PAD
-from ..models.decoding import N_HEADS
+from ..models.decoding import MODE_SCORE, N_HEADS, SCORE_END
 from .plan import StepPlan
 from .staging import rows_by_image
 
@@ -39,6 +39,7 @@ class StepInputs:
     # Prefixes prefilled: token j of prefix i at flat row pre_start[i] + j.
     prefix_tokens: Array  # [sum of prefix prompt lengths] prefix prompt ids
     prefix_lens: Array  # [I]
+    prefix_bidir: Array  # [I] leading keys every prefix query sees (the image part before a prefix prompt)
     prefix_tables: Array  # [I, n_prefix_blocks]
     q_pre: Array  # [I, L] flat rows of each prefix's tokens
     pre_img: Array  # [n_pre] prefix of each prefix token
@@ -61,6 +62,11 @@ class StepInputs:
     flat_pos: Array  # [n_prompt] its rotary position
     decode: DecodeInputs
     last: Array  # [S + D] flat row of each emitting row's last token
+    # Prompt rows that MODE_SCORE sequences score (their last `limit` rows), and only those: the
+    # logits of no other prompt row are computed (models/decoding.py choice_scores).
+    score_rows: Array  # [n_scored] flat rows
+    score_target: Array  # [n_scored] the token each predicts: the next prompt token, SCORE_END at a prompt's last
+    score_seq: Array  # [n_scored] emitting row (new sequence) of each
     heads: tuple[Array, ...]  # N_HEADS x [rows needing head b], indices into the emitting rows
     # Recurrent layers (cache/spans.py): per span (prefixes, then prompts).
     span_read: Array  # [K]
@@ -74,6 +80,7 @@ class StepLayout:
 
     n_pre: int
     n_prompt: int
+    n_scored: int
     span_start: list[int]
     span_len: list[int]
     span_read: list[int]
@@ -137,17 +144,23 @@ def step_inputs(plan: StepPlan, recurrent: bool, snapshot_index) -> tuple[StepIn
     prompt_by_image, prompt_slot = rows_by_image(plan.prompt_image, q_prompt, len(plan.prompt_image_tables), N)
     decode = decode_inputs(plan, n_pre + n_prompt, N)
     last = np.concatenate([q_prompt[np.arange(S), plan.prompt_lens - 1], n_pre + n_prompt + np.arange(D)])
-    layout = StepLayout(n_pre, n_prompt, [], [], [], [])
+    seq_len, seq_limit = plan.prompt_lens[flat_seq], plan.new_int[flat_seq, 1]
+    scored = np.flatnonzero((plan.new_int[flat_seq, 0] == MODE_SCORE) & (flat_own >= seq_len - seq_limit))
+    following = plan.prompt_tokens[np.minimum(scored + 1, max(n_prompt - 1, 0))]
+    score_target = np.where(flat_own[scored] == seq_len[scored] - 1, SCORE_END, following)
+    layout = StepLayout(n_pre, n_prompt, len(scored), [], [], [], [])
     if recurrent:  # prefixes from a zero state into their snapshots, prompts from those into their rows
         layout.span_start = pre_start.tolist() + (n_pre + prompt_start).tolist()
         layout.span_len = plan.prefix_lens.tolist() + plan.prompt_lens.tolist()
         layout.span_read = [ZERO] * I + [snapshot_index(f) for f in plan.prompt_fork.tolist()]
         layout.span_write = [snapshot_index(s) for s in plan.prefix_snapshot.tolist()] + plan.new_rows.tolist()
     inputs = StepInputs(
-        plan.prefix_tokens, plan.prefix_lens, plan.prefix_tables, q_pre, pre_img, pre_j,
+        plan.prefix_tokens, plan.prefix_lens, plan.prefix_lens - plan.prefix_prompt_lens, plan.prefix_tables, q_pre,
+        pre_img, pre_j,
         plan.new_rows, plan.new_int, plan.new_float, plan.prompt_tokens, plan.prompt_lens, plan.prompt_tables,
         plan.prompt_image_tables, plan.prompt_image_lens, q_prompt, own_prompt, prompt_by_image, prompt_slot,
         flat_seq, flat_own, plan.prompt_pos0[flat_seq] + flat_own, decode, _ints(last),
+        n_pre + scored, _ints(score_target), flat_seq[scored],
         tuple(np.flatnonzero(plan.needs & (1 << b)) for b in range(N_HEADS)),
         _ints(layout.span_read), _ints(layout.span_write), _ints(np.concatenate([[0], np.cumsum(layout.span_len)])))
     return inputs, layout

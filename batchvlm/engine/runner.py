@@ -54,15 +54,13 @@ class HostEvent:
 
 class Runner:
     def __init__(self, model: EngineModel, cache: EngineCache, n_rows: int, n_feature_slots: int, max_prefix_len: int,
-                 max_own_blocks: int, seqs_per_image: int, cuda_graphs: bool, sampling: bool,
-                 scores_prompts: bool = False):
+                 max_own_blocks: int, seqs_per_image: int, cuda_graphs: bool, sampling: bool):
         self.model = model
         self.cache = cache
         self.device = dev = model.device
         self.bs = cache.block_size
         self.n_rows = n_rows
         self.sampling = sampling
-        self.scores_prompts = scores_prompts  # MODE_SCORE sequences: decide gets the prompt rows
         self.recurrent = bool(cache.recurrent)
         R = n_rows + 1  # the last row is scratch for padding
         self.state_int = {f: torch.zeros(R, dtype=torch.long, device=dev) for f in STATE_INT}
@@ -217,8 +215,12 @@ class Runner:
                                      list(x.prefix_tokens.split(plan.prefix_prompt_lens.tolist())))
             embeds.append(prefix.embeds_NC)
             write_slots.append(slot_of(x.prefix_tables[x.pre_img], x.pre_j, bs))
-            groups.append(PrefixGroup(x.q_pre, x.prefix_tables, x.prefix_lens, m.causal_prefix,
-                                      _extent(plan.prefix_lens)[1]))
+            # A bidirectional image part, then a prefix prompt that the family reads causally
+            # (an optional attribute: a family without it, an encoder, reads the prompt bidirectionally).
+            mixed = (not m.causal_prefix and getattr(m, "causal_prefix_prompt", False)
+                     and bool(plan.prefix_prompt_lens.any()))
+            groups.append(PrefixGroup(x.q_pre, x.prefix_tables, x.prefix_lens, m.causal_prefix or mixed,
+                                      _extent(plan.prefix_lens)[1], x.prefix_bidir if mixed else None))
         if S:
             embeds.append(m.embed_tokens(x.prompt_tokens))
             own_pos.append(x.flat_pos)
@@ -240,9 +242,8 @@ class Runner:
         batch = AttentionBatch(torch.cat(write_slots), groups, bs, layout.n_pre, states)
         hidden = m.forward(torch.cat(embeds), positions, batch, self.cache, prefix)
         prompt = None
-        if S and self.scores_prompts:  # classify choices (models/family.py (c))
-            prompt = PromptRows(hidden[layout.n_pre: first_decode], x.prompt_tokens, x.flat_seq, x.flat_own,
-                                x.prompt_lens)
+        if layout.n_scored:  # a step of classify choices (MODE_SCORE): decide gets their scored rows
+            prompt = PromptRows(hidden[x.score_rows], x.score_target, x.score_seq)
         return self.decide(torch.cat([x.new_rows, x.decode.rows]), hidden[x.last], x.heads, prompt)
 
     def decode_group(self, d: DecodeInputs, first_row: int, embeds, own_pos, write_slots, groups,

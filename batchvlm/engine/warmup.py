@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..models.decoding import N_HEADS
+from ..models.decoding import MODE_SCORE, MODE_TEXT, N_HEADS
 from .plan import PREFILL_TOKENS_PER_STEP, StepPlan
 
 
 def largest_step(n_rows: int, seqs_per_image: int, max_prefix_len: int, max_prompt: int, max_own_len: int,
                  block_size: int, prefill_tokens: int = PREFILL_TOKENS_PER_STEP, prefix_prompt: int = 0,
-                 recurrent: bool = False) -> StepPlan:
+                 recurrent: bool = False, scores: bool = False) -> StepPlan:
     """max_own_len: the most own tokens (prompt + budget) a sequence of the job can hold;
     prefix_prompt: the longest prefix prompt (part of max_prefix_len); recurrent: every prefix
-    writes (and every prompt forks from) snapshot slot 0."""
+    writes (and every prompt forks from) snapshot slot 0; scores: every prompt row is scored
+    (MODE_SCORE sequences: the most logits a step of classify choices computes)."""
     P, bs = max_prefix_len, block_size
     nbp = -(-P // bs)
     I = max(1, prefill_tokens // P)
@@ -41,7 +42,8 @@ def largest_step(n_rows: int, seqs_per_image: int, max_prefix_len: int, max_prom
         prefix_snapshot=np.full(I, 0 if recurrent else -1, dtype=np.int64),
         prompt_fork=np.full(S, 0 if recurrent else -1, dtype=np.int64),
         new_rows=np.arange(S, dtype=np.int64),
-        new_int=np.tile(np.array([[0, 1, 0]], dtype=np.int64), (S, 1)),
+        new_int=np.tile(np.array([[MODE_SCORE, max_prompt, 0] if scores else [MODE_TEXT, 1, 0]], dtype=np.int64),
+                        (S, 1)),
         new_float=np.tile(np.array([[0.0, 1.0]], dtype=np.float32), (S, 1)),
         prompt_tokens=np.zeros(S * max_prompt, dtype=np.int64), prompt_lens=np.full(S, max_prompt, dtype=np.int64),
         prompt_pos0=np.full(S, P, dtype=np.int64), prompt_tables=ones(S, -(-max_prompt // bs)),

@@ -11,7 +11,9 @@ blocks are shared copy-free by every sequence on the prefix (cache/blocks.py ref
 and L may differ per prefix (it may be 0).
 
 Visibility:
-  prefix token j   sees prefix keys j' < L: all of them (bidirectional prefix) or j' <= j (causal)
+  prefix token j   sees prefix keys j' < L: all of them (bidirectional prefix), j' <= j (causal), or
+                   (a bidirectional image part of B tokens before a causal prefix prompt) j' < B or
+                   j' <= j
   own token o      sees every prefix key of its image, and own keys o' <= o
 
 Two kinds of group:
@@ -76,6 +78,9 @@ class PrefixGroup:
     lens: torch.Tensor  # [I] long: prefix length L of each image
     causal: bool
     all_full: bool = False  # known on the host: every prefix is L long (a bidirectional one needs no key mask)
+    # With `causal`: [I] long, keys j' < bidir_lens[i] are seen by every query of prefix i (Moondream's
+    # bidirectional image part before a causal prefix prompt); None: plain causal.
+    bidir_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -145,7 +150,10 @@ def _plan_reference(batch: AttentionBatch) -> list[GroupPlan]:
             valid = j[None, None, :] < g.lens[:, None, None]  # [I, 1, Lk]
             if g.causal:
                 q = torch.arange(g.q_rows.shape[1], device=j.device)
-                valid = valid & (j[None, :] <= q[:, None])[None]  # [I, L, Lk]
+                seen = (j[None, :] <= q[:, None])[None]  # [1, L, Lk]
+                if g.bidir_lens is not None:
+                    seen = seen | (j[None, None, :] < g.bidir_lens[:, None, None])
+                valid = valid & seen  # [I, L, Lk]
             plans.append(GroupPlan(g, k_slots, valid[:, None]))
             continue
         k_slots = _all_slots(g.table, bs)

@@ -149,30 +149,27 @@ def decide_text(logits_BV: torch.Tensor, state: RowState, stop_ids: torch.Tensor
     return Decision(code, token, zeros, finished, torch.zeros_like(token), token, zeros)
 
 
+SCORE_END = -1  # PromptRows.target_N of a prompt's last row: it predicts the family's end token
+
+
 @dataclass
 class PromptRows:
-    """The own prompt tokens of a step's new sequences (the first S emitting rows), on the device:
-    what a family that scores choices needs besides the last row of each (models/family.py (c))."""
+    """The prompt rows a step's MODE_SCORE sequences score (their last `limit` rows, chosen on the
+    host), on the device: what a family that scores choices needs (models/family.py (c))."""
 
-    hidden_NC: torch.Tensor  # [n_prompt, C]
-    ids_N: torch.Tensor  # [n_prompt] their token ids
-    seq_N: torch.Tensor  # [n_prompt] emitting row of each token
-    own_N: torch.Tensor  # [n_prompt] its index in its prompt
-    lens_S: torch.Tensor  # [S] prompt lengths
+    hidden_NC: torch.Tensor  # [n_scored, C]
+    target_N: torch.Tensor  # [n_scored] the token each row predicts: the next prompt token, or SCORE_END
+    seq_N: torch.Tensor  # [n_scored] emitting row of each
 
 
 def choice_scores(logits_fn, prompt: PromptRows, state: RowState, end_id: int) -> torch.Tensor:
-    """[B] summed float32 log-probabilities of what each MODE_SCORE row's last `limit` prompt rows
+    """[B] summed float32 log-probabilities of what each MODE_SCORE row's scored prompt rows
     predict: the choice's tokens (each scored at the row before it), then `end_id` at the last row
-    (the end is never fed). Other rows get 0. Fixed shapes: every prompt row's logits are computed."""
-    ids, seq, own = prompt.ids_N, prompt.seq_N, prompt.own_N
-    L = prompt.lens_S[seq]
-    last = own == L - 1
-    target = torch.where(last, end_id, torch.roll(ids, -1))
-    scored = (state.mode[seq] == MODE_SCORE) & (own >= L - state.limit[seq])
+    (the end is never fed). Other rows get 0. Logits are computed for the scored rows only."""
+    target = torch.where(prompt.target_N == SCORE_END, end_id, prompt.target_N)
     logp = torch.log_softmax(logits_fn(prompt.hidden_NC).float(), -1).gather(-1, target[:, None])[:, 0]
-    return torch.zeros(state.mode.shape[0], dtype=torch.float32, device=ids.device).index_add_(
-        0, seq, torch.where(scored, logp, 0.0))
+    return torch.zeros(state.mode.shape[0], dtype=torch.float32, device=logp.device).index_add_(
+        0, prompt.seq_N, logp)
 
 
 def with_scores(d: Decision, state: RowState, scores_B: torch.Tensor) -> Decision:

@@ -49,14 +49,16 @@ Engine contract v2: how each kind of model plugs in.
       one (its `decide` keeps a token history per engine row, indexed by `RowState.row`, for
       the n-gram ban).
   (c) Classify (choices). The shared prompt minus its last token is the prefix prompt (one
-      prefix segment per image and prompt, prefilled once); each choice is a sequence whose own
-      prompt is [last prompt token] + the choice's tokens, with limit 1 (it finishes at its
-      first decision: one prefill step, no decode loop). Its score, the sum of the choice
-      tokens' log-probs, needs the logits of every own prompt row, where `decide` sees the last
-      row only: in a job with MODE_SCORE sequences, `decide` gets the step's prompt rows as well
-      (`PromptRows`: hidden [n_prompt, C], ids, row and own index of each, already on the device)
-      and reduces them per row into `Decision.value` (decoding.py `choice_scores`). MODE_SCORE
-      rows score their last `limit` rows and write nothing after their prompt (budget 1).
+      prefix segment per image and prompt, prefilled once; after a bidirectional image prefix it is
+      read causally, `causal_prefix_prompt`); each choice is a sequence whose own prompt is [last
+      prompt token] + the choice's tokens, with limit 1 (it finishes at its first decision: one
+      prefill step, no decode loop). Its score, the sum of the choice tokens' log-probs, needs the
+      logits of its own prompt rows, where `decide` sees the last row only: in a step with
+      MODE_SCORE sequences, `decide` gets their scored rows as well (`PromptRows`: hidden
+      [n_scored, C], the token each row predicts and its emitting row, chosen on the host, already
+      on the device; no other prompt row's logits are computed) and reduces them per row into
+      `Decision.value` (decoding.py `choice_scores`). MODE_SCORE rows score their last `limit` rows
+      and write nothing after their prompt (budget 1).
   (d) JSON / constrained decoding. A grammar object owned by the family keeps its state per row
       on the device (e.g. a state id in `RowState.phase`) and a mask table [n_states, V] (or a
       packed bitmask) on the device: `decide` masks the logits with table[phase] before the
@@ -228,6 +230,10 @@ class EngineModel(Protocol):
     device: torch.device
     dtype: torch.dtype
     causal_prefix: bool  # False: the image prefix attends to itself bidirectionally
+    # Read when causal_prefix is False, optional (default False): True, a prefix prompt after the
+    # image is read causally (Moondream's shared classify prompt); False, the whole prefix is
+    # bidirectional (an encoder).
+    causal_prefix_prompt: bool
 
     def state_specs(self) -> list[StateSpec]:
         """The state kinds of the model's layers (cache/specs.py); the engine sizes, allocates and
@@ -264,7 +270,7 @@ class EngineModel(Protocol):
                heads: tuple[torch.Tensor, ...] | None, prompt: PromptRows | None = None) -> Decision:
         """One step of every row's decoding; updates `state` in place. `heads[b]`: the rows whose
         head schedule (SeqSpec.heads) needs head b this step (None: every row, every head).
-        `prompt`: the step's prompt rows, in a job with MODE_SCORE sequences (note (c))."""
+        `prompt`: the scored prompt rows, in a step with MODE_SCORE sequences (note (c))."""
 
     def emit(self, out: RawOutput, spec: SeqSpec, code: int, token: int, v0: float, v1: float) -> None:
         """The host half of the grammar: apply one emission of a sequence (one step behind)."""

@@ -6,7 +6,8 @@ fused kernels instead of gathering K/V into dense float32 copies:
   PrefixGroup  the prefix attends to this step's own K/V (the rows it has just computed, not
                the cache): causal prefixes through SDPA with `is_causal` (flash-eligible: right
                padding sits after every real query, so the causal mask already hides it),
-               bidirectional ones through SDPA with a key-length mask (memory-efficient kernel).
+               bidirectional ones through SDPA with a key-length mask (memory-efficient kernel), a
+               bidirectional image part before a causal prefix prompt with a full [L, L] mask.
   TaskGroup    two flex_attention calls over the whole layer cache viewed as one sequence of
                slots, `[1, n_kv_heads, n_slots, head_dim]` (a view: no copy), each with a paged
                block mask. The prefix part has one batch entry per image, the own part one per
@@ -138,7 +139,8 @@ class FusedPlan:
     """Per-forward derived tensors of a group, shared by all layers."""
 
     group: PrefixGroup | TaskGroup
-    key_mask: torch.Tensor | None = None  # [I, 1, 1, L] bool: bidirectional prefixes of unequal lengths
+    key_mask: torch.Tensor | None = None  # [I, 1, 1, L] bool: bidirectional prefixes of unequal lengths;
+    # [I, 1, L, L]: a bidirectional part before a causal prefix prompt (PrefixGroup.bidir_lens)
     own: PagedMask | None = None  # task groups: each sequence's own tokens
     prefix: PagedMask | None = None  # task groups: each image's prefix, once per image
 
@@ -255,8 +257,11 @@ class FusedAttention:
         for g in batch.groups:
             if isinstance(g, PrefixGroup):
                 key_mask = None
-                if not g.causal and not g.all_full:
-                    j = torch.arange(g.q_rows.shape[1], device=g.lens.device)
+                j = torch.arange(g.q_rows.shape[1], device=g.lens.device)
+                if g.bidir_lens is not None:  # causal after a bidirectional part: a full [L, L] mask
+                    seen = (j[None, :] <= j[:, None])[None] | (j[None, None, :] < g.bidir_lens[:, None, None])
+                    key_mask = (seen & (j[None, None, :] < g.lens[:, None, None]))[:, None]
+                elif not g.causal and not g.all_full:
                     key_mask = (j[None, :] < g.lens[:, None])[:, None, None, :]
                 plans.append(FusedPlan(g, key_mask=key_mask))
                 continue
@@ -308,7 +313,8 @@ class FusedAttention:
                 q_BHLD = q_pad[g.q_rows].transpose(1, 2)
                 k_BHLD, v_BHLD = k_pad[g.q_rows].transpose(1, 2), v_pad[g.q_rows].transpose(1, 2)
                 o_BHLD = F.scaled_dot_product_attention(q_BHLD, k_BHLD, v_BHLD, attn_mask=plan.key_mask,
-                                                        is_causal=g.causal, enable_gqa=Hkv != H)
+                                                        is_causal=g.causal and plan.key_mask is None,
+                                                        enable_gqa=Hkv != H)
                 out[g.q_rows] = o_BHLD.transpose(1, 2)
                 continue
             o1, l1 = self._paged(q_pad, k_1HSD, v_1HSD, plan.own) if reads is not Reads.PREFIX else (None, None)

@@ -52,7 +52,7 @@ def score_model(model: MoondreamModel, tokenizer, pre: Preprocessor, n_images: i
 
 def score_output(out_dir) -> tuple[dict[str, float], int]:
     """Score a job's output folder against the `<key>.json` ground truth in its input shards.
-    -> (metrics of the task kinds the job ran, number of images)."""
+    -> (metrics of the task kinds the job ran that the shapes truth can score, number of images)."""
     from ..output.reader import Output
     from ..tasks import args_of, column_of, kind_of
     from .shards import read_truth
@@ -75,13 +75,16 @@ def score_output(out_dir) -> tuple[dict[str, float], int]:
                 scores.add_caption(scene, value)
             elif kind == "query":
                 scores.add_query(scene, args_of(task).question, value)
-            else:
+            elif kind == "classify":
+                scores.add_classify(scene, args_of(task).question, value)
+            elif kind in ("detect", "point"):
                 for obj in args_of(task).objects:
                     mine = [v for v in value if v["label"] == obj]
                     if kind == "detect":
                         scores.add_detect(scene, obj, [(b["x_min"], b["y_min"], b["x_max"], b["y_max"]) for b in mine])
                     else:
                         scores.add_point(scene, obj, [(p["x"], p["y"]) for p in mine])
-    names = {"caption": "caption_exact", "query": "query_exact", "detect": "detect_f1@0.5", "point": "point_f1"}
+    names = {"caption": "caption_exact", "query": "query_exact", "detect": "detect_f1@0.5", "point": "point_f1",
+             "classify": "classify_exact"}  # other kinds have no shapes ground truth
     table = scores.table()
     return {names[k]: round(table[names[k]], 4) for k in names if k in kinds}, n

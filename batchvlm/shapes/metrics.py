@@ -74,6 +74,7 @@ class Scores:
     query: Accuracy = field(default_factory=Accuracy)
     detect: F1 = field(default_factory=F1)
     point: F1 = field(default_factory=F1)
+    classify: Accuracy = field(default_factory=Accuracy)  # chosen labels, where the spec asks the question
 
     def add_caption(self, scene: Scene, text: str) -> None:
         self.caption.add(text.strip() == scene.caption())
@@ -82,6 +83,11 @@ class Scores:
         truth = scene.answer(question)
         if truth is not None:
             self.query.add(text.strip().lower().rstrip(".") == truth)
+
+    def add_classify(self, scene: Scene, question: str, label: str) -> None:
+        truth = scene.answer(question)
+        if truth is not None:
+            self.classify.add(label == truth)
 
     def add_detect(self, scene: Scene, query: str, boxes: list[tuple[float, ...]]) -> None:
         truth = scene.boxes(query)
@@ -92,8 +98,12 @@ class Scores:
         self.point.add(match_points(points, truth), len(points), len(truth))
 
     def table(self) -> dict[str, float]:
-        return {"caption_exact": self.caption.value, "query_exact": self.query.value,
-                "detect_f1@0.5": self.detect.value, "point_f1": self.point.value}
+        """SHAPES.md's metrics, and classify_exact once a classify label was scored."""
+        table = {"caption_exact": self.caption.value, "query_exact": self.query.value,
+                 "detect_f1@0.5": self.detect.value, "point_f1": self.point.value}
+        if self.classify.total:
+            table["classify_exact"] = self.classify.value
+        return table
 
     def passes(self, bar: float = 0.9) -> bool:
         return all(v >= bar for v in self.table().values())

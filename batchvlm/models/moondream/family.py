@@ -64,9 +64,10 @@ class Moondream:
                 for label, spec in self._task_sequences(t, task, engine)]
         P, n_ctx = self.config.prefix_len, self.config.text.max_context
         for s in seqs:
-            if P + len(s.spec.prompt) + s.spec.budget > n_ctx:
+            n_prompt = len(s.spec.prefix_prompt) + len(s.spec.prompt)
+            if P + n_prompt + s.spec.budget > n_ctx:
                 raise FamilyError(
-                    f"tasks.{s.task}: a {len(s.spec.prompt)}-token prompt and up to {s.spec.budget} generated "
+                    f"tasks.{s.task}: a {n_prompt}-token prompt and up to {s.spec.budget} generated "
                     f"tokens after the {P}-token image prefix exceed the model's context of {n_ctx}; shorten it "
                     "or lower engine.max_new_tokens / engine.max_objects")
         return seqs
@@ -93,22 +94,22 @@ class Moondream:
                 for obj in a.objects]
 
     def _choices(self, t: int, a) -> list[tuple[str, SeqSpec]]:
-        """One sequence per choice: the query's prompt, then the choice's tokens (after the answer
-        ids: the same alone as in context), scored with the end token (models/family.py (c)). The
-        image prefix attends to itself bidirectionally, so the prompt cannot join it as a prefix
-        prompt: each choice row carries it (Moondream's query prompts are short)."""
+        """One sequence per choice: the query's prompt minus its last token is the shared prefix
+        prompt (after the image, read causally: models/family.py (c)); own tokens are that last
+        token and the choice's tokens (after the answer ids: the same alone as in context), all
+        scored, then the end token."""
         tpl = self.config.tokenizer.templates.get("query")
         if tpl is None:
             raise FamilyError("tasks: the model has no query template")
         prompt = tuple(tpl["prefix"] + self.tokenizer.encode(a.question) + tpl["suffix"] + tpl["suffix"])
         out: list[tuple[str, SeqSpec]] = []
         for c in a.choices:
-            ids = tuple(self.tokenizer.encode(c))
+            own = (prompt[-1], *self.tokenizer.encode(c))
             for label, s in out:
-                if s.prompt == prompt + ids:
+                if s.prompt == own:
                     raise FamilyError(f"tasks.{t}.classify.choices: {label!r} and {c!r} are the same tokens for "
                                       "this model")
-            out.append((c, SeqSpec(MODE_SCORE, prompt + ids, len(ids) + 1)))
+            out.append((c, SeqSpec(MODE_SCORE, own, len(own), prefix_prompt=prompt[:-1])))
         return out
 
     def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput],
@@ -137,7 +138,8 @@ class Moondream:
 class MoondreamEngineModel:
     """The engine's view of a loaded Moondream (models/family.py EngineModel)."""
 
-    causal_prefix = False
+    causal_prefix = False  # the image part: [BOS][image tokens]
+    causal_prefix_prompt = True  # a prefix prompt after it (classify's shared prompt) is text: causal
 
     def __init__(self, model: MoondreamModel, info: ModelInfo):
         self.model, self.info = model, info
@@ -156,7 +158,7 @@ class MoondreamEngineModel:
         return bytes_per_slot(self.state_specs())
 
     def prefix_layout(self, image: PreparedImage, prompt: tuple[int, ...]) -> tuple[int, int]:
-        return image.prefix_len, image.next_pos
+        return image.prefix_len + len(prompt), image.next_pos + len(prompt)
 
     def encode(self, images: list[PreparedImage]) -> list[torch.Tensor]:
         crops = self._upload([im.crops for im in images])
@@ -167,8 +169,14 @@ class MoondreamEngineModel:
         return [PreparedImage(torch.zeros(1, s, s, 3, dtype=torch.uint8), (1, 1), self.P)] * 128
 
     def prefix_inputs(self, features: list[torch.Tensor], prompts: list[torch.Tensor]) -> PrefixInputs:
-        embeds = self.model.prefix_embeds(torch.stack(features)).reshape(len(features) * self.P, -1)
-        return PrefixInputs(embeds, torch.arange(self.P, device=self.device).repeat(len(features)))
+        image_IPC = self.model.prefix_embeds(torch.stack(features))
+        if not any(p.shape[0] for p in prompts):
+            return PrefixInputs(image_IPC.reshape(len(features) * self.P, -1),
+                                torch.arange(self.P, device=self.device).repeat(len(features)))
+        # A prefix prompt follows its image's tokens; positions equal slot indices.
+        embeds = [part for image_PC, p in zip(image_IPC, prompts) for part in (image_PC, self.model.text.wte[p])]
+        positions = [torch.arange(self.P + p.shape[0], device=self.device) for p in prompts]
+        return PrefixInputs(torch.cat(embeds), torch.cat(positions))
 
     def own_positions(self, pos_N: torch.Tensor) -> torch.Tensor:
         return pos_N

@@ -4,7 +4,7 @@ family's config, module tree and device side."""
 
 from __future__ import annotations
 
-from ..qwen_vl.host import KINDS, QwenVLHost
+from ..qwen_vl.host import QwenVLHost
 from .config import Qwen3VLConfig
 from .engine_model import Qwen3VLEngineModel
 from .model import Qwen3VLModel
@@ -13,7 +13,6 @@ from .model import Qwen3VLModel
 class Qwen3VL(QwenVLHost):
     name = "qwen3_vl"
     title = "Qwen3-VL"
-    kinds = (*KINDS, "classify")  # Qwen3.5's recurrent prefix with a prefix prompt is not tested yet
     config_class = Qwen3VLConfig
     model_class = Qwen3VLModel
     engine_class = Qwen3VLEngineModel

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .engine import QwenVLEngineModel
     from .model import QwenVLModel
 
-KINDS = ("caption", "query", "point", "detect", "ocr")
+KINDS = ("caption", "query", "point", "detect", "ocr", "classify")
 H = TypeVar("H", bound="QwenVLHost")
 
 
@@ -139,9 +139,10 @@ class QwenVLHost:
                                                            engine.top_p), kept))
         P, n_ctx = self.max_prefix_len(), self.config.max_context
         for s in seqs:
-            if P + len(s.spec.prompt) + s.spec.budget > n_ctx:
+            n_prompt = len(s.spec.prefix_prompt) + len(s.spec.prompt)
+            if P + n_prompt + s.spec.budget > n_ctx:
                 raise FamilyError(
-                    f"tasks.{s.task}: a {len(s.spec.prompt)}-token prompt and up to {s.spec.budget} generated tokens "
+                    f"tasks.{s.task}: a {n_prompt}-token prompt and up to {s.spec.budget} generated tokens "
                     f"after an image prefix of up to {P} tokens exceed the model's context of {n_ctx}; lower "
                     "model.max_pixels or engine.max_new_tokens")
         return seqs
