@@ -11,7 +11,8 @@ below; Moondream's point / detect grammar is in models/moondream/grammar.py.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,6 +42,11 @@ class SeqSpec:
     # token): step k needs heads[k % len(heads)]. One emitted item (a token, an object) takes one
     # cycle, so `limit` items take at most len(heads) * limit positions.
     heads: tuple[int, ...] = (HEAD_TOKEN,)
+    # A host-side grammar the sequence's tokens follow (models/grammar.py JsonGrammar): its
+    # `answer()` starts the sequence's RawOutput.grammar, and each step the sequence runs in gets
+    # a mask of `words` int32 words from it (engine/scheduler.py: one step behind). Opaque to the
+    # engine but for `words`. None: unconstrained.
+    grammar: Any = field(default=None, compare=False)
 
     @property
     def budget(self) -> int:
@@ -184,6 +190,7 @@ class RawOutput:
     tokens: list[int]
     objects: list[tuple[float, ...]]
     pending: list[float]
+    grammar: Any = None  # a constrained sequence's grammar state (SeqSpec.grammar), fed what it emits
 
     @classmethod
     def empty(cls) -> RawOutput:
@@ -196,8 +203,11 @@ class RawOutput:
 
 
 def emit_text(out: RawOutput, spec: SeqSpec, code: int, token: int, v0: float, v1: float) -> None:
-    """The host half of plain text decoding: keep emitted tokens (and a choice's score)."""
+    """The host half of plain text decoding: keep emitted tokens (and a choice's score), and feed
+    a constrained sequence's grammar the token (its next mask follows from it)."""
     if code == EMIT_TOKEN:
         out.tokens.append(token)
+        if out.grammar is not None:
+            out.grammar.accept(token)
     elif code == EMIT_SCORE:
         out.objects.append((v0,))

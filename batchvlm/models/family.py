@@ -106,6 +106,13 @@ def check_kinds(tasks: list[Task], supported: tuple[str, ...], model: str) -> No
             raise FamilyError(f"tasks.{i}.{kind}: {model} cannot do {kind} tasks (it can: {', '.join(supported)})")
 
 
+def refuse_constrain(tasks: list[Task], constrain: bool, model: str) -> None:
+    """output.constrain is for the native Qwen families' detect / point (their JSON grounding)."""
+    if constrain and any(kind_of(t) in ("detect", "point") for t in tasks):
+        raise FamilyError(f"output.constrain: {model} cannot constrain detect / point answers (native Qwen3-VL and "
+                          "Qwen3.5 can; Moondream's always follow its grammar)")
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """Provenance: lands in the job record and every Parquet file's metadata."""
@@ -175,8 +182,9 @@ class Family(Protocol):
 
     def preprocessor(self) -> Preprocessor: ...
 
-    def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[TaskSequence]:
-        """The sequences every image runs, in task order. Raises FamilyError naming the field."""
+    def sequences(self, tasks: list[Task], engine: EngineSpec, constrain: bool = False) -> list[TaskSequence]:
+        """The sequences every image runs, in task order. Raises FamilyError naming the field.
+        `constrain` (output.constrain): detect / point answers follow the family's format."""
 
     def max_prefix_len(self) -> int:
         """An upper bound of any image's prefix length under this job's preprocessing."""

@@ -69,6 +69,10 @@ class Qwen35Config:
     def max_context(self) -> int:
         return self.text.max_context
 
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Qwen35Config:
         if raw.get("model_type") != "qwen3_5":

@@ -41,6 +41,10 @@ class Qwen3VLConfig:
     def max_context(self) -> int:
         return self.text.max_context
 
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Qwen3VLConfig:
         if raw.get("model_type") != "qwen3_vl":

@@ -22,6 +22,7 @@ from ..hub import TokenizerAdapter
 from ..qwen_prompts import QWEN3
 from .chat import ChatTemplate, read_template, special_tokens
 from .config import ConfigError, VisionConfig
+from .constrain import Grammars, grounding_schema
 from .labels import column_values
 from .preprocess import PixelSettings, Preprocessor
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from ...job import EngineSpec
     from ...tasks import Task
 
-KINDS = ("caption", "query", "point", "detect", "ocr")
+KINDS = ("caption", "query", "point", "detect", "ocr", "json")
 
 
 def stop_ids(folder: Path, tokenizer: TokenizerAdapter) -> list[int]:
@@ -62,6 +63,10 @@ class QwenConfig(Protocol):
     @property
     def max_context(self) -> int: ...
 
+    @property
+    def vocab_size(self) -> int:
+        """The width of the model's logits (json masks are that wide)."""
+
 
 class QwenVLHost:
     backend = "native"
@@ -81,6 +86,7 @@ class QwenVLHost:
         self.stop_ids = stop_ids(folder, self.tokenizer)
         self.pre = Preprocessor.create(config.vision, settings, len(self.head), min_pixels, max_pixels)
         self.max_objects: dict[int, int] = {}  # task -> objects kept per name (set by sequences)
+        self.grammars = Grammars(tokenizer, config.vocab_size, self.stop_ids)
 
     def preprocessor(self) -> Preprocessor:
         return self.pre
@@ -88,7 +94,9 @@ class QwenVLHost:
     def max_prefix_len(self) -> int:
         return len(self.head) + self.pre.max_tokens() + 1
 
-    def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[TaskSequence]:
+    def sequences(self, tasks: list[Task], engine: EngineSpec, constrain: bool = False) -> list[TaskSequence]:
+        """`constrain` (output.constrain): detect / point answers follow the JSON grounding format
+        (constrain.py)."""
         check_kinds(tasks, self.kinds, self.title)
         seqs = []
         for t, task in enumerate(tasks):
@@ -96,15 +104,20 @@ class QwenVLHost:
             if kind == "classify":
                 seqs += self._choices(t, a)
                 continue
-            if kind in ("caption", "query", "ocr"):
-                pairs = [(None, QWEN3.words(kind, a), a.max_new_tokens or engine.max_new_tokens)]
+            if kind == "json":  # the prompt as written, the answer held to the schema
+                pairs = [(None, a.prompt, a.max_new_tokens or engine.max_new_tokens,
+                          self.grammars.compile(a.json_schema, f"tasks.{t}.json"))]
+            elif kind in ("caption", "query", "ocr"):
+                pairs = [(None, QWEN3.words(kind, a), a.max_new_tokens or engine.max_new_tokens, None)]
             else:
                 self.max_objects[t] = a.max_objects or engine.max_objects
-                pairs = [(obj, QWEN3.words(kind, a, obj), engine.max_new_tokens) for obj in a.objects]
-            for label, text, limit in pairs:
+                pairs = [(obj, QWEN3.words(kind, a, obj), engine.max_new_tokens,
+                          self.grammars.compile(grounding_schema(kind, obj), "output.constrain") if constrain else None)
+                         for obj in a.objects]
+            for label, text, limit, grammar in pairs:
                 prompt = tuple(self.tokenizer.encode(self.template.split(text)[1]))
                 seqs.append(TaskSequence(t, label, SeqSpec(MODE_TEXT, prompt, limit, engine.temperature,
-                                                           engine.top_p)))
+                                                           engine.top_p, grammar=grammar)))
         P, n_ctx = self.max_prefix_len(), self.config.max_context
         for s in seqs:
             if P + len(s.spec.prompt) + s.spec.budget > n_ctx:

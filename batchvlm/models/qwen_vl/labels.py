@@ -50,7 +50,7 @@ def column_values(tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOut
             continue
         texts = [answer_text(decode, r.tokens) for _, r in mine]
         cut = any(r.hit_limit(s.spec) for s, r in mine)  # the token limit ended an answer
-        if kind in ("caption", "query", "ocr"):
+        if kind in ("caption", "query", "ocr", "json"):  # json: compact JSON as the grammar let it be written
             out[column_of(task)], out[truncated_column(task)] = texts[0], cut
             continue
         parse, values, key, n = ((qwen3_points, point_values, "point_2d", 2) if kind == "point"

@@ -12,7 +12,7 @@ from typing import Any
 
 from ...job import EngineSpec
 from ...tasks import Task
-from ..family import ModelInfo
+from ..family import ModelInfo, refuse_constrain
 from ..hub import resolve_device, resolve_dtype, weight_files, weights_sha256
 from . import architectures
 from .columns import column_values
@@ -38,7 +38,8 @@ class TransformersFamily:
     def preprocessor(self) -> ImagePreprocessor:
         return ImagePreprocessor(self.host.processor.image_processor)
 
-    def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[Prompt]:
+    def sequences(self, tasks: list[Task], engine: EngineSpec, constrain: bool = False) -> list[Prompt]:
+        refuse_constrain(tasks, constrain, "the transformers backend")
         prompts = prompts_for(tasks, architectures.style(self.name), self.format, chat_renderer(self.host.processor),
                               self.name, engine.max_new_tokens, engine.max_objects)
         return with_choices(prompts, tasks, self.host.processor.tokenizer)
