@@ -99,11 +99,15 @@ def test_moondream_hot_path_has_no_host_sync(tmp_path, monkeypatch):
     assert audit.found == [], "\n".join(dict.fromkeys(audit.found))
 
 
-def test_qwen3_vl_hot_path_has_no_host_sync(tmp_path, monkeypatch):
+@pytest.mark.parametrize("constrained", [False, True])
+def test_qwen3_vl_hot_path_has_no_host_sync(tmp_path, monkeypatch, constrained):
+    """constrained: a json task and output.constrain as well (the mask table, its uploads)."""
     pytest.importorskip("transformers")
     from qwen3vl_fixture import write_checkpoint
     from test_qwen3vl_engine import TASKS as QWEN_TASKS
     from test_qwen3vl_engine import images
+
+    from batchvlm.tasks import JsonTask
 
     from batchvlm.data.decode import decode
     from batchvlm.models.registry import open_family
@@ -113,7 +117,10 @@ def test_qwen3_vl_hot_path_has_no_host_sync(tmp_path, monkeypatch):
     folder = write_checkpoint(tmp_path / "qwen", seed=2)
     family = open_family(ModelSpec(name=str(folder)))
     settings = EngineSpec(max_new_tokens=3, max_batch_size=6, pipelined=True)
-    seqs = family.sequences(QWEN_TASKS, settings)
+    if constrained:
+        pytest.importorskip("xgrammar")
+        QWEN_TASKS = [*QWEN_TASKS, JsonTask(json={"prompt": "Count.", "schema": {"type": "integer"}})]
+    seqs = family.sequences(QWEN_TASKS, settings, constrain=constrained)
     model = family.load("float32", "cpu")
     pre = family.preprocessor()
     prepared = []

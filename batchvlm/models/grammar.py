@@ -50,7 +50,8 @@ class Vocabulary:
         self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_ids)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.vocab_size = vocab_size
-        self.utf8_next_VS, self.utf8_masks_SW = utf8_tables(self.info.decoded_vocab, vocab_size)
+        next_VS, self.utf8_masks_SW = utf8_tables(self.info.decoded_vocab, vocab_size)
+        self.utf8_next_VS = next_VS.numpy()  # read one entry per emitted token: numpy, no tensor op
 
     def compile(self, schema: dict[str, Any]) -> JsonGrammar:
         return JsonGrammar(self.compiler.compile_json_schema(
