@@ -1,5 +1,8 @@
-"""Grammar-constrained decoding for `json` tasks: a schema compiled once per job, per-row matchers
-on the host, and the mask step applied on the device before the (batch-invariant) sampler.
+"""Grammar-constrained decoding for `json` tasks (and output.constrain): a schema compiled once per
+job, one answer's matcher on the host (`Answer`, fed the tokens the answer emits), masks of many
+answers filled at once (`fill_masks`), and the mask step applied on the device before the
+(batch-invariant) sampler (`apply_mask`). The native engine computes masks one step behind,
+never while a launch waits (engine/scheduler.py); the transformers backend inside `generate`.
 
 The library is xgrammar (`pip install 'batchvlm[structured]'`), chosen by measurement against
 llguidance (scripts/bench_grammar.py, README "classify and json"): on a 151,643-token byte-level
