@@ -40,10 +40,9 @@ from .data.sources import ShardRef, check_first_parquet, keep_fields, list_files
 from .device import for_device
 from .dist import Rank, my_shards
 from .engine.engine import EngineLabeler
-from .models.family import WorkItem
 from .job import Job
 from .models import registry
-from .models.family import PARSE_FAILURES, EngineModel, Family, StaticModel, TaskSequence
+from .models.family import PARSE_FAILURES, EngineModel, Family, StaticModel, TaskSequence, WorkItem
 from .output import manifest
 from .output.claims import Claims
 from .output.layout import Layout
@@ -137,7 +136,25 @@ class StopFlag:
         self.event.set()
 
 
-def row_for(ref: ShardRef, s: Sample, columns: dict[str, Any] | None, error: str | None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Ticket:
+    """What the row of a sample in the engine needs, without its pixels (the engine drops those
+    once the image is encoded): identity, size, kept input fields, the size the model saw."""
+
+    shard: int
+    index: int
+    key: str
+    width: int
+    height: int
+    meta: dict[str, Any] | None
+    seen: tuple[int, int] | None  # Prepared.seen: the family's columns read it
+
+    @classmethod
+    def of(cls, s: Sample) -> Ticket:
+        return cls(s.shard, s.index, s.key, s.width, s.height, s.meta, s.prepared.seen)
+
+
+def row_for(ref: ShardRef, s: Sample | Ticket, columns: dict[str, Any] | None, error: str | None) -> dict[str, Any]:
     row = {"key": s.key, "source": ref.url, "width": s.width or None, "height": s.height or None,
            "status": "error" if error else "ok", "error": error}
     return row | (columns or {}) | (s.meta or {})
@@ -316,9 +333,9 @@ class Labelling:
         if self.claims:
             self.claims.keep_alive(self.claimed, self.beat_stop)
         try:
-            for (i, index, sample), raws in labeler.label(self.items(stream)):
-                columns = family.columns(job.tasks, seqs, raws)
-                self.add_row(i, index, row_for(self.assemblies[i].ref, sample, columns, None))
+            for ticket, raws in labeler.label(self.items(stream)):
+                columns = family.columns(job.tasks, seqs, raws, ticket.seen)
+                self.add_row(ticket.shard, ticket.index, row_for(self.assemblies[ticket.shard].ref, ticket, columns, None))
             if self.limit is not None and not self.stop.event.is_set():
                 # --limit: keep what was labelled, marked incomplete so the next run redoes it whole.
                 for a in self.assemblies.values():
@@ -386,7 +403,7 @@ class Labelling:
                 if item.error is not None:
                     self.add_row(item.shard, item.index, row_for(self.assemblies[item.shard].ref, item, None, item.error))
                 else:
-                    yield WorkItem((item.shard, item.index, item), item.prepared, item.key)
+                    yield WorkItem(Ticket.of(item), item.prepared, item.key)
         except Exception:
             if not self.stop.event.is_set():  # loader workers dying during a shutdown is expected
                 raise

@@ -108,7 +108,7 @@ def test_prompts_are_the_processors(checkpoints, refs):
     with pytest.raises(FamilyError, match=r"^tasks\.0\.ocr: Moondream cannot do ocr tasks"):
         open_family(ModelSpec(name="demo")).sequences(tasks_of([{"ocr": {}}]), EngineSpec())
     hf = open_family(ModelSpec(name=str(checkpoints["a"]), backend="transformers"))
-    assert [p.text for p in hf.sequences(tasks_of(TASKS), EngineSpec())] == TEXTS  # the one mapping
+    assert [p.spec.text for p in hf.sequences(tasks_of(TASKS), EngineSpec())] == TEXTS  # the one mapping
 
 
 def test_qwen3_vl_reads_text_by_prompt_and_refuses_regions(tmp_path):

@@ -263,3 +263,24 @@ def test_a_prompt_longer_than_the_context_is_one_line(tmp_path):
     r = cli("run", job, check=False)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
         "batchvlm: error: tasks.0: a ") and "context" in r.stderr
+
+
+def test_a_ticket_keeps_no_pixels():
+    """The run loop's ticket holds what the row needs (and the size the model saw, for columns):
+    once the engine drops the prepared image, nothing else keeps its pixels alive."""
+    import gc
+    import weakref
+
+    import torch
+
+    from batchvlm.data.loader import Sample
+    from batchvlm.models.qwen_vl.preprocess import PreparedImage
+    from batchvlm.run import Ticket
+
+    prepared = PreparedImage(torch.zeros(28, 56, 3, dtype=torch.uint8), (1, 2), 3)
+    pixels = weakref.ref(prepared.pixels)
+    ticket = Ticket.of(Sample(0, 5, "k", 640, 480, None, prepared, {"id": 1}))
+    del prepared
+    gc.collect()
+    assert pixels() is None
+    assert ticket == Ticket(0, 5, "k", 640, 480, {"id": 1}, (56, 28))

@@ -76,10 +76,12 @@ class Labeler:
         samples = [prepare(enc, self.preprocess, self.job.loader, 0, i) for i, enc in enumerate(encoded)]
         rows: list[dict[str, Any]] = [{"width": s.width or None, "height": s.height or None,
                                        "status": "error" if s.error else "ok", "error": s.error} for s in samples]
-        items = [WorkItem(i, s.prepared, encoded[i].key if self.input.key_column else _digest(encoded[i].data))
+        items = [WorkItem((i, s.prepared.seen), s.prepared,
+                          encoded[i].key if self.input.key_column else _digest(encoded[i].data))
                  for i, s in enumerate(samples) if s.error is None]
-        for i, raws in self.labeler.label(items):
-            rows[i] |= self.family.columns(self.job.tasks, self.seqs, raws)
+        del samples  # the pixels are the items' alone now: freed once encoded
+        for (i, seen), raws in self.labeler.label(items):
+            rows[i] |= self.family.columns(self.job.tasks, self.seqs, raws, seen)
         labels = pa.Table.from_pylist(rows, schema=self.schema)
         for name in labels.column_names:  # a label column replaces an input column of its name
             if name in table.column_names:

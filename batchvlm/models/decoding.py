@@ -184,21 +184,25 @@ def with_scores(d: Decision, state: RowState, scores_B: torch.Tensor) -> Decisio
 
 @dataclass
 class RawOutput:
-    """What one sequence emitted, assembled on the host by its family's `emit`: token ids, or
-    objects (family-defined tuples, e.g. points / boxes), with `pending` as the family's scratch."""
+    """What one sequence emitted, whatever ran it: token ids, or objects (family-defined tuples,
+    e.g. points / boxes; a classify choice's summed log-probability as `(score,)`), `pending` as
+    the family's scratch, and `cut`: a limit ended it, not the model (its label may be cut short).
+    On the native engine the family's `emit` assembles it on the host and the scheduler sets
+    `cut` when the sequence finishes (`hit_limit`)."""
 
     tokens: list[int]
-    objects: list[tuple[float, ...]]
-    pending: list[float]
+    objects: list[tuple[float, ...]] = field(default_factory=list)
+    pending: list[float] = field(default_factory=list)
+    cut: bool = False
     grammar: Any = None  # a constrained sequence's grammar state (SeqSpec.grammar), fed what it emits
 
     @classmethod
     def empty(cls) -> RawOutput:
-        return cls([], [], [])
+        return cls([])
 
     def hit_limit(self, spec: SeqSpec) -> bool:
-        """The sequence stopped because of its limit, not by itself: its label may be cut short.
-        (A stop token is never emitted, so `limit` emitted tokens means the limit ended it.)"""
+        """The sequence stopped because of its limit, not by itself. (A stop token is never
+        emitted, so `limit` emitted tokens means the limit ended it.)"""
         return len(self.tokens if spec.mode == MODE_TEXT else self.objects) >= spec.limit
 
 

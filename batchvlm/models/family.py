@@ -137,11 +137,14 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class TaskSequence:
-    """One sequence of a task on every image: task index, object label, what to run."""
+    """One sequence of a task on every image, the one family-side description of it: which task,
+    which object (or choice), what the task keeps of its output, and what the backend runs (`spec`:
+    a SeqSpec for the native engine; the transformers backend's own prompt for `generate`)."""
 
-    task: int
-    label: str | None
-    spec: SeqSpec
+    task: int  # index in the job's tasks
+    label: str | None  # the object of a detect / point sequence, the choice of a classify one
+    spec: Any  # SeqSpec (native engine) or the static backend's prompt
+    max_objects: int | None = None  # detect / point / regions: objects kept, in the order the model wrote them
 
 
 class Prepared(Protocol):
@@ -159,6 +162,12 @@ class Prepared(Protocol):
     @property
     def cost(self) -> int:
         """Vision work (crops, patches): bounds the size of one vision batch."""
+
+    @property
+    def seen(self) -> tuple[int, int] | None:
+        """(width, height) the model reads the image at, where it reads it at one size (after its
+        resize); None for multi-crop models. Kept (without the pixels) for `columns`: absolute
+        coordinates are pixels of this size."""
 
 
 class Preprocessor(Protocol):
@@ -194,8 +203,10 @@ class Family(Protocol):
     def max_prefix_len(self) -> int:
         """An upper bound of any image's prefix length under this job's preprocessing."""
 
-    def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[Any]) -> dict[str, Any]:
-        """One image's raw sequence outputs -> {column: value}. A family that parses text may add
+    def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput],
+                seen: tuple[int, int] | None = None) -> dict[str, Any]:
+        """One image's raw sequence outputs -> {column: value}; `seen` is its Prepared.seen (None:
+        unknown). Families build it with `task_columns`. A family that parses text may add
         PARSE_FAILURES: how many of the image's answers did not parse cleanly (the shard's stats
         sum them; it is not a column)."""
 

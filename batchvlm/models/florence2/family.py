@@ -9,18 +9,20 @@ own tokens at positions 0, 1, ... for every sequence.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...tasks import args_of, kind_of
-from ..decoding import MODE_TEXT, SeqSpec
+from ..columns import task_columns
+from ..decoding import MODE_TEXT, RawOutput, SeqSpec
 from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence, check_kinds, refuse_constrain
 from ..hub import load_tokenizer, read_json, resolve_device, resolve_dtype, weight_files, weights_sha256
 from .config import ConfigError, Florence2Config, GenerationSettings
 from .generate import Florence2Static
-from .labels import Decoded, column_values
+from .labels import task_values
 from .preprocess import PixelSettings, Preprocessor
 from .prompts import KINDS, instruction, task_text
 from .weights import build_model, load_weights, read_config
@@ -83,7 +85,6 @@ class Florence2:
         if self.image_tokens != settings.image_tokens:
             raise ConfigError(f"{folder}: preprocessor_config.json image_seq_length {settings.image_tokens}, but a "
                               f"{settings.width}x{settings.height} image makes {self.image_tokens} image tokens")
-        self.max_objects: dict[int, int] = {}  # task -> boxes kept (set by sequences)
 
     @classmethod
     def open(cls, folder: Path, spec: ModelSpec, revision: str | None) -> Florence2:
@@ -115,12 +116,11 @@ class Florence2:
         for t, task in enumerate(tasks):
             kind, a = kind_of(task), args_of(task)
             limit = getattr(a, "max_new_tokens", None) or engine.max_new_tokens
-            if kind in ("detect", "regions"):
-                self.max_objects[t] = a.max_objects or engine.max_objects
+            kept = (a.max_objects or engine.max_objects) if kind in ("detect", "regions") else None
             for obj in (a.objects if kind == "detect" else [None]):
                 spec = SeqSpec(MODE_TEXT, (self.generation.decoder_start,), limit, engine.temperature, engine.top_p,
                                prefix_prompt=self.prompt(task_text(kind, a, obj)))
-                seqs.append(TaskSequence(t, obj, spec))
+                seqs.append(TaskSequence(t, obj, spec, kept))
         n_pos = self.config.text.max_positions
         for s in seqs:
             if self.image_tokens + (n := len(s.spec.prefix_prompt)) > n_pos:
@@ -131,8 +131,9 @@ class Florence2:
                                   "positions; lower engine.max_new_tokens (or the task's max_new_tokens)")
         return seqs
 
-    def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[Decoded]) -> dict[str, Any]:
-        return column_values(tasks, seqs, raws, self.tokenizer, self.max_objects)
+    def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput],
+                seen: tuple[int, int] | None = None) -> dict[str, Any]:
+        return task_columns(tasks, seqs, raws, seen, partial(task_values, self.tokenizer))
 
     def load(self, dtype: str = "auto", device: str = "auto") -> Florence2Static:
         dev = resolve_device(device)

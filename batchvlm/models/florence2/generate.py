@@ -24,10 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from ...job import EngineSpec
-from ..decoding import RowState, sample_tokens, sequence_seed
+from ..decoding import RawOutput, RowState, sample_tokens, sequence_seed
 from ..family import ModelInfo, TaskSequence, WorkItem
 from .config import GenerationSettings
-from .labels import Decoded
 from .model import Florence2Model
 
 
@@ -67,7 +66,7 @@ class Florence2Labeler:
         self.sampling = settings.temperature > 0
         self.stats = {"images_encoded": 0, "prompts_encoded": 0, "sequences": 0, "decode_steps": 0}
 
-    def label(self, items: Iterable[WorkItem]) -> Iterator[tuple[Any, list[Decoded]]]:
+    def label(self, items: Iterable[WorkItem]) -> Iterator[tuple[Any, list[RawOutput]]]:
         batch: list[WorkItem] = []
         for item in items:
             batch.append(item)
@@ -78,7 +77,7 @@ class Florence2Labeler:
             yield from self._batch(batch)
 
     @torch.inference_mode()
-    def _batch(self, items: list[WorkItem]) -> Iterator[tuple[Any, list[Decoded]]]:
+    def _batch(self, items: list[WorkItem]) -> Iterator[tuple[Any, list[RawOutput]]]:
         m, B, S, P = self.model, len(items), len(self.seqs), self.prompts_PL.shape[0]
         pixels = torch.stack([it.image.pixels for it in items])
         image_BIC = m.image_tokens(m.pixel_values(pixels))
@@ -96,7 +95,7 @@ class Florence2Labeler:
         tokens, lengths, cuts = tokens_RL.tolist(), length_R.tolist(), cut_R.tolist()
         for b, item in enumerate(items):
             rows = range(b * S, (b + 1) * S)
-            yield item.ticket, [Decoded(tuple(tokens[r][: lengths[r]]), cuts[r]) for r in rows]
+            yield item.ticket, [RawOutput(tokens[r][: lengths[r]], cut=cuts[r]) for r in rows]
 
     def _decode(self, cross: list[tuple[torch.Tensor, torch.Tensor]], mask_R11T: torch.Tensor, limit_R: torch.Tensor,
                 seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

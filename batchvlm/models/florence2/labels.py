@@ -7,42 +7,29 @@ max_objects of them, in the order the model wrote them. Detect text is `<name>_r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from ...tasks import Task, box_values, column_of, kind_of, raw_column, truncated_column
-from ..family import TaskSequence
+from ...tasks import box_values, column_of, kind_of, raw_column, truncated_column
+from ..columns import TaskOutputs
 from ..grounding import florence2_boxes, florence2_regions
 
 
-@dataclass(frozen=True)
-class Decoded:
-    """What one sequence generated."""
-
-    tokens: tuple[int, ...]  # without the start token, cut before the end token
-    cut: bool  # the token limit ended it (also when the checkpoint forces the end token there)
-
-
-def column_values(tasks: list[Task], seqs: list[TaskSequence], raws: list[Decoded], tokenizer,
-                  max_objects: dict[int, int]) -> dict[str, Any]:
+def task_values(tokenizer, o: TaskOutputs) -> dict[str, Any]:
+    """One task's columns (models/columns.py)."""
+    kind, cut = kind_of(o.task), o.cut
     out: dict[str, Any] = {}
-    for t, task in enumerate(tasks):
-        mine = [(s, r) for s, r in zip(seqs, raws) if s.task == t]
-        kind = kind_of(task)
-        cut = any(r.cut for _, r in mine)
-        if kind in ("caption", "query", "ocr"):
-            out[column_of(task)] = tokenizer.decode(mine[0][1].tokens, special=False).strip()
-        elif kind == "regions":
-            regions = florence2_regions(tokenizer.decode(mine[0][1].tokens, special=True))
-            cut |= len(regions) > max_objects[t]
-            kept = regions[: max_objects[t]]
-            out[column_of(task)] = box_values([label for label, _ in kept], [[box] for _, box in kept])
-        else:  # detect
-            texts = [tokenizer.decode(r.tokens, special=True) for _, r in mine]
-            found = [florence2_boxes(text) for text in texts]
-            cut |= any(len(f) > max_objects[t] for f in found)
-            labels = [s.label for s, _ in mine]
-            out[column_of(task)] = box_values(labels, [f[: max_objects[t]] for f in found])
-            out[raw_column(task)] = [{"label": label, "text": text} for label, text in zip(labels, texts)]
-        out[truncated_column(task)] = cut
+    if kind in ("caption", "query", "ocr"):
+        out[column_of(o.task)] = tokenizer.decode(o.raws[0].tokens, special=False).strip()
+    elif kind == "regions":
+        regions = florence2_regions(tokenizer.decode(o.raws[0].tokens, special=True))
+        cut |= len(regions) > o.max_objects
+        kept = regions[: o.max_objects]
+        out[column_of(o.task)] = box_values([label for label, _ in kept], [[box] for _, box in kept])
+    else:  # detect
+        texts = [tokenizer.decode(r.tokens, special=True) for r in o.raws]
+        found = [florence2_boxes(text) for text in texts]
+        cut |= any(len(f) > o.max_objects for f in found)
+        out[column_of(o.task)] = box_values(o.labels, [f[: o.max_objects] for f in found])
+        out[raw_column(o.task)] = [{"label": label, "text": text} for label, text in zip(o.labels, texts)]
+    out[truncated_column(o.task)] = cut
     return out

@@ -82,6 +82,10 @@ class PreparedImage:
     def cost(self) -> int:
         return 1
 
+    @property
+    def seen(self) -> tuple[int, int]:
+        return self.pixels.shape[1], self.pixels.shape[0]
+
 
 @dataclass(frozen=True)
 class Preprocessor:

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...tasks import (args_of, box_values, choice_values, column_of, kind_of, point_values, scores_column,
-                      truncated_column)
+from ...tasks import args_of, box_values, column_of, kind_of, point_values, truncated_column
 from ...cache.specs import PagedKV, bytes_per_slot
 from ...cache.tensors import EngineCache
 from ..attention import AttentionBatch, KVCache
 from ..decoding import (MODE_SCORE, MODE_TEXT, Decision, PromptRows, RawOutput, RowState, SeqSpec, choice_scores,
                         with_scores)
+from ..columns import TaskOutputs, task_columns
 from . import grammar
 from .grammar import MODE_DETECT, MODE_POINT
 from ..family import FamilyError, ModelInfo, PrefixInputs, TaskSequence, check_kinds
@@ -112,22 +112,17 @@ class Moondream:
             out.append((c, SeqSpec(MODE_SCORE, prompt + ids, len(ids) + 1)))
         return out
 
-    def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for t, task in enumerate(tasks):
-            mine = [(s, r) for s, r in zip(seqs, raws) if s.task == t]
-            kind = kind_of(task)
-            if kind == "classify":  # each choice's score (decoding.py choice_scores)
-                out[column_of(task)], out[scores_column(task)] = choice_values([s.label for s, _ in mine],
-                                                                               [r.objects[0][0] for _, r in mine])
-                continue
-            if kind in ("caption", "query"):
-                out[column_of(task)] = self.tokenizer.decode(mine[0][1].tokens).strip()
-            else:
-                values = point_values if kind == "point" else box_values
-                out[column_of(task)] = values([s.label for s, _ in mine], [r.objects for _, r in mine])
-            out[truncated_column(task)] = any(r.hit_limit(s.spec) for s, r in mine)
-        return out
+    def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput],
+                seen: tuple[int, int] | None = None) -> dict[str, Any]:
+        return task_columns(tasks, seqs, raws, seen, self._task_columns)
+
+    def _task_columns(self, o: TaskOutputs) -> dict[str, Any]:
+        kind = kind_of(o.task)
+        if kind in ("caption", "query"):
+            value = self.tokenizer.decode(o.raws[0].tokens).strip()
+        else:
+            value = (point_values if kind == "point" else box_values)(o.labels, [r.objects for r in o.raws])
+        return {column_of(o.task): value, truncated_column(o.task): o.cut}
 
     def load(self, dtype: str = "auto", device: str = "auto") -> MoondreamEngineModel:
         dev = resolve_device(device)

@@ -43,7 +43,9 @@ def apply_decision(outputs: list[RawOutput], specs: list[SeqSpec], d: Decision) 
     """Copy one step's emissions to the host outputs (one transfer); -> finished per row."""
     code, token, finished = d.code.tolist(), d.token.tolist(), d.finished.tolist()
     value: list[list[float]] = d.value.tolist()
-    for out, sp, c, t, (v0, v1) in zip(outputs, specs, code, token, value):
+    for out, sp, c, t, (v0, v1), f in zip(outputs, specs, code, token, value, finished):
         emit(out, sp, c, t, v0, v1)
+        if f:
+            out.cut = out.hit_limit(sp)
     return finished
 

@@ -26,6 +26,8 @@ class PreparedImage:
     def cost(self) -> int:
         return n_crops(self.tiling)
 
+    seen = None  # a global crop and local crops: no one size
+
 
 @dataclass(frozen=True)
 class Preprocessor:

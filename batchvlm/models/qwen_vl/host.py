@@ -12,10 +12,12 @@ config (`open`) and its device side (`load`).
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ...tasks import args_of, kind_of
+from ..columns import task_columns
 from ..decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
 from ..family import FamilyError, ModelInfo, TaskSequence, check_kinds
 from ..hub import TokenizerAdapter
@@ -23,7 +25,7 @@ from ..qwen_prompts import QWEN3
 from .chat import ChatTemplate, read_template, special_tokens
 from .config import ConfigError, VisionConfig
 from .constrain import Grammars, grounding_schema
-from .labels import column_values
+from .labels import task_values
 from .preprocess import PixelSettings, Preprocessor
 
 if TYPE_CHECKING:
@@ -85,7 +87,6 @@ class QwenVLHost:
         self.head = self.tokenizer.encode(self.template.head())
         self.stop_ids = stop_ids(folder, self.tokenizer)
         self.pre = Preprocessor.create(config.vision, settings, len(self.head), min_pixels, max_pixels)
-        self.max_objects: dict[int, int] = {}  # task -> objects kept per name (set by sequences)
         self.grammars = Grammars(tokenizer, config.vocab_size, self.stop_ids)
 
     def preprocessor(self) -> Preprocessor:
@@ -105,19 +106,19 @@ class QwenVLHost:
                 seqs += self._choices(t, a)
                 continue
             if kind == "json":  # the prompt as written, the answer held to the schema
-                pairs = [(None, a.prompt, a.max_new_tokens or engine.max_new_tokens,
-                          self.grammars.compile(a.json_schema, f"tasks.{t}.json"))]
+                pairs, kept = [(None, a.prompt, a.max_new_tokens or engine.max_new_tokens,
+                                self.grammars.compile(a.json_schema, f"tasks.{t}.json"))], None
             elif kind in ("caption", "query", "ocr"):
-                pairs = [(None, QWEN3.words(kind, a), a.max_new_tokens or engine.max_new_tokens, None)]
+                pairs, kept = [(None, QWEN3.words(kind, a), a.max_new_tokens or engine.max_new_tokens, None)], None
             else:
-                self.max_objects[t] = a.max_objects or engine.max_objects
                 pairs = [(obj, QWEN3.words(kind, a, obj), engine.max_new_tokens,
                           self.grammars.compile(grounding_schema(kind, obj), "output.constrain") if constrain else None)
                          for obj in a.objects]
+                kept = a.max_objects or engine.max_objects
             for label, text, limit, grammar in pairs:
                 prompt = tuple(self.tokenizer.encode(self.template.split(text)[1]))
                 seqs.append(TaskSequence(t, label, SeqSpec(MODE_TEXT, prompt, limit, engine.temperature,
-                                                           engine.top_p, grammar=grammar)))
+                                                           engine.top_p, grammar=grammar), kept))
         P, n_ctx = self.max_prefix_len(), self.config.max_context
         for s in seqs:
             if P + len(s.spec.prompt) + s.spec.budget > n_ctx:
@@ -146,8 +147,9 @@ class QwenVLHost:
             seqs.append(TaskSequence(t, c, SeqSpec(MODE_SCORE, own, len(own), prefix_prompt=tuple(base[:-1]))))
         return seqs
 
-    def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput]) -> dict[str, Any]:
-        return column_values(tasks, seqs, raws, self.tokenizer.decode, self.max_objects)
+    def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput],
+                seen: tuple[int, int] | None = None) -> dict[str, Any]:
+        return task_columns(tasks, seqs, raws, seen, partial(task_values, self.tokenizer.decode))
 
     def model_info(self, files_sha256: str, dtype: str, device: str) -> ModelInfo:
         return ModelInfo(self.model_name, self.revision, str(self.folder), files_sha256, dtype, device, self.name,

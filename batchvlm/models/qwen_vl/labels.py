@@ -16,10 +16,9 @@ import math
 import re
 from typing import Any
 
-from ...tasks import (Task, box_values, choice_values, column_of, kind_of, point_values, raw_column, scores_column,
-                      truncated_column)
-from ..decoding import RawOutput
-from ..family import PARSE_FAILURES, TaskSequence
+from ...tasks import box_values, column_of, kind_of, point_values, raw_column, truncated_column
+from ..columns import TaskOutputs
+from ..family import PARSE_FAILURES
 from ..grounding import qwen3_boxes, qwen3_points
 from ..qwen_prompts import answer_text
 
@@ -38,27 +37,17 @@ def parses_cleanly(text: str, key: str, n: int) -> bool:
                for it in items)
 
 
-def column_values(tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput], decode,
-                  max_objects: dict[int, int]) -> dict[str, Any]:
-    out: dict[str, Any] = {PARSE_FAILURES: 0}
-    for t, task in enumerate(tasks):
-        mine = [(s, r) for s, r in zip(seqs, raws) if s.task == t]
-        kind = kind_of(task)
-        if kind == "classify":  # each choice's score (decoding.py choice_scores)
-            out[column_of(task)], out[scores_column(task)] = choice_values([s.label for s, _ in mine],
-                                                                           [r.objects[0][0] for _, r in mine])
-            continue
-        texts = [answer_text(decode, r.tokens) for _, r in mine]
-        cut = any(r.hit_limit(s.spec) for s, r in mine)  # the token limit ended an answer
-        if kind in ("caption", "query", "ocr", "json"):  # json: compact JSON as the grammar let it be written
-            out[column_of(task)], out[truncated_column(task)] = texts[0], cut
-            continue
-        parse, values, key, n = ((qwen3_points, point_values, "point_2d", 2) if kind == "point"
-                                 else (qwen3_boxes, box_values, "bbox_2d", 4))
-        labels = [s.label for s, _ in mine]
-        found = [parse(text) for text in texts]
-        out[column_of(task)] = values(labels, [f[: max_objects[t]] for f in found])
-        out[truncated_column(task)] = cut or any(len(f) > max_objects[t] for f in found)
-        out[raw_column(task)] = [{"label": label, "text": text} for label, text in zip(labels, texts)]
-        out[PARSE_FAILURES] += sum(not parses_cleanly(text, key, n) for text in texts)
-    return out
+def task_values(decode, o: TaskOutputs) -> dict[str, Any]:
+    """One task's columns (models/columns.py); `decode`: the tokenizer's, special tokens skipped."""
+    kind = kind_of(o.task)
+    texts = [answer_text(decode, r.tokens) for r in o.raws]
+    if kind in ("caption", "query", "ocr", "json"):  # json: compact JSON as the grammar let it be written
+        return {column_of(o.task): texts[0], truncated_column(o.task): o.cut}
+    parse, values, key, n = ((qwen3_points, point_values, "point_2d", 2) if kind == "point"
+                             else (qwen3_boxes, box_values, "bbox_2d", 4))
+    found = [parse(text) for text in texts]
+    kept = o.max_objects
+    return {column_of(o.task): values(o.labels, [f[:kept] for f in found]),
+            truncated_column(o.task): o.cut or any(len(f) > kept for f in found),
+            raw_column(o.task): [{"label": label, "text": text} for label, text in zip(o.labels, texts)],
+            PARSE_FAILURES: sum(not parses_cleanly(text, key, n) for text in texts)}

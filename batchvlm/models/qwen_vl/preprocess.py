@@ -103,6 +103,10 @@ class PreparedImage:
         """Vision work in units of 1024 patches (at least 1)."""
         return max(1, self.grid[0] * self.grid[1] * 4 // 1024)
 
+    @property
+    def seen(self) -> tuple[int, int]:
+        return self.pixels.shape[1], self.pixels.shape[0]
+
 
 @dataclass(frozen=True)
 class Preprocessor:

@@ -7,19 +7,22 @@ The family's name is the checkpoint's `model_type` (qwen2_5_vl, paligemma, ...);
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from ...job import EngineSpec
 from ...tasks import Task
-from ..family import ModelInfo, refuse_constrain
+from ..columns import task_columns
+from ..decoding import RawOutput
+from ..family import ModelInfo, TaskSequence, refuse_constrain
 from ..hub import resolve_device, resolve_dtype, weight_files, weights_sha256
 from . import architectures
-from .columns import column_values
-from .generation import Generated, StaticLabeler
+from .columns import task_values
+from .generation import StaticLabeler
 from .loading import HostSide, host_side, load_model
 from .preprocess import ImagePreprocessor
-from .prompts import Prompt, chat_renderer, prompts_for
+from .prompts import chat_renderer, prompts_for
 from .structured import with_choices
 
 
@@ -38,14 +41,15 @@ class TransformersFamily:
     def preprocessor(self) -> ImagePreprocessor:
         return ImagePreprocessor(self.host.processor.image_processor)
 
-    def sequences(self, tasks: list[Task], engine: EngineSpec, constrain: bool = False) -> list[Prompt]:
+    def sequences(self, tasks: list[Task], engine: EngineSpec, constrain: bool = False) -> list[TaskSequence]:
         refuse_constrain(tasks, constrain, "the transformers backend")
         prompts = prompts_for(tasks, architectures.style(self.name), self.format, chat_renderer(self.host.processor),
                               self.name, engine.max_new_tokens, engine.max_objects)
         return with_choices(prompts, tasks, self.host.processor.tokenizer)
 
-    def columns(self, tasks: list[Task], seqs: list[Prompt], raws: list[Generated]) -> dict[str, Any]:
-        return column_values(tasks, seqs, raws, self.host.processor.tokenizer, self.format)
+    def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput],
+                seen: tuple[int, int] | None = None) -> dict[str, Any]:
+        return task_columns(tasks, seqs, raws, seen, partial(task_values, self.host.processor.tokenizer, self.format))
 
     def load(self, dtype: str = "auto", device: str = "auto") -> StaticModel:
         dev = resolve_device(device)
@@ -62,5 +66,5 @@ class StaticModel:
     def __init__(self, model, processor, info: ModelInfo):
         self.model, self.processor, self.info = model, processor, info
 
-    def labeler(self, seqs: list[Prompt], engine: EngineSpec) -> StaticLabeler:
+    def labeler(self, seqs: list[TaskSequence], engine: EngineSpec) -> StaticLabeler:
         return StaticLabeler(self.model, self.processor, seqs, engine)

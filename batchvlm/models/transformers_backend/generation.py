@@ -18,27 +18,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from PIL import Image
 
 from ...job import EngineSpec
-from ..decoding import sequence_seed
-from ..family import WorkItem
+from ..decoding import RawOutput, sequence_seed
+from ..family import TaskSequence, WorkItem
 from .prompts import Prompt
 from .structured import GrammarLogits, end_of_turn, score_choices
-
-
-@dataclass(frozen=True)
-class Generated:
-    """The raw output of one sequence on one image."""
-
-    tokens: tuple[int, ...]  # new token ids, cut before the first stop token
-    stopped: bool  # the model ended it (else max_new_tokens did: the text may be cut short)
-    seen: tuple[int, int] | None  # (width, height) of the image as the model saw it, where known
-    scores: tuple[float, ...] = ()  # classify: each choice's summed log-probability
 
 
 def _stop_ids(generation_config) -> set[int]:
@@ -46,18 +35,10 @@ def _stop_ids(generation_config) -> set[int]:
     return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
 
-def _seen_sizes(enc, image_processor) -> list[tuple[int, int]] | None:
-    """Qwen-VL style processors report each image's patch grid: its size after the resize."""
-    grid = enc.get("image_grid_thw")
-    patch = getattr(image_processor, "patch_size", None)
-    if grid is None or not isinstance(patch, int):
-        return None
-    return [(int(w) * patch, int(h) * patch) for _, h, w in grid.tolist()]
-
-
 class StaticLabeler:
-    def __init__(self, model, processor, prompts: list[Prompt], settings: EngineSpec):
-        self.model, self.processor, self.prompts, self.settings = model, processor, prompts, settings
+    def __init__(self, model, processor, seqs: list[TaskSequence], settings: EngineSpec):
+        self.model, self.processor, self.settings = model, processor, settings
+        self.prompts: list[Prompt] = [s.spec for s in seqs]
         self.batch_size = settings.batch_size_for(model.device.type)  # the device's default where none is given
         processor.tokenizer.padding_side = "left"
         self.config = copy.deepcopy(model.generation_config)
@@ -75,8 +56,8 @@ class StaticLabeler:
         bos = processor.tokenizer.bos_token
         # A template that writes BOS itself must not get a second one from the tokenizer (what
         # apply_chat_template does); other prompts keep the processor's own default.
-        self.text_kwargs = [{"add_special_tokens": False} if bos and p.text.startswith(bos) else {} for p in prompts]
-        self.grammars = self._compile([p.schema for p in prompts])
+        self.text_kwargs = [{"add_special_tokens": False} if bos and p.text.startswith(bos) else {} for p in self.prompts]
+        self.grammars = self._compile([p.schema for p in self.prompts])
 
     def _compile(self, schemas: list[dict | None]) -> list[Any]:
         """Each json prompt's grammar, compiled once per job for the model's vocabulary."""
@@ -90,7 +71,7 @@ class StaticLabeler:
         self.vocab = vocab
         return [vocab.compile(s) if s else None for s in schemas]
 
-    def label(self, items: Iterable[WorkItem]) -> Iterator[tuple[Any, list[Generated]]]:
+    def label(self, items: Iterable[WorkItem]) -> Iterator[tuple[Any, list[RawOutput]]]:
         batch: list[WorkItem] = []
         for item in items:
             batch.append(item)
@@ -100,26 +81,24 @@ class StaticLabeler:
         if batch:
             yield from self._batch(batch)
 
-    def _batch(self, batch: list[WorkItem]) -> Iterator[tuple[Any, list[Generated]]]:
+    def _batch(self, batch: list[WorkItem]) -> Iterator[tuple[Any, list[RawOutput]]]:
         images = [Image.fromarray(item.image.pixels) for item in batch]
         per_seq = [self._generate(images, s, batch[0].key) for s in range(len(self.prompts))]
         for j, item in enumerate(batch):
             yield item.ticket, [out[j] for out in per_seq]
 
     @torch.inference_mode()
-    def _generate(self, images: list[Image.Image], s: int, first_key: str) -> list[Generated]:
+    def _generate(self, images: list[Image.Image], s: int, first_key: str) -> list[RawOutput]:
         prompt = self.prompts[s]
         enc = self.processor(images=[[im] for im in images], text=[prompt.text] * len(images), padding=True,
                              return_tensors="pt", **self.text_kwargs[s])
-        seen = _seen_sizes(enc, self.processor.image_processor)
         enc.pop("labels", None)  # PaliGemma's processor returns training labels too
         enc = enc.to(self.model.device)
         for k, v in enc.items():  # pixel values in the model's dtype; ids and masks stay integers
             if torch.is_floating_point(v):
                 enc[k] = v.to(self.model.dtype)
         if prompt.choices:
-            return [Generated((), True, seen[j] if seen else None, tuple(row))
-                    for j, row in enumerate(score_choices(self.model, enc, prompt.choices))]
+            return [RawOutput([], [(score,) for score in row]) for row in score_choices(self.model, enc, prompt.choices)]
         if self.sampling:
             torch.manual_seed(sequence_seed(self.settings.seed, first_key, s))
         grammar = self.grammars[s]
@@ -129,8 +108,8 @@ class StaticLabeler:
         # Decoder-only models return the prompt too; encoder-decoders start with the decoder's start token.
         new = out[:, 1:] if self.model.config.is_encoder_decoder else out[:, enc["input_ids"].shape[1]:]
         results = []
-        for j, row in enumerate(new.tolist()):
+        for row in new.tolist():
             cut = next((k for k, t in enumerate(row) if t in self.stop), None)
             ended = cut is not None and not (self.forced_stop and cut == prompt.max_new_tokens - 1)
-            results.append(Generated(tuple(row[:cut]), ended, seen[j] if seen else None))
+            results.append(RawOutput(row[:cut], cut=not ended))
         return results

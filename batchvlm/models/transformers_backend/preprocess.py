@@ -19,6 +19,17 @@ from PIL import Image
 @dataclass
 class RGBImage:
     pixels: np.ndarray  # uint8 [H, W, 3]
+    seen: tuple[int, int] | None  # (width, height) after the image processor's resize, where it reports one
+
+
+def seen_size(features, image_processor) -> tuple[int, int] | None:
+    """Qwen-VL style image processors report the image's patch grid: its size after the resize."""
+    grid = features.get("image_grid_thw")
+    patch = getattr(image_processor, "patch_size", None)
+    if grid is None or not isinstance(patch, int):
+        return None
+    _, h, w = (int(x) for x in grid[0])
+    return w * patch, h * patch
 
 
 @dataclass(frozen=True)
@@ -29,5 +40,6 @@ class ImagePreprocessor:
         return width, height
 
     def __call__(self, image: Image.Image, width: int | None = None, height: int | None = None) -> RGBImage:
-        self.image_processor(images=[image], return_tensors="np")  # raises ValueError for what it refuses
-        return RGBImage(np.asarray(image.convert("RGB")))
+        # raises ValueError for what it refuses; the labeler's processor call resizes it the same way
+        features = self.image_processor(images=[image], return_tensors="np")
+        return RGBImage(np.asarray(image.convert("RGB")), seen_size(features, self.image_processor))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...tasks import Task, args_of, kind_of
-from ..family import FamilyError
+from ..family import FamilyError, TaskSequence
 from ..florence2 import prompts as florence2
 from ..qwen_prompts import CAPTIONS, OCR, TEMPLATE_VARIABLES
 from .architectures import GroundingFormat, Style, supported_formats
@@ -26,11 +26,10 @@ PALIGEMMA_CAPTIONS = {"short": "caption en", "normal": "caption en", "long": "de
 
 @dataclass(frozen=True)
 class Prompt:
-    task: int  # index in the job's tasks
-    label: str | None  # the object of a detect / point sequence
+    """What `generate` runs for one sequence (TaskSequence.spec of this backend)."""
+
     text: str  # what the processor gets beside the image
     max_new_tokens: int
-    max_objects: int | None = None  # detect / point / regions: objects kept, in the order the model wrote them
     choices: tuple[tuple[int, ...], ...] = ()  # classify: each choice's ids after `text`, then the end token
     schema: dict | None = None  # json: decoding is constrained to it
 
@@ -51,7 +50,7 @@ def _words(kind: str, args, obj: str | None, style: Style, fmt: GroundingFormat 
 
 
 def prompts_for(tasks: list[Task], style: Style, fmt: GroundingFormat | None, chat_template, model_type: str,
-                max_new_tokens: int, max_objects: int) -> list[Prompt]:
+                max_new_tokens: int, max_objects: int) -> list[TaskSequence]:
     """Every sequence an image runs, in task order. `chat_template(words) -> text` renders one user
     turn, or is None when the model has none. Raises FamilyError naming the task."""
     out = []
@@ -76,9 +75,9 @@ def prompts_for(tasks: list[Task], style: Style, fmt: GroundingFormat | None, ch
         for obj in (args.objects if spatial else [None]):
             words = _words(kind, args, obj, style, fmt)
             text = chat_template(words) if style == "chat" else words
-            out.append(Prompt(i, obj, text, budget or max_new_tokens,
-                              (args.max_objects or max_objects) if spatial or kind == "regions" else None,
-                              schema=args.json_schema if kind == "json" else None))
+            out.append(TaskSequence(i, obj, Prompt(text, budget or max_new_tokens,
+                                                   schema=args.json_schema if kind == "json" else None),
+                                    (args.max_objects or max_objects) if spatial or kind == "regions" else None))
     return out
 
 

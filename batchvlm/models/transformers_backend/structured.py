@@ -20,9 +20,8 @@ from dataclasses import replace
 import torch
 
 from ...tasks import Task, args_of, kind_of
-from ..family import FamilyError
+from ..family import FamilyError, TaskSequence
 from ..grammar import RowGrammars, Vocabulary, apply_mask
-from .prompts import Prompt
 
 
 def end_of_turn(tokenizer) -> int:
@@ -30,17 +29,17 @@ def end_of_turn(tokenizer) -> int:
     return im_end if isinstance(im_end, int) and im_end != tokenizer.unk_token_id else tokenizer.eos_token_id
 
 
-def with_choices(prompts: list[Prompt], tasks: list[Task], tokenizer) -> list[Prompt]:
+def with_choices(seqs: list[TaskSequence], tasks: list[Task], tokenizer) -> list[TaskSequence]:
     """Classify prompts get their choices' ids in context. Raises FamilyError naming the field
     when two choices are the same tokens, or a choice does not follow the prompt's tokens."""
     end, out = end_of_turn(tokenizer), []
-    for p in prompts:
+    for p in seqs:
         task = tasks[p.task]
         if kind_of(task) == "classify":
-            base = tokenizer.encode(p.text, add_special_tokens=False)
+            base = tokenizer.encode(p.spec.text, add_special_tokens=False)
             ids = []
             for c in args_of(task).choices:
-                full = tokenizer.encode(p.text + c, add_special_tokens=False)
+                full = tokenizer.encode(p.spec.text + c, add_special_tokens=False)
                 if full[: len(base)] != base or len(full) == len(base):
                     raise FamilyError(f"tasks.{p.task}.classify.choices: {c!r} merges with the prompt's last token")
                 ids.append(tuple(full[len(base):]) + (end,))
@@ -48,7 +47,7 @@ def with_choices(prompts: list[Prompt], tasks: list[Task], tokenizer) -> list[Pr
                 if c in ids[:i]:
                     raise FamilyError(f"tasks.{p.task}.classify.choices: {args_of(task).choices[ids.index(c)]!r} and "
                                       f"{args_of(task).choices[i]!r} are the same tokens for this model")
-            p = replace(p, choices=tuple(ids))
+            p = replace(p, spec=replace(p.spec, choices=tuple(ids)))
         elif kind_of(task) == "json":
             try:
                 import xgrammar  # noqa: F401
