@@ -2,8 +2,9 @@
 checkpoints built here: (a) two DaViT stages, one safetensors file; (b) three stages with windows
 that need padding, scaled embeddings, sharded safetensors, and a generation config that forces the
 first token and bans repeated trigrams. Float32, greedy (num_beams=1), batch-1 generate is the
-reference; pixel values must be equal, encoder output and logits within float32 tolerance, greedy
-tokens identical at every batch size, and the CLI must write the transformers backend's labels.
+reference; pixel values must be equal, encoder output and logits within float32 tolerance, the
+engine's greedy tokens identical at batch 1 / 5 / 32, pipelined and synchronous (and through the
+fixed-shape decode body of CUDA graphs), and the CLI must write the transformers backend's labels.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import yaml
 from PIL import Image
 from pydantic import TypeAdapter
 
+from batchvlm.engine.engine import Engine
+from batchvlm.engine.graphs import DecodeGraphs
 from batchvlm.job import EngineSpec, ModelSpec
 from batchvlm.models import grounding
 from batchvlm.models.family import FamilyError, WorkItem
@@ -142,25 +145,49 @@ def test_pixels_encoder_and_logits_match_transformers(checkpoints, refs, name):
             torch.testing.assert_close(model.dense_logits(decoded, out), want.logits, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name, n_images", [("a", 32), ("b", 8)])
-def test_greedy_tokens_equal_batch_1_generate_at_every_batch_size(checkpoints, refs, name, n_images):
-    family = open_family(ModelSpec(name=str(checkpoints[name])))
-    loaded = family.load("float32", "cpu")
-    tasks = tasks_of(TASKS)
-    images = random_images(n_images, seed=3)
-    want = [[refs[name].generate(im, text) for text in TEXTS] for im in images]
-    pre = family.preprocessor()
-    items = [WorkItem(i, pre(im), f"k{i}") for i, im in enumerate(images)]
-    for batch in (1, 5, 32):
-        engine = EngineSpec(max_new_tokens=NEW_TOKENS, max_batch_size=batch * len(TEXTS))
-        labeler = loaded.labeler(family.sequences(tasks, engine), engine)
-        got = dict(labeler.label(items))
-        for i in range(n_images):
-            assert [r.tokens for r in got[i]] == list(want[i]), (batch, i)
-        # one vision pass per image and one encoder pass per (image, prompt), whatever the tasks
-        assert labeler.stats["images_encoded"] == n_images
-        assert labeler.stats["prompts_encoded"] == n_images * len(TEXTS)
-    assert len({w for ws in want for w in ws}) > len(TEXTS)  # answers differ by image: the image matters
+N_IMAGES = 8  # more sequences than the largest batch's rows: rows are reused, images queue
+
+
+@pytest.fixture(scope="module")
+def greedy(checkpoints, refs) -> dict[str, tuple]:
+    """Per checkpoint: the loaded family, prepared images and transformers' batch-1 greedy tokens."""
+    out = {}
+    for name, folder in checkpoints.items():
+        family = open_family(ModelSpec(name=str(folder)))
+        images = random_images(N_IMAGES, seed=3)
+        want = [[refs[name].generate(im, text) for text in TEXTS] for im in images]
+        assert len({w for ws in want for w in ws}) > len(TEXTS)  # answers differ by image: the image matters
+        pre = family.preprocessor()
+        out[name] = family, family.load("float32", "cpu"), [pre(im) for im in images], want
+    return out
+
+
+def run_engine(family, model, prepared, batch: int, pipelined: bool, fixed_shape_decode: bool = False):
+    settings = EngineSpec(max_new_tokens=NEW_TOKENS, max_batch_size=batch, pipelined=pipelined)
+    engine = Engine(model, family.sequences(tasks_of(TASKS), settings), settings, family.max_prefix_len())
+    if fixed_shape_decode:  # the CUDA-graph decode body (padding, scratch row, null block), uncaptured
+        r = engine.runner
+        r.graphs = DecodeGraphs(r, -(-engine.max_prefix_len // r.bs), max(engine.own_blocks),
+                                engine.seqs_per_prefix, capture=False)
+    got = {im.ticket: [s.output for s in im.seqs] for im in engine.run(WorkItem(i, p, f"k{i}")
+                                                                         for i, p in enumerate(prepared))}
+    assert engine.scheduler.blocks.used == 0 and len(engine.scheduler.free_rows) == engine.runner.n_rows
+    return [got[i] for i in range(len(prepared))], engine
+
+
+@pytest.mark.parametrize("name", ["a", "b"])
+@pytest.mark.parametrize("batch, pipelined", [(1, False), (5, True), (32, False), (32, True)])
+def test_engine_greedy_tokens_equal_batch_1_generate(greedy, name, batch, pipelined):
+    family, model, prepared, want = greedy[name]
+    n = 2 if batch == 1 else N_IMAGES  # one sequence at a time: two images (12 sequences) suffice
+    got, engine = run_engine(family, model, prepared[:n], batch, pipelined, fixed_shape_decode=batch == 5)
+    assert [[tuple(r.tokens) for r in img] for img in got] == want[:n]
+    # One vision pass per image, shared by its six sequences (five distinct prompts' prefixes).
+    assert engine.stats["vision_images"] == n
+    # Both checkpoints force the end token: a cut answer is one the limit ended by writing it
+    # (one token short of the limit).
+    cuts = [r for img in got for r in img if r.cut]
+    assert cuts and all(len(r.tokens) == NEW_TOKENS - 1 for r in cuts)
 
 
 def test_loc_parsing_matches_the_processor(refs):

@@ -2,7 +2,7 @@
 op that makes the host wait for the device on CUDA: `.item()` / `bool()` (_local_scalar_dense),
 data-dependent shapes (nonzero, boolean-mask indexing or assignment, masked_select) and tensors made
 from Python data (`torch.tensor(...)`: a blocking upload from pageable memory on CUDA), while the
-engine labels images with Moondream and with Qwen3-VL through the fused attention (CUDA's path),
+engine labels images with Moondream, Qwen3-VL and Florence-2 through the fused attention (CUDA's path),
 eager steps and the CUDA-graph decode body both. The intended wait, the emission read in
 `collect`, is an event and numpy views: it dispatches nothing. The flex_attention call itself is
 one compiled kernel on CUDA, so its eager CPU stand-in is not audited. (CPU-only blind spot:
@@ -42,7 +42,8 @@ class SyncAudit(TorchDispatchMode):
                   if "/torch/" not in f.filename and f.name != "__torch_dispatch__"]
         where = frames[-1] if frames else None  # the innermost caller outside torch
         why = None
-        if func is aten._local_scalar_dense.default:
+        # Under inference_mode (the runner's), .item() and bool() reach the mode undecomposed.
+        if func in (aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default):
             why = ".item() / bool()"
         elif func is aten.lift_fresh.default:
             # torch.tensor(list) (a blocking pageable upload on CUDA), not from_numpy of a staged
@@ -81,8 +82,11 @@ def test_the_audit_sees_each_kind_of_sync():
     with SyncAudit() as audit:
         (lambda: torch.tensor([1, 2]))()
         (lambda: x[x > 2].sum().item())()
+        with torch.inference_mode():
+            (lambda: x.max().item())()
+            (lambda: bool(x.max() > 2))()
     assert [f.split(" at ")[0] for f in audit.found] == ["torch.tensor from Python data", "boolean-mask index",
-                                                         ".item() / bool()"]
+                                                         ".item() / bool()", ".item() / bool()", ".item() / bool()"]
 
 
 def test_moondream_hot_path_has_no_host_sync(tmp_path, monkeypatch):
@@ -132,6 +136,33 @@ def test_qwen3_vl_hot_path_has_no_host_sync(tmp_path, monkeypatch, constrained):
         r = engine.runner
         r.graphs = DecodeGraphs(r, -(-family.max_prefix_len() // r.bs), max(engine.own_blocks), len(seqs),
                                 capture=False)
+        done = list(engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared)))
+    assert len(done) == 2 and r.graph_steps > 0
+    assert audit.found == [], "\n".join(dict.fromkeys(audit.found))
+
+
+def test_florence2_hot_path_has_no_host_sync(tmp_path, monkeypatch):
+    """Forced first / end tokens and the n-gram ban (a per-row token history) on the device."""
+    pytest.importorskip("transformers")
+    from test_florence2 import TASKS as FLORENCE_TASKS
+    from test_florence2 import random_images, tasks_of
+    from tiny_vlms import florence2
+
+    from batchvlm.models.registry import open_family
+
+    unaudited_flex(monkeypatch)
+    folder = florence2(tmp_path / "f2", seed=1, generation=dict(no_repeat_ngram_size=3, forced_bos_token_id=256))
+    family = open_family(ModelSpec(name=str(folder)))
+    settings = EngineSpec(max_new_tokens=4, max_batch_size=6, pipelined=True)
+    seqs = family.sequences(tasks_of(FLORENCE_TASKS), settings)
+    model = family.load("float32", "cpu")
+    pre = family.preprocessor()
+    prepared = [pre(im) for im in random_images(2)]
+    with SyncAudit() as audit:
+        engine = Engine(model, seqs, settings, family.max_prefix_len())
+        r = engine.runner
+        r.graphs = DecodeGraphs(r, -(-engine.max_prefix_len // r.bs), max(engine.own_blocks),
+                                engine.seqs_per_prefix, capture=False)
         done = list(engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared)))
     assert len(done) == 2 and r.graph_steps > 0
     assert audit.found == [], "\n".join(dict.fromkeys(audit.found))

@@ -278,7 +278,7 @@ class Runner:
         st = RowState(mode=self.state_int["mode"][rows], phase=self.state_int["phase"][rows],
                       count=self.state_int["count"][rows], limit=self.state_int["limit"][rows],
                       after_prompt=self.after_prompt[rows], temperature=self.state_float["temperature"][rows],
-                      top_p=self.state_float["top_p"][rows], seed=self.state_int["seed"][rows])
+                      top_p=self.state_float["top_p"][rows], seed=self.state_int["seed"][rows], row=rows)
         extra = {} if prompt is None else {"prompt": prompt}
         if self.mask_RW is not None:  # constrained jobs only: every row masked (free rows allow all)
             extra["mask_BW"] = self.mask_RW[rows]

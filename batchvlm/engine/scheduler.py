@@ -277,7 +277,8 @@ class Scheduler:
                                float(em.value[i, 1]))
                 if em.finished[i]:
                     s.state = SeqState.FINISHED
-                    s.output.cut = s.output.hit_limit(s.spec)
+                    # or the family's emit saw a cut the count cannot show (a forced end token)
+                    s.output.cut = s.output.cut or s.output.hit_limit(s.spec)
                     s.image.unfinished -= 1
                     if s.image.unfinished == 0:
                         done.append(s.image)

@@ -194,9 +194,12 @@ def _attend_reference(
     out = q_NHD.new_zeros(N + 1, H, D)
     for plan in plans:
         g = plan.group
-        q_BHTD = q_pad[g.q_rows].transpose(1, 2)
         if isinstance(g, PrefixGroup) and reads is not Reads.PREFIX_AND_OWN:
             continue
+        if isinstance(g, TaskGroup) and reads is Reads.PREFIX:  # cross-attention: no own part
+            out[g.q_rows] = _prefix_part(q_pad, k_cache, v_cache, plan, lse=False)[0].to(out.dtype)
+            continue
+        q_BHTD = q_pad[g.q_rows].transpose(1, 2)
         k_BHLD = k_cache[plan.k_slots].transpose(1, 2).to(q_NHD.dtype)
         v_BHLD = v_cache[plan.k_slots].transpose(1, 2).to(q_NHD.dtype)
         if isinstance(g, PrefixGroup):
@@ -205,28 +208,46 @@ def _attend_reference(
             )
             out[g.q_rows] = o_BHTD.transpose(1, 2)
             continue
-        own, own_lse = _attend_lse(q_BHTD, k_BHLD, v_BHLD, plan.mask)  # [B, H, Tq, D], [B, H, Tq]
         if reads is Reads.OWN:
-            out[g.q_rows] = own.transpose(1, 2).to(out.dtype)
+            out[g.q_rows] = _attend_plain(q_BHTD, k_BHLD, v_BHLD, plan.mask).transpose(1, 2).to(out.dtype)
             continue
-        p = g.prefix
-        q_IHMD = q_pad[p.q_rows].transpose(1, 2)
-        pre, pre_lse = _attend_lse(q_IHMD, k_cache[plan.prefix_slots].transpose(1, 2),
-                                   v_cache[plan.prefix_slots].transpose(1, 2), plan.prefix_mask)
-        # Bring the per-image results to the group's [B, Tq] layout (padding reads a zero slot),
-        # then merge the two partial softmaxes by their log-sum-exps.
-        I, _, M, _ = pre.shape
-        pre_flat = torch.cat([pre.transpose(1, 2).reshape(I * M, H, D), pre.new_zeros(1, H, D)])
-        lse_flat = torch.cat([pre_lse.transpose(1, 2).reshape(I * M, H), pre_lse.new_zeros(1, H)])
-        o2, l2 = pre_flat[p.q_slot], lse_flat[p.q_slot]  # [B, Tq, H, D], [B, Tq, H]
-        if reads is Reads.PREFIX:
-            out[g.q_rows] = o2.to(out.dtype)
-            continue
+        own, own_lse = _attend_lse(q_BHTD, k_BHLD, v_BHLD, plan.mask)  # [B, H, Tq, D], [B, H, Tq]
+        o2, l2 = _prefix_part(q_pad, k_cache, v_cache, plan)
         o1, l1 = own.transpose(1, 2), own_lse.transpose(1, 2)
         m = torch.maximum(l1, l2)
         w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
         out[g.q_rows] = ((o1 * w1 + o2 * w2) / (w1 + w2)).to(out.dtype)
     return out[:N]
+
+
+def _attend_plain(q_BHTD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+    """A one-part read (no merge, so no log-sum-exp): float32 SDPA; a query that sees no key
+    gets 0, as in `_attend_lse`."""
+    o = F.scaled_dot_product_attention(q_BHTD.float(), k_BHLD.float(), v_BHLD.float(), attn_mask=mask,
+                                       enable_gqa=k_BHLD.shape[1] != q_BHTD.shape[1])
+    return o.nan_to_num_(0.0)
+
+
+def _prefix_part(q_pad: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: GroupPlan,
+                 lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A task group's attention to its prefixes, each image's queries together, brought to the
+    group's [B, Tq] layout (padding reads a zero slot). -> [B, Tq, H, D], LSE [B, Tq, H] (None
+    without `lse`: a prefix-only read)."""
+    p = plan.group.prefix
+    H, D = q_pad.shape[1:]
+    q_IHMD = q_pad[p.q_rows].transpose(1, 2)
+    k_IHLD, v_IHLD = k_cache[plan.prefix_slots].transpose(1, 2), v_cache[plan.prefix_slots].transpose(1, 2)
+    if lse:
+        pre, pre_lse = _attend_lse(q_IHMD, k_IHLD, v_IHLD, plan.prefix_mask)
+    else:
+        pre, pre_lse = _attend_plain(q_IHMD, k_IHLD, v_IHLD, plan.prefix_mask), None
+    I, _, M, _ = pre.shape
+    pre_flat = torch.cat([pre.transpose(1, 2).reshape(I * M, H, D), pre.new_zeros(1, H, D)])
+    if pre_lse is None:
+        return pre_flat[p.q_slot], None
+    lse_flat = torch.cat([pre_lse.transpose(1, 2).reshape(I * M, H), pre_lse.new_zeros(1, H)])
+    return pre_flat[p.q_slot], lse_flat[p.q_slot]
 
 
 class AttentionBackend(Protocol):

@@ -67,9 +67,13 @@ class RowState:
     temperature: torch.Tensor  # float: 0 = greedy
     top_p: torch.Tensor  # float
     seed: torch.Tensor  # long: per-sequence seed (counter-based sampling, batch-invariant)
+    # long: the device-state row of each row (the engine's row index, padding -> its scratch row),
+    # for a family that keeps per-row buffers of its own (Florence-2's token history). None
+    # outside the engine.
+    row: torch.Tensor | None = None
 
     def index(self, rows: torch.Tensor) -> RowState:
-        return RowState(*(getattr(self, f)[rows] for f in self.__dataclass_fields__))
+        return RowState(*(None if (x := getattr(self, f)) is None else x[rows] for f in self.__dataclass_fields__))
 
 
 @dataclass

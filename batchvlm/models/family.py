@@ -45,7 +45,9 @@ Engine contract v2: how each kind of model plugs in.
       passes it to `attend(..., Reads.PREFIX)` (written into the prefix's CrossKV blocks, read by
       own tokens); decoder self-attention is `attend(..., Reads.OWN)`. Features are encoded once
       per image (`stats["vision_images"]`); each (image, prompt) gets its own encoder K/V.
-      tests/toy_states.py EncDecToy is the worked example.
+      tests/toy_states.py EncDecToy is the worked example, models/florence2/engine.py the real
+      one (its `decide` keeps a token history per engine row, indexed by `RowState.row`, for
+      the n-gram ban).
   (c) Classify (choices). The shared prompt minus its last token is the prefix prompt (one
       prefix segment per image and prompt, prefilled once); each choice is a sequence whose own
       prompt is [last prompt token] + the choice's tokens, with limit 1 (it finishes at its

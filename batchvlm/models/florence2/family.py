@@ -21,7 +21,7 @@ from ..decoding import MODE_TEXT, RawOutput, SeqSpec
 from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence, check_kinds, refuse_constrain
 from ..hub import load_tokenizer, read_json, resolve_device, resolve_dtype, weight_files, weights_sha256
 from .config import ConfigError, Florence2Config, GenerationSettings
-from .generate import Florence2Static
+from .engine import Florence2EngineModel
 from .labels import task_values
 from .preprocess import PixelSettings, Preprocessor
 from .prompts import KINDS, instruction, task_text
@@ -135,7 +135,7 @@ class Florence2:
                 seen: tuple[int, int] | None = None) -> dict[str, Any]:
         return task_columns(tasks, seqs, raws, seen, partial(task_values, self.tokenizer))
 
-    def load(self, dtype: str = "auto", device: str = "auto") -> Florence2Static:
+    def load(self, dtype: str = "auto", device: str = "auto") -> Florence2EngineModel:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         files = weight_files(self.folder)
@@ -143,4 +143,5 @@ class Florence2:
         load_weights(model, files)
         info = ModelInfo(self.model_name, self.revision, str(self.folder), weights_sha256(files),
                          str(dt).removeprefix("torch."), str(dev), self.name, self.backend)
-        return Florence2Static(model, info, self.generation)
+        return Florence2EngineModel(model, info, self.generation, self.image_tokens,
+                                    (self.settings.width, self.settings.height))

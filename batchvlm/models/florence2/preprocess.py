@@ -80,7 +80,9 @@ class PreparedImage:
 
     @property
     def cost(self) -> int:
-        return 1
+        """Vision work in units of a 384 x 384 image (the engine's vision batches hold 128 units:
+        32 images of the released models' 768 x 768)."""
+        return max(1, self.pixels.shape[0] * self.pixels.shape[1] // 384**2)
 
     @property
     def seen(self) -> tuple[int, int]:

@@ -1,0 +1,128 @@
+"""Florence-2 on batchvlm's engine (models/family.py EngineModel, contract v2 note (b)).
+
+Stages and what they are shared by:
+  vision     `encode`: DaViT + projector, once per image -> image tokens [I, C], shared by every
+             task of the image (the engine counts images in `stats["vision_images"]`)
+  encoder    a prefix segment per (image, prompt): [image tokens | <s> instruction </s>], run
+             densely over the step's prefix rows (bidirectional, nothing of it is stored); its
+             output becomes every decoder layer's cross-attention K/V, written into the
+             prefix's CrossKV blocks and read by every sequence on that prefix
+  decoder    the sequence's own tokens from the decoder start token, positions 0, 1, ... (the
+             prefix gives no positions); self-attention over own tokens in paged KV.
+The decoder runs on own rows only: the flat batch's prefix rows are zero-padded where an
+attention call wants all N rows, and come back as zero hidden states.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...cache.specs import CrossKV, PagedKV, StateSpec
+from ...cache.tensors import EngineCache
+from ..attention import AttentionBatch, PrefixGroup, Reads, attend, plan_groups
+from ..decoding import Decision, PromptRows, RowState
+from ..family import ModelInfo, PrefixInputs
+from ..pinned import PinnedUpload
+from . import decoding
+from .config import GenerationSettings
+from .decoding import History
+from .model import Florence2Model
+from .preprocess import PreparedImage
+
+
+class Florence2EngineModel:
+    causal_prefix = False  # the encoder reads its (image, prompt) rows bidirectionally
+
+    def __init__(self, model: Florence2Model, info: ModelInfo, generation: GenerationSettings, image_tokens: int,
+                 image_size: tuple[int, int]):
+        self.model, self.info, self.generation = model, info, generation
+        self.device, self.dtype = model.device, model.dtype
+        self.image_tokens = image_tokens
+        self.image_size = image_size  # (width, height) every image is resized to
+        self._upload = PinnedUpload(self.device)
+        self._history: History | None = None  # no_repeat_ngram: per engine cache (its rows)
+        self._history_of: EngineCache | None = None
+
+    def state_specs(self) -> list[StateSpec]:
+        t = self.model.config.text
+        return [PagedKV("self", t.decoder_layers, t.decoder_heads, t.decoder_head_dim, self.dtype),
+                CrossKV("cross", t.decoder_layers, t.decoder_heads, t.decoder_head_dim, self.dtype)]
+
+    def prefix_layout(self, image: PreparedImage, prompt: tuple[int, ...]) -> tuple[int, int]:
+        return self.image_tokens + len(prompt), 0  # decoder positions start at 0
+
+    def encode(self, images: list[PreparedImage]) -> list[torch.Tensor]:
+        pixels = self._upload([im.pixels[None] for im in images])  # uint8 [B, H, W, 3]
+        m = self.model
+        return list(m.image_tokens(m.pixel_values(pixels)).unbind(0))
+
+    def largest_vision_batch(self) -> list[PreparedImage]:
+        w, h = self.image_size
+        im = PreparedImage(torch.zeros(h, w, 3, dtype=torch.uint8))
+        return [im] * max(1, 128 // im.cost)
+
+    def prefix_inputs(self, features: list[torch.Tensor], prompts: list[torch.Tensor]) -> PrefixInputs:
+        text = self.model.text
+        embeds = [torch.cat([f, text.embed(p)]) for f, p in zip(features, prompts)]
+        # Encoder positions (the encoder adds its own from the padded layout; these are the same)
+        positions = torch.cat([torch.arange(e.shape[0], device=self.device) for e in embeds])
+        return PrefixInputs(torch.cat(embeds), positions)
+
+    def own_positions(self, pos_N: torch.Tensor) -> torch.Tensor:
+        return pos_N
+
+    def embed_tokens(self, ids_N: torch.Tensor) -> torch.Tensor:
+        return self.model.text.embed(ids_N)
+
+    def embed_inputs(self, kind_N: torch.Tensor, token_N: torch.Tensor, value_N2: torch.Tensor) -> torch.Tensor:
+        return self.model.text.embed(token_N)  # every input is a token
+
+    def _encoder(self, embeds_PC: torch.Tensor, group: PrefixGroup) -> torch.Tensor:
+        """The step's prefix rows [P, C] -> encoder output [P, C], each prefix on its own."""
+        P = embeds_PC.shape[0]
+        rows_IL = group.q_rows.clamp(max=P)  # padding -> a zero row P (the flat batch's pad is N)
+        x_ILC = torch.cat([embeds_PC, embeds_PC.new_zeros(1, embeds_PC.shape[1])])[rows_IL]
+        valid = None
+        if not group.all_full:
+            j = torch.arange(rows_IL.shape[1], device=rows_IL.device)
+            valid = j[None, :] < group.lens[:, None]
+        out = embeds_PC.new_zeros(P + 1, embeds_PC.shape[1])
+        out[rows_IL] = self.model.text.encoder(x_ILC, valid)  # padding lands on row P
+        return out[:P]
+
+    def forward(self, embeds_NC: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, cache: EngineCache,
+                prefix: PrefixInputs | None = None) -> torch.Tensor:
+        text = self.model.text
+        own, cross = cache.paged["self"], cache.paged["cross"]
+        if self.generation.no_repeat_ngram and self._history_of is not cache:
+            width = self.model.config.text.max_positions + 1  # the decoder's positions bound a sequence
+            self._history = History(cache.n_rows + 1, width, self.generation.decoder_start, self.device)
+            self._history_of = cache
+        P = batch.n_prefix
+        H, D = text.config.decoder_heads, text.config.decoder_head_dim
+        if P:
+            group = next(g for g in batch.groups if isinstance(g, PrefixGroup))
+            enc_PC = self._encoder(embeds_NC[:P], group)
+            cross_kv = text.decoder.cross_kv(enc_PC)  # per layer [P, H, D] each
+        else:
+            empty = embeds_NC.new_zeros(0, H, D)
+            cross_kv = [(empty, empty)] * len(text.decoder.layers)
+        pad = embeds_NC.new_zeros(P, H, D)
+        full = (lambda x: torch.cat([pad, x])) if P else (lambda x: x)  # noqa: E731
+        po, pc = plan_groups(batch, own), plan_groups(batch, cross)
+
+        def self_attend(i: int, q, k, v):
+            return attend(full(q), full(k), full(v), own.k[i], own.v[i], batch, po, Reads.OWN)[P:]
+
+        def cross_attend(i: int, q):
+            k, v = cross_kv[i]
+            return attend(full(q), k, v, cross.k[i], cross.v[i], batch, pc, Reads.PREFIX)[P:]
+
+        hidden = text.decoder(embeds_NC[P:], positions[P:], self_attend, cross_attend)
+        return torch.cat([embeds_NC.new_zeros(P, hidden.shape[1]), hidden]) if P else hidden
+
+    def decide(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
+               heads: tuple[torch.Tensor, ...] | None, prompt: PromptRows | None = None) -> Decision:
+        return decoding.decide(self.model.text.logits(hidden_BC), state, sampling, self.generation, self._history)
+
+    emit = staticmethod(decoding.emit)
