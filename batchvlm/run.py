@@ -96,7 +96,8 @@ class RunSummary:
     shards_partial: list[str] = field(default_factory=list)  # cut short by --limit: redone next run
     shards_failed: list[str] = field(default_factory=list)
     shards_damaged: list[str] = field(default_factory=list)  # "<stem>: N samples kept", done now or before
-    images: int = 0
+    images: int = 0  # rows of the shards handed to the writer
+    dropped: int = 0  # images labelled in shards left unfinished (stop) or failed: not kept, labelled again
     errors: int = 0
     seconds: float = 0.0
     stopped_by_signal: bool = False
@@ -107,7 +108,11 @@ class RunSummary:
         parts = [f"{len(self.shards_written)} shard(s) written", f"{self.shards_done_before} already done"]
         if self.shards_partial:
             parts.append(f"{len(self.shards_partial)} partial (cut short by --limit; redone by the next run)")
-        parts += [f"{self.images} images", f"{self.errors} errors", f"{rate:.1f} images/s"]
+        parts.append(f"{self.images} images")
+        if self.dropped:  # the progress bar counted them: say where they went
+            parts.append(f"{self.dropped} more labelled in unfinished or failed shards (not kept; the next run "
+                         "labels them again)")
+        parts += [f"{self.errors} errors", f"{rate:.1f} images/s"]
         if self.shards_failed:
             parts.append(f"{len(self.shards_failed)} FAILED ({', '.join(self.shards_failed[:3])})")
         if self.shards_damaged:
@@ -318,7 +323,8 @@ def _report_held(layout: Layout, pending: list[ShardRef], written: list[str], su
 class Labelling:
     """One pass over the loader's stream: rows gathered by shard, each complete shard handed to
     the writer. The summary counts the rows of shards handed over (complete, or partial under
-    --limit), never those of shards dropped by a stop or a failure."""
+    --limit) as images, those labelled in shards a stop or a failure left unfinished as dropped:
+    together they are what the progress bar counted."""
 
     def __init__(self, layout: Layout, pending: list[ShardRef], summary: RunSummary, writer: WriterThread,
                  bar: Progress, claims: Claims | None, stop: StopFlag, limit: int | None):
@@ -338,10 +344,11 @@ class Labelling:
                 self.add_row(ticket.shard, ticket.index, row_for(self.assemblies[ticket.shard].ref, ticket, columns, None))
             if self.limit is not None and not self.stop.event.is_set():
                 # --limit: keep what was labelled, marked incomplete so the next run redoes it whole.
-                for a in self.assemblies.values():
+                for i, a in list(self.assemblies.items()):
                     if a.rows and not a.failed:
-                        self.hand_over(a, complete=False)
+                        self.hand_over(i, complete=False)
                         self.summary.shards_partial.append(a.ref.stem)
+            self.summary.dropped = sum(len(a.rows) for a in self.assemblies.values())
         finally:
             self.close()
         self.summary.shards_written = [s for s in self.writer.written if s not in self.summary.shards_partial]
@@ -356,18 +363,20 @@ class Labelling:
                 for stem in self.claimed - set(self.writer.written):
                     self.claims.release(stem)
 
-    def hand_over(self, a: ShardAssembly, complete: bool) -> None:
+    def hand_over(self, i: int, complete: bool) -> None:
+        """Shard `i` to the writer; what stays in `assemblies` is never written."""
+        a = self.assemblies.pop(i)
         self.summary.images += len(a.rows)
         self.summary.errors += sum(r["status"] == "error" for r in a.rows.values())
         self.writer.put(a.output(complete=complete))
 
     def finish(self, i: int) -> None:
-        a = self.assemblies.pop(i)
+        a = self.assemblies[i]
         if a.damaged:
             log(f"batchvlm: shard {a.ref.stem} is damaged ({a.damaged}); {len(a.rows)} sample(s) kept")
             self.summary.shards_damaged.append(manifest.damaged_note(a.ref.stem, len(a.rows)))
         self.bar.shard_size(i, len(a.rows))
-        self.hand_over(a, complete=True)
+        self.hand_over(i, complete=True)
 
     def add_row(self, i: int, index: int, row: dict[str, Any]) -> None:
         a = self.assemblies[i]

@@ -16,8 +16,12 @@ identical (checked; in bfloat16 the share of identical sequences is printed). Wo
     python scripts/bench_qwen3vl.py --config 2b --images 256 --batch 256 --hf-batch 64 \\
         --skip-one-at-a-time --dtype bfloat16                         # GPU, Qwen3-VL-2B shapes
     python scripts/bench_qwen3vl.py --family qwen3_5                  # CPU, Qwen3.5's mid-size config
+    python scripts/bench_qwen3vl.py --moe                             # CPU, the mid-size config with
+                                                                      # sparse MLPs (qwen3_vl_moe)
 
 Qwen3.5 prompts use its template's non-thinking form (enable_thinking false), as batchvlm does.
+`--moe` swaps every text MLP of the config for a mixture of experts (MOE below; Qwen3.5's with
+its shared expert): model types qwen3_vl_moe / qwen3_5_moe, transformers' *Moe* classes.
 """
 
 from __future__ import annotations
@@ -76,6 +80,11 @@ QWEN35 = {
 }
 FAMILIES = {"qwen3_vl": (qwen3vl_fixture, "Qwen3VLForConditionalGeneration", QWEN3VL, {}),
             "qwen3_5": (qwen35_fixture, "Qwen3_5ForConditionalGeneration", QWEN35, {"enable_thinking": False})}
+# --moe: the MLPs of a config as experts (Qwen3.5: plus a shared expert). mid: 32 experts, 4 active,
+# expert width 3/8 of the text width (the 30B-A3B ratio); 2b: 30B-A3B's own expert counts
+MOE = {"mid": dict(experts=32, top_k=4, ff=192, shared=192), "tiny": dict(experts=4, top_k=2, ff=32, shared=32),
+       "2b": dict(experts=128, top_k=8, ff=768, shared=512)}
+HF_MOE = {"qwen3_vl": "Qwen3VLMoeForConditionalGeneration", "qwen3_5": "Qwen3_5MoeForConditionalGeneration"}
 # (width, height): 192 to 300 image tokens each, like typical web photos at a lowered max_pixels
 SIZES = [(448, 448), (640, 480), (480, 640), (512, 384), (576, 432), (448, 576)]
 # English text for the tokenizer's merges, so prompts have realistic token counts (~20-30).
@@ -161,7 +170,9 @@ def sync(dev: torch.device) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", choices=list(FAMILIES), default="qwen3_vl")
-    ap.add_argument("--config", choices=["mid", "2b"], default="mid")
+    ap.add_argument("--config", choices=["mid", "2b", "tiny"], default="mid", help="tiny: Qwen3-VL only (the dry run)")
+    ap.add_argument("--moe", action="store_true", help="the config's MoE variant (qwen3_vl_moe / qwen3_5_moe)")
+    ap.add_argument("--seed", type=int, default=0, help="of the random checkpoint's weights")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--images", type=int, default=24)
@@ -182,14 +193,23 @@ def main() -> int:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     fixture, hf_class, configs, template_kwargs = FAMILIES[args.family]
+    if args.config not in configs:
+        ap.error(f"--config {args.config}: not a {args.family} config ({', '.join(configs)})")
+    config = dict(configs[args.config])
+    if args.moe:
+        hf_class = HF_MOE[args.family]
+        moe = dict(MOE[args.config])
+        if args.family == "qwen3_vl":
+            moe.pop("shared")
+        config["moe"] = moe
 
     dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                        ("cpu" if args.device == "auto" else args.device))
     dtype = getattr(torch, args.dtype)
     folder = Path(tempfile.mkdtemp(prefix=f"bench-{args.family}-"))
     t0 = time.perf_counter()
-    fixture.write_checkpoint(folder, seed=0, min_pixels=64 * 64, max_pixels=640 * 640, corpus=CORPUS, dtype=dtype,
-                             **configs[args.config])
+    fixture.write_checkpoint(folder, seed=args.seed, min_pixels=64 * 64, max_pixels=640 * 640, corpus=CORPUS,
+                             dtype=dtype, **config)
     print(f"# checkpoint written in {time.perf_counter() - t0:.1f} s: {folder}", file=sys.stderr)
     hf = getattr(transformers, hf_class).from_pretrained(folder, dtype=dtype).to(dev).eval()
     tok = AutoTokenizer.from_pretrained(folder)
@@ -201,7 +221,8 @@ def main() -> int:
     tokens = sum(family.preprocessor()(im).grid[0] * family.preprocessor()(im).grid[1] for im in images) / len(images)
     host = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     hw = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({host})"
-    print(f"# bench_qwen3vl: family={args.family} config={args.config} device={hw} dtype={args.dtype} torch={torch.__version__} "
+    moe_note = f" moe {config['moe']}" if args.moe else ""
+    print(f"# bench_qwen3vl: family={args.family} config={args.config}{moe_note} seed={args.seed} device={hw} dtype={args.dtype} torch={torch.__version__} "
           f"images={args.images} (mean {tokens:.0f} image tokens) sequences/image={len(seqs)} "
           f"max_new_tokens={args.max_new_tokens} engine batch={args.batch} hf rows/call={args.hf_batch} "
           f"repeat={args.repeat} (best of)")

@@ -7,7 +7,8 @@
 #                                   engine's real shapes, bench_attention, the GPU tests
 #   scripts/gpu_check.sh 2          call 2 (330 s): set-up, bench_engine (Moondream 2 shapes, random
 #                                   weights), then a trimmed Qwen3-VL-2B run if more than 90 s remain
-#                                   (and with QWEN35=1 a Qwen3.5-2B-like run: scripts/gpu_check_qwen35.sh)
+#                                   (and with QWEN35=1 a Qwen3.5-2B-like run: scripts/gpu_check_qwen35.sh;
+#                                   with MOE=1 the expert paths on a 30B-A3B-shaped stack: bench_moe.py)
 #   scripts/gpu_check.sh --dry-run  on CPU: prints both calls' plans with budgets and walks every
 #                                   step at tiny sizes (checks the script and the steps' arguments)
 #
@@ -159,7 +160,21 @@ call_2() {
                    --skip-one-at-a-time)
     fi
     step "bench_engine" 230 bench.log $PY scripts/bench_engine.py "${bench_args[@]}" --json "$OUT/bench.json"
-    local left
+    local left moe_args
+    if [[ "${MOE:-0}" == 1 ]]; then  # opt-in, before the Qwen runs take the rest: MoE MLP paths, 30B-A3B-shaped
+        left=$(budget_left)
+        if (( left > 40 * SCALE )); then
+            if (( DRY )); then
+                moe_args=(--shape tiny --device cpu --dtype float32 --layers 2 --tokens 8 100 --iters 2)
+            else
+                moe_args=(--shape 30b-a3b --layers 4 --tokens 64 256 1024 4096)
+            fi
+            step "bench_moe" $(( 40 < left / SCALE - 10 ? 40 : left / SCALE - 10 )) bench_moe.log \
+                $PY scripts/bench_moe.py "${moe_args[@]}" --json "$OUT/bench_moe.json"
+        else
+            echo "== [2] bench_moe: not run, only ${left} s left (needs > 40 s)" | tee -a "$OUT/summary-2.txt"
+        fi
+    fi
     left=$(budget_left)
     if (( left > 90 * SCALE )); then  # Qwen3-VL-2B shapes, random weights (writes a ~4.5 GB checkpoint)
         step "bench_qwen3vl" $(( left / SCALE - 10 )) bench_qwen3vl.log $PY scripts/bench_qwen3vl.py "${qwen_args[@]}" \
@@ -197,6 +212,9 @@ call 2, ${CALL_BUDGET_2} s:
                           mixed/256, mixed@1024x768/256, caption/256, mixed/64; engine sync + pipelined vs
                           static batches vs one-at-a-time (8 images); GPU busy share, graph-step share,
                           compile seconds and compiled shapes; rows stop starting after 170 s
+  bench_moe         40   only with MOE=1: scripts/bench_moe.py, the MoE MLP on 4 Qwen3-VL-30B-A3B-shaped
+                          layers (128 experts x 768, top 8, random weights): grouped GEMM / gathered / loop
+                          vs a dense SwiGLU of the same active width, CUDA-graph replays checked against eager
   bench_qwen3vl    rest   only if > 90 s remain: Qwen3-VL-2B shapes, 64 images, engine (built untimed) vs
                           transformers' batched generate, bf16
 EOF

@@ -2,6 +2,8 @@
 (Qwen3_5ForConditionalGeneration), with the tokenizer, processor and weight spread of the
 Qwen3-VL fixture (qwen3vl_fixture.py) and a chat template in the style of Qwen3.5's own: after
 the assistant header it opens a thinking block, or writes an empty one with enable_thinking false.
+`moe=dict(experts=, top_k=, ff=, shared=)` makes the `qwen3_5_moe` variant
+(Qwen3_5MoeForConditionalGeneration, saved as transformers saves it: one tensor per expert).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from qwen3vl_fixture import CHAT_TEMPLATE, IDS, VOCAB, make_stops_likely, randomize, write_host_files
+from qwen3vl_fixture import CHAT_TEMPLATE, IDS, VOCAB, moe_fields, save, write_host_files
 
 THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
     "{{- '<|im_start|>assistant\\n' -}}",
@@ -25,11 +27,12 @@ def hf_config(text_dim: int = 32, heads: int = 4, kv_heads: int = 2, head_dim: i
               lin_k_heads: int = 2, lin_v_heads: int = 4, lin_k_dim: int = 8, lin_v_dim: int = 8, conv_kernel: int = 4,
               vision_dim: int = 32, vision_heads: int = 4, depth: int = 2, pos_embeddings: int = 16,
               tie: bool = False, patch: int = 16, ff: int | None = None, vision_ff: int | None = None,
-              vocab: int = VOCAB):
-    from transformers import Qwen3_5Config
+              vocab: int = VOCAB, moe: dict | None = None):
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
-    return Qwen3_5Config(
+    return (Qwen3_5MoeConfig if moe else Qwen3_5Config)(
         text_config=dict(vocab_size=vocab, hidden_size=text_dim, intermediate_size=ff or 2 * text_dim,
+                         **moe_fields(moe, moe["shared"] if moe else 0),
                          num_hidden_layers=layers, layer_types=layer_types, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=8192,
                          tie_word_embeddings=tie, linear_num_key_heads=lin_k_heads, linear_num_value_heads=lin_v_heads,
@@ -51,15 +54,7 @@ def write_checkpoint(dest: Path, seed: int = 0, likely_stops: bool = False, corp
                      mean: tuple[float, ...] = (0.5, 0.5, 0.5), std: tuple[float, ...] = (0.5, 0.5, 0.5),
                      dtype: torch.dtype = torch.float32, **config) -> Path:
     """A hub-layout folder: sharded safetensors + index, config, tokenizer, template, processor."""
-    from transformers import Qwen3_5ForConditionalGeneration
-
     cfg = hf_config(**config)
-    torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(cfg)
-    randomize(model, seed)
-    if likely_stops:
-        make_stops_likely(model)
-    if cfg.tie_word_embeddings:
-        model.tie_weights()
-    model.to(dtype).save_pretrained(dest, max_shard_size=shard_size)
+    name = "Qwen3_5MoeForConditionalGeneration" if config.get("moe") else "Qwen3_5ForConditionalGeneration"
+    save(dest, name, cfg, seed, likely_stops, shard_size, dtype)
     return write_host_files(dest, cfg, THINKING_TEMPLATE, corpus, min_pixels, max_pixels, mean, std)

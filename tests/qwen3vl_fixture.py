@@ -4,6 +4,10 @@ The weights are drawn here with a wider spread than transformers' 0.02 init, so 
 are decided by clear logit margins (near ties would make token parity a coin toss between two
 correct float32 implementations). transformers saves them (sharded, with the index), and the
 tokenizer is a byte-level BPE with Qwen's special tokens, built with `tokenizers` (offline).
+
+`moe=dict(experts=, top_k=, ff=[, dense_layers=])` makes the `qwen3_vl_moe` variant (Qwen3VLMoeForConditionalGeneration)
+with its expert tensors rewritten in the released checkpoints' transposed layout
+([E, C, 2I] / [E, I, C], which transformers reads back by shape).
 """
 
 from __future__ import annotations
@@ -68,13 +72,14 @@ def byte_tokenizer(corpus: str | None = None, vocab: int = VOCAB) -> Tokenizer:
 def hf_config(text_dim: int = 32, heads: int = 4, kv_heads: int = 2, head_dim: int = 8, layers: int = 2,
               section: tuple[int, int, int] = (2, 1, 1), vision_dim: int = 32, vision_heads: int = 4,
               depth: int = 2, pos_embeddings: int = 16, deepstack: tuple[int, ...] = (0, 1), tie: bool = False,
-              patch: int = 16, ff: int | None = None, vision_ff: int | None = None, vocab: int = VOCAB):
-    from transformers import Qwen3VLConfig
+              patch: int = 16, ff: int | None = None, vision_ff: int | None = None, vocab: int = VOCAB,
+              moe: dict | None = None):
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
-    return Qwen3VLConfig(
+    return (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(
         text_config=dict(vocab_size=vocab, hidden_size=text_dim, intermediate_size=ff or 2 * text_dim,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         head_dim=head_dim, max_position_embeddings=8192, tie_word_embeddings=tie,
+                         head_dim=head_dim, max_position_embeddings=8192, tie_word_embeddings=tie, **moe_fields(moe),
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                           "mrope_section": list(section), "mrope_interleaved": True}),
         vision_config=dict(depth=depth, hidden_size=vision_dim, intermediate_size=vision_ff or 2 * vision_dim,
@@ -83,6 +88,16 @@ def hf_config(text_dim: int = 32, heads: int = 4, kv_heads: int = 2, head_dim: i
         image_token_id=IDS["<|image_pad|>"], video_token_id=IDS["<|video_pad|>"],
         vision_start_token_id=IDS["<|vision_start|>"], vision_end_token_id=IDS["<|vision_end|>"],
         tie_word_embeddings=tie)
+
+
+def moe_fields(moe: dict | None, shared: int = 0) -> dict:
+    """transformers' text config fields of an MoE variant (`shared`: the shared expert's width)."""
+    if not moe:
+        return {}
+    fields = dict(num_experts=moe["experts"], num_experts_per_tok=moe["top_k"], moe_intermediate_size=moe["ff"])
+    if "dense_layers" in moe:
+        fields["mlp_only_layers"] = list(moe["dense_layers"])
+    return fields | ({"shared_expert_intermediate_size": shared} if shared else {})
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -96,6 +111,8 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 t = 0.05 * t
             elif "embed_tokens" in name or "pos_embed" in name:
                 t = t * 1.0
+            elif "experts" in name and p.dim() == 3:  # stacked experts [E, out, in]
+                t = t / p.shape[-1] ** 0.5
             elif p.dim() > 1:
                 t = t / p[0].numel() ** 0.5
             p.copy_(t)
@@ -120,18 +137,38 @@ def write_checkpoint(dest: Path, seed: int = 0, likely_stops: bool = False, corp
                      std: tuple[float, ...] = (0.5, 0.5, 0.5), dtype: torch.dtype = torch.float32,
                      **config) -> Path:
     """A hub-layout folder: sharded safetensors + index, config, tokenizer, template, processor."""
-    from transformers import Qwen3VLForConditionalGeneration
-
     cfg = hf_config(**config)
+    name = "Qwen3VLMoeForConditionalGeneration" if config.get("moe") else "Qwen3VLForConditionalGeneration"
+    save(dest, name, cfg, seed, likely_stops, shard_size, dtype)
+    if config.get("moe"):
+        transpose_experts(dest)
+    return write_host_files(dest, cfg, CHAT_TEMPLATE, corpus, min_pixels, max_pixels, mean, std)
+
+
+def save(dest: Path, model_class: str, cfg, seed: int, likely_stops: bool, shard_size: str, dtype: torch.dtype) -> None:
+    """A transformers model of `cfg`, randomized, saved sharded by transformers."""
+    import transformers
+
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(cfg)
+    model = getattr(transformers, model_class)(cfg)
     randomize(model, seed)
     if likely_stops:
         make_stops_likely(model)
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model.to(dtype).save_pretrained(dest, max_shard_size=shard_size)
-    return write_host_files(dest, cfg, CHAT_TEMPLATE, corpus, min_pixels, max_pixels, mean, std)
+
+
+def transpose_experts(dest: Path) -> None:
+    """Rewrite the stacked expert tensors [E, out, in] as [E, in, out] (the released Qwen3-VL-MoE
+    layout), shard by shard."""
+    from safetensors.torch import load_file, save_file
+
+    for path in dest.glob("*.safetensors"):
+        tensors = load_file(path)
+        if any(".experts." in k for k in tensors):
+            save_file({k: t.transpose(1, 2).contiguous() if ".experts." in k else t for k, t in tensors.items()},
+                      path, metadata={"format": "pt"})
 
 
 def write_host_files(dest: Path, cfg, chat_template: str, corpus: str | None = None, min_pixels: int = 32 * 32,

@@ -53,8 +53,10 @@ def test_demo_labels_identical_across_engine_modes_and_the_simple_generation():
     prepared = [md.preprocessor(draw_scene(rng, SPEC)[0]) for _ in range(40)]
     reference = [[(o.tokens, o.objects) for o in img] for img in generate(md.model, prepared, [s.spec for s in seqs])]
     for batch in (1, 7, 64, 256):
+        # batches of 1 and 7 rows hold at most two images' sequences at once: 8 images take their paths
+        n = 8 if batch < 2 * len(seqs) else len(prepared)
         for pipelined in (False, True):
             engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=batch, pipelined=pipelined), md.P)
             out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
-                   for im in engine.run(WorkItem(i, p, str(i)) for i, p in enumerate(prepared))}
-            assert [out[i] for i in range(len(prepared))] == reference, (batch, pipelined)
+                   for im in engine.run(WorkItem(i, p, str(i)) for i, p in enumerate(prepared[:n]))}
+            assert [out[i] for i in range(n)] == reference[:n], (batch, pipelined)

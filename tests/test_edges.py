@@ -12,8 +12,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -276,20 +278,70 @@ def test_15_validate_counts_the_shards_a_run_would_have(labelled):
     assert "/4 shards done" in out, out
 
 
-def test_15_validate_fails_on_a_folder_it_cannot_list(tmp_path):
-    (tmp_path / "img" / "locked").mkdir(parents=True)
-    (tmp_path / "img" / "a.png").write_bytes(png((1, 1, 1)))
-    (tmp_path / "img" / "locked").chmod(0)
+def test_15_after_sigterm_the_summary_counts_the_rows_kept(tmp_path):
+    """A stop after the small shard a-00000 was written: the b images in flight are labelled but
+    dropped with their unfinished shard; the summary's images are the rows kept, and it names the
+    dropped ones, so summary and progress agree."""
+    for name in ["a/0.png", "a/1.png", *(f"b/{i:02d}.png" for i in range(60))]:
+        (tmp_path / "img" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "img" / name).write_bytes(png((len(name), 1, 1)))
+    (tmp_path / "model").symlink_to(DEMO)
+    job = job_file(tmp_path, "job.yaml", "img", "out", input={"shard_size": 60}, engine={"max_batch_size": 2},
+                   tasks=[{"caption": {"max_new_tokens": 2}}])
+    p = subprocess.Popen([sys.executable, "-m", "batchvlm.cli", "run", str(job)], cwd=tmp_path, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ | {"BATCHVLM_PROGRESS": "json"})
+    done = tmp_path / "out" / "__batchvlm__" / "a-00000.stats.json"
+    deadline = time.time() + 120
+    while time.time() < deadline and not done.exists():
+        time.sleep(0.02)
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=120)
+    summary = stderr.strip().splitlines()[-1]
+    counted = sum(json.loads(line).get("images", 0) for line in stdout.splitlines())
+    assert p.returncode == 75 and "stopped by signal" in summary, stderr
+    assert len(pq.read_table(tmp_path / "out").to_pylist()) == 2 and " 2 images, " in summary, summary
+    assert counted > 2 and f" {counted - 2} more labelled in unfinished or failed shards" in summary, (counted, summary)
+
+
+def unprivileged(path: Path) -> list[str]:
+    """A command prefix under which permissions stop a process from reading `path` (chmod 000):
+    none for a plain user; for root, its file capabilities dropped (setpriv). Skips where neither works."""
+    prefix = []
+    if os.geteuid() == 0 and shutil.which("setpriv"):
+        prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
+    if subprocess.run([*prefix, "ls", str(path)], capture_output=True).returncode == 0:
+        pytest.skip("permissions do not stop this user (root without setpriv) from reading a folder")
+    return prefix
+
+
+def test_15_an_unreadable_folder_fails_validate_and_the_run_counts_what_it_kept(tmp_path):
+    img = tmp_path / "img"
+    (img / "locked").mkdir(parents=True)
+    (img / "ok").mkdir()
+    for name in ("locked/x.png", "ok/a.png", "ok/b.png", "c.png", "noread.png"):
+        (img / name).write_bytes(png((len(name), 1, 1)))
+    (tmp_path / "model").symlink_to(DEMO)
+    job = job_file(tmp_path, "job.yaml", "img", "out", tasks=[{"caption": {"max_new_tokens": 2}}])
+    (img / "locked").chmod(0)
+    (img / "noread.png").chmod(0)
     try:
-        if os.access(tmp_path / "img" / "locked", os.R_OK):
-            pytest.skip("permissions do not stop this user (root) from listing a folder")
-        job = tmp_path / "job.yaml"
-        job.write_text(yaml.safe_dump({"name": "u", "input": {"folder": "img"}, "tasks": [{"caption": {}}],
-                                       "output": {"dir": "out"}}))
-        code, out = inproc(tmp_path, "validate", job)
-        assert code == 2 and "input.folder: cannot read" in out and "locked" in out, out
+        prefix = unprivileged(img / "locked")
+        bvlm = [*prefix, sys.executable, "-m", "batchvlm.cli"]
+        r = subprocess.run([*bvlm, "validate", job], capture_output=True, text=True, cwd=tmp_path)
+        assert r.returncode == 2 and "input.folder: cannot read" in r.stderr and "locked" in r.stderr, r.stderr
+        r = subprocess.run([*bvlm, "run", job], capture_output=True, text=True, cwd=tmp_path,
+                           env=os.environ | {"BATCHVLM_PROGRESS": "json"})
     finally:
-        (tmp_path / "img" / "locked").chmod(0o755)
+        (img / "locked").chmod(0o755)
+        (img / "noread.png").chmod(0o644)
+    # root-00000 (c.png, noread.png) and locked-00000 fail; c.png was labelled, then dropped with its shard
+    summary = r.stderr.strip().splitlines()[-1]
+    counted = sum(json.loads(line).get("images", 0) for line in r.stdout.splitlines())
+    assert r.returncode == 1 and "2 FAILED" in summary, r.stderr
+    assert counted == 3 and " 2 images, 1 more labelled in unfinished or failed shards" in summary, summary
+    assert sorted(row["key"] for row in pq.read_table(tmp_path / "out").to_pylist()) == ["a.png", "b.png"]
+    code, out = inproc(tmp_path, "status", job)
+    assert "2 failed" in out and "2 rows" in out, out
 
 
 def test_16_small_things_validation_lets_through(labelled, tmp_path):

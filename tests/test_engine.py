@@ -14,20 +14,27 @@ from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs
 from batchvlm.engine.labeler import WorkItem, sequence_seed
 from batchvlm.job import EngineSpec
+from batchvlm.models.decoding import RawOutput
 from batchvlm.models.moondream.config import MoondreamConfig
 from batchvlm.models.moondream.generate import generate
 from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
 
 
-def run_engine(md, prepared, seqs, fixed_shape_decode=False, **settings):
+def run_engine_outputs(md, prepared, seqs, fixed_shape_decode=False, **settings) -> list[list[RawOutput]]:
     engine = Engine(md.engine, seqs, EngineSpec(**settings), md.P)
     if fixed_shape_decode:  # the CUDA-graph decode body (padding, scratch row, null block), uncaptured
         r = engine.runner
         r.graphs = DecodeGraphs(r, -(-md.P // r.bs), max(engine.own_blocks), len(seqs), capture=False)
-    out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
+    out = {im.ticket: [s.output for s in im.seqs]
            for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
     assert engine.scheduler.blocks.used == 0  # every block came back
     return [out[i] for i in range(len(prepared))]
+
+
+def run_engine(md, prepared, seqs, fixed_shape_decode=False, **settings):
+    """-> (tokens, objects) of every sequence of every image."""
+    return [[(o.tokens, o.objects) for o in img]
+            for img in run_engine_outputs(md, prepared, seqs, fixed_shape_decode, **settings)]
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +52,20 @@ TASKS = [CaptionTask(caption={"length": "short"}), QueryTask(query={"question": 
          DetectTask(detect={"objects": ["20", "21 22"]}), PointTask(point={"objects": ["23"]})]
 
 
-@pytest.mark.parametrize("batch", [1, 7, 64, 256])
-def test_engine_equals_simple_generation(tiny, batch):
+@pytest.fixture(scope="module")
+def simple(tiny):
+    """The simple generation of TASKS on every image: (sequences, (tokens, objects) per image)."""
     md, prepared = tiny
     seqs = md.sequences(TASKS, max_new_tokens=9, max_objects=3)
-    reference = [[(o.tokens, o.objects) for o in img] for img in generate(md.model, prepared, [s.spec for s in seqs])]
+    return seqs, [[(o.tokens, o.objects) for o in img] for img in generate(md.model, prepared, [s.spec for s in seqs])]
+
+
+@pytest.mark.parametrize("batch", [1, 7, 64, 256])
+def test_engine_equals_simple_generation(tiny, simple, batch):
+    md, prepared = tiny
+    seqs, reference = simple
+    if batch < len(seqs) * 2:  # rows of at most two images at once: 5 images (more than the 4 in
+        prepared, reference = prepared[:5], reference[:5]  # flight) take every path these batches take
     for pipelined in (False, True):
         got = run_engine(md, prepared, seqs, max_batch_size=batch, pipelined=pipelined, max_images_in_flight=4)
         assert got == reference, (batch, pipelined)
@@ -71,7 +87,7 @@ def test_sampling_is_batch_invariant(tiny):
 
 def test_engine_matches_the_upstream_reference(fixtures_dir, tmp_path):
     from helpers import id_tokenizer as idt
-    from test_moondream_parity import _tasks
+    from test_moondream_parity import _tasks, wanted_more
 
     root = fixtures_dir / "moondream-tiny"
     config = json.loads((root / "config.json").read_text())
@@ -80,23 +96,28 @@ def test_engine_matches_the_upstream_reference(fixtures_dir, tmp_path):
     expected = json.loads((root / "expected.json").read_text())
     prepared = [md.preprocessor(Image.open(root / "images" / e["file"])) for e in expected["images"]]
     seqs = md.sequences(_tasks(expected), max_new_tokens=20, max_objects=5)
-    got = run_engine(md, prepared, seqs, max_batch_size=7, pipelined=True)
+    got = run_engine_outputs(md, prepared, seqs, max_batch_size=7, pipelined=True)
     for e, (cap, query, det, pt) in zip(expected["images"], got):
-        assert cap[0] == e["caption_normal"]["token_ids"] and query[0] == e["query"]["token_ids"]
+        assert cap.tokens == e["caption_normal"]["token_ids"] and query.tokens == e["query"]["token_ids"]
         boxes = [(o["x_min"], o["y_min"], o["x_max"], o["y_max"]) for o in e["detect"]["objects"]]
-        assert len(det[1]) == len(boxes)
-        assert np.allclose(np.array(det[1]).reshape(-1, 4), np.array(boxes).reshape(-1, 4), atol=1e-6)
-        assert pt[1] == [(p["x"], p["y"]) for p in e["point"]["points"]]
+        assert len(det.objects) == len(boxes)
+        assert np.allclose(np.array(det.objects).reshape(-1, 4), np.array(boxes).reshape(-1, 4), atol=1e-6)
+        assert pt.objects == [(p["x"], p["y"]) for p in e["point"]["points"]]
+        # truncated: the reference's decision after the 5th object was another object, not EOS
+        assert [det.more, pt.more] == [wanted_more(e, k, 5, md.config.tokenizer.eos_id) for k in ("detect", "point")]
 
 
 def test_tightest_limits(tiny):
-    """One token, one object: sequences finish at their first decision, never planned again."""
+    """One token, one object: text sequences finish at their first decision, spatial ones at the
+    decision after their object (did the model want another?), never planned again."""
     md, prepared = tiny
     seqs = md.sequences(TASKS, max_new_tokens=1, max_objects=1)
-    reference = [[(o.tokens, o.objects) for o in img] for img in generate(md.model, prepared, [s.spec for s in seqs])]
+    reference = [[(o.tokens, o.objects, o.more) for o in img]
+                 for img in generate(md.model, prepared, [s.spec for s in seqs])]
     assert all(len(o[0]) <= 1 and len(o[1]) <= 1 for img in reference for o in img)
     for pipelined in (False, True):
-        assert run_engine(md, prepared, seqs, max_batch_size=5, pipelined=pipelined) == reference
+        got = run_engine_outputs(md, prepared, seqs, max_batch_size=5, pipelined=pipelined)
+        assert [[(o.tokens, o.objects, o.more) for o in img] for img in got] == reference
 
 
 def test_auto_pipelining_follows_the_device(tiny):

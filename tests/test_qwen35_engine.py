@@ -1,16 +1,14 @@
 """Qwen3.5 through batchvlm's engine and CLI: greedy tokens identical to transformers' batch-1
-`generate` for all four tasks, at engine batch sizes 1, 7 and 64, pipelined and synchronous; the
-linear-attention state each task forks from its image prefix is exact."""
+`generate` for all four tasks, at engine batch sizes 1, 7 and 64, pipelined and synchronous, for
+the dense model and its mixture-of-experts variant (`qwen3_5_moe`: 4 experts, top 2, a shared
+expert; on fewer images); the linear-attention state each task forks from its image prefix is
+exact."""
 
 from __future__ import annotations
 
-import json
-
-import pyarrow.parquet as pq
 import pytest
 from qwen35_fixture import write_checkpoint
-from test_pipeline import cli
-from test_qwen3vl_engine import MAX_NEW, TASKS, images, prepared, reference_tokens
+from test_qwen3vl_engine import MAX_NEW, MOE, PROMPTS, TASKS, cli_rows, images, prepared, reference_tokens
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
@@ -20,21 +18,22 @@ from batchvlm.tasks import CaptionTask, QueryTask
 
 pytest.importorskip("transformers")
 
-DETECT = 'Locate every instance that belongs to the following categories: "{}". Report bbox coordinates in JSON format.'
-PROMPTS = ["Describe this image in one sentence.", "What colour is the sky?", DETECT.format("cat"),
-           DETECT.format("red car"), "Locate every dog in this image with points. Output the point coordinates in JSON format."]
 N_IMAGES = 3  # small: batch-1 generate as the reference, and 2 cores for the whole suite
+VARIANT_IMAGES = {"dense": N_IMAGES, "moe": 2}
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    folder = write_checkpoint(tmp_path_factory.mktemp("qwen35"), seed=2, likely_stops=True)
-    family = open_family(ModelSpec(name=str(folder)))  # backend auto: the native family
-    ims = images()[:N_IMAGES]
-    return dict(folder=folder, family=family, model=family.load("float32", "cpu"), images=ims,
+@pytest.fixture(scope="module", params=list(VARIANT_IMAGES))
+def setup(request, tmp_path_factory):
+    moe = dict(MOE, shared=40) if request.param == "moe" else None
+    # seed 6 for the MoE variant: some of its sequences stop by themselves on these two images
+    folder = write_checkpoint(tmp_path_factory.mktemp(f"qwen35-{request.param}"), seed=6 if moe else 2,
+                              likely_stops=True, moe=moe)
+    family = open_family(ModelSpec(name=str(folder)))  # backend auto: the native family, for both model types
+    ims = images()[: VARIANT_IMAGES[request.param]]
+    hf_class = "Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"
+    return dict(variant=request.param, folder=folder, family=family, model=family.load("float32", "cpu"), images=ims,
                 seqs=family.sequences(TASKS, EngineSpec(max_new_tokens=MAX_NEW)),
-                expected=reference_tokens(folder, ims, PROMPTS, "Qwen3_5ForConditionalGeneration",
-                                          {"enable_thinking": False}, rows_per_call=1))
+                expected=reference_tokens(folder, ims, PROMPTS, hf_class, {"enable_thinking": False}, rows_per_call=1))
 
 
 def run(setup, seqs, batch: int, pipelined: bool, n_images: int) -> list[list[list[int]]]:
@@ -50,6 +49,7 @@ def run(setup, seqs, batch: int, pipelined: bool, n_images: int) -> list[list[li
                                                      (7, False, N_IMAGES), (64, True, N_IMAGES),
                                                      (64, False, N_IMAGES)])
 def test_engine_tokens_equal_transformers(setup, batch, pipelined, n_images):
+    n_images = min(n_images, len(setup["images"]))
     assert setup["family"].name == "qwen3_5" and setup["family"].backend == "native"
     assert run(setup, setup["seqs"], batch, pipelined, n_images) == setup["expected"][:n_images]
 
@@ -63,6 +63,8 @@ def test_some_sequences_stop_by_themselves(setup):
 def test_forked_state_is_exact(setup, batch, n_images):
     """A query that forks its image prefix's state beside a caption gets the same answer as the
     query alone (which forks it alone)."""
+    if setup["variant"] == "moe":
+        pytest.skip("the state bookkeeping does not depend on the MLP")
     query = QueryTask(query={"question": "What is in the picture?"})
     spec = EngineSpec(max_new_tokens=MAX_NEW)
     both = run(setup, setup["family"].sequences([CaptionTask(caption={"length": "short"}), query], spec), batch,
@@ -73,31 +75,7 @@ def test_forked_state_is_exact(setup, batch, n_images):
 
 
 def test_cli_on_a_sharded_hub_folder(setup, tmp_path):
-    import yaml
-
-    assert len(list(setup["folder"].glob("*.safetensors"))) > 1
-    src = tmp_path / "images"
-    src.mkdir()
-    for i, im in enumerate(setup["images"]):
-        im.save(src / f"im{i}.png")
-    job = {"name": "qwen35", "input": {"folder": str(src)}, "model": {"name": str(setup["folder"])},
-           "tasks": [t.model_dump() for t in TASKS], "engine": {"max_new_tokens": MAX_NEW, "max_batch_size": 7},
-           "loader": {"workers": 1}, "output": {"dir": str(tmp_path / "out"), "raw_text": True}}
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    cli("run", tmp_path / "job.yaml")
-    (path,) = (tmp_path / "out").glob("*.parquet")
-    rows = {r["key"]: r for r in pq.read_table(path).to_pylist()}
-    tok = setup["family"].tokenizer
-    for i, expected in enumerate(setup["expected"]):
-        row = rows[f"im{i}.png"]
-        texts = [tok.decode(t).strip() for t in expected]
-        assert row["status"] == "ok"
-        assert row["caption"] == texts[0] and row["query"] == texts[1]
-        assert row["caption_truncated"] == (len(expected[0]) == MAX_NEW)
-        assert row["detect_raw"] == [{"label": "cat", "text": texts[2]}, {"label": "red car", "text": texts[3]}]
-        assert row["point_raw"] == [{"label": "dog", "text": texts[4]}]
-    meta = json.loads(pq.read_schema(path).metadata[b"batchvlm"])
-    assert meta["model"]["family"] == "qwen3_5" and meta["model"]["backend"] == "native"
+    cli_rows(setup, tmp_path)
 
 
 def test_json_and_constrained_detect(setup):

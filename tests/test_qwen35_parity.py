@@ -23,11 +23,12 @@ from batchvlm.models.hub import weight_files
 from batchvlm.models.qwen3_5.config import Qwen35Config
 from batchvlm.models.qwen3_5.delta_rule import chunked, l2_normalize, recurrent_step
 from batchvlm.models.qwen3_5.linear_state import ZERO, LinearState, Segments
-from batchvlm.models.qwen3_5.weights import build_model, load_weights, read_config
+from batchvlm.models.qwen3_5.model import Qwen35Model
 from batchvlm.models.qwen_vl.chat import ChatTemplate, read_template, special_tokens
 from batchvlm.models.qwen_vl.config import ConfigError
 from batchvlm.models.qwen_vl.positions import next_position, prefix_positions
 from batchvlm.models.qwen_vl.preprocess import PixelSettings, Preprocessor
+from batchvlm.models.qwen_vl.weights import build_model, load_weights, read_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -52,23 +53,28 @@ CONFIGS = {
                  lin_k_heads=3, lin_v_heads=3, lin_k_dim=8, lin_v_dim=12, conv_kernel=3, vision_dim=48, depth=3,
                  pos_embeddings=36, tie=True, patch=8, seed=1,
                  mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711)),
+    # qwen3_5_moe: 6 experts, top 3, a shared expert, saved one tensor per expert (the text model
+    # only: its tower is the dense model's)
+    "moe": dict(moe=dict(experts=6, top_k=3, ff=20, shared=36), seed=3),
 }
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def case(request, tmp_path_factory):
-    from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
+    from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     folder = write_checkpoint(tmp_path_factory.mktemp(request.param), **CONFIGS[request.param])
-    config = read_config(folder)
+    config = read_config(folder, Qwen35Config)
     settings = PixelSettings.read(folder)
-    model = build_model(config, torch.from_numpy(settings.lookup_table()), torch.device("cpu"), torch.float32)
-    load_weights(model, weight_files(folder))
-    ref = Qwen3_5ForConditionalGeneration.from_pretrained(folder).eval()
+    model = build_model(Qwen35Model, config, torch.from_numpy(settings.lookup_table()), torch.device("cpu"),
+                        torch.float32)
+    load_weights(model, weight_files(folder), ("mtp.",))
+    moe = "moe" in CONFIGS[request.param]
+    ref = (Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration).from_pretrained(folder)
     processor = Qwen2VLImageProcessorPil.from_pretrained(folder)
     return dict(name=request.param, folder=folder, config=config, model=model,
-                pre=Preprocessor.create(config.vision, settings), ref=ref,
+                pre=Preprocessor.create(config.vision, settings), ref=ref.eval(),
                 processor=processor, hf_tok=AutoTokenizer.from_pretrained(folder))
 
 
@@ -89,6 +95,8 @@ class DenseKV:
 
 
 def test_pixel_values_and_vision_features(case):
+    if case["name"] == "moe":
+        pytest.skip("the MoE variant's vision tower is the dense model's")
     images = sample_images()
     out = case["processor"](images=images, return_tensors="pt")
     p = case["config"].vision.patch_size
@@ -149,7 +157,7 @@ def test_logits_and_chunked_equals_recurrent(case):
     the same final state as one chunked pass over everything."""
     images = sample_images()  # one image and question per config: an RGB one, and a grey one
     pairs = {"base": (images[0], "Describe this image."),
-             "wide": (images[6], "What is written here? Answer in one word.")}
+             "wide": (images[6], "What is written here? Answer in one word."), "moe": (images[2], "Hi?")}
     for im, question in [pairs[case["name"]]]:
         ids, embeds, pos, P = sequence(case, im, question)
         single = case["processor"](images=[im], return_tensors="pt")
@@ -252,7 +260,7 @@ def test_bad_configs_are_refused(case):
     raw = json.loads((case["folder"] / "config.json").read_text())
     assert Qwen35Config.from_dict(raw) == case["config"]
     with pytest.raises(ConfigError, match="model_type"):
-        Qwen35Config.from_dict({**raw, "model_type": "qwen3_5_moe"})
+        Qwen35Config.from_dict({**raw, "model_type": "qwen3_next"})
     for path, value, match in [(("text_config", "rope_parameters", "mrope_section"), [1, 1, 1], "mrope_section"),
                                (("text_config", "layer_types"), ["full_attention"], "layer_types"),
                                (("text_config", "linear_num_value_heads"), 5, "multiple"),
@@ -268,3 +276,78 @@ def test_bad_configs_are_refused(case):
     t = dict(raw["text_config"], layer_types=None, full_attention_interval=2)
     assert Qwen35Config.from_dict({**raw, "text_config": t}).text.layer_types[:2] == ("linear_attention",
                                                                                        "full_attention")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_moe_block_paths_equal_transformers(arch):
+    """One sparse MLP (6 experts, top 3; Qwen3.5-MoE's with its gated shared expert) against
+    transformers' block with the same weights, by each of our expert paths: the CPU reference
+    loop, the grouped GEMM CUDA runs (torch's grouped_mm has a CPU kernel too) and the gathered
+    fallback. Tokens > CHUNK_ROWS / top_k, so the fallback runs several chunks."""
+    from batchvlm.models.qwen_vl.config import moe_config
+    from batchvlm.models.qwen_vl.moe import PATHS, SparseMoE
+
+    C, t = 32, dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=20, num_hidden_layers=1,
+                    shared_expert_intermediate_size=36)
+    if arch == "qwen3_vl_moe":
+        from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeTextConfig as Config
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock as Block
+    else:
+        from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig as Config
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock as Block
+    ref = Block(Config(hidden_size=C, **t)).eval()
+    ours = SparseMoE(C, moe_config(t, shared_expert=arch == "qwen3_5_moe")).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(1, 50, C, generator=g)
+    with torch.inference_mode():
+        expected = ref(x)[0]
+        for path in PATHS:
+            ours.path = path
+            torch.testing.assert_close(ours(x[0]), expected, atol=1e-5, rtol=1e-4, msg=path)
+
+
+def test_expert_layouts_load_alike(case, tmp_path):
+    """The per-expert checkpoint (transformers' save of Qwen3.5-MoE), rewritten with stacked
+    experts in transformers' layout and in the transposed one of the released Qwen3-VL-MoE
+    checkpoints, loads into the same parameters."""
+    if case["name"] != "moe":
+        pytest.skip("an MoE checkpoint")
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in weight_files(case["folder"]):
+        tensors |= load_file(f)
+    per_expert = re.compile(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+    parts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    rest = {}
+    for k, v in tensors.items():
+        if m := per_expert.fullmatch(k):
+            parts.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = v
+        else:
+            rest[k] = v
+    assert parts, "the fixture stores one tensor per expert"
+    for transposed in (False, True):
+        fused = dict(rest)
+        for at, p in parts.items():
+            stack = {n: torch.stack([p[n][e] for e in sorted(p[n])]) for n in p}
+            gate_up, down = torch.cat([stack["gate"], stack["up"]], dim=1), stack["down"]
+            fused[f"{at}.gate_up_proj"] = gate_up.transpose(1, 2).contiguous() if transposed else gate_up
+            fused[f"{at}.down_proj"] = down.transpose(1, 2).contiguous() if transposed else down
+        dest = tmp_path / f"fused-{transposed}"
+        dest.mkdir()
+        shutil.copy(case["folder"] / "config.json", dest)
+        save_file(fused, dest / "model.safetensors", metadata={"format": "pt"})
+        settings = PixelSettings.read(case["folder"])
+        model = build_model(Qwen35Model, case["config"], torch.from_numpy(settings.lookup_table()),
+                            torch.device("cpu"), torch.float32)
+        load_weights(model, weight_files(dest), ("mtp.",))
+        theirs = dict(case["model"].named_parameters())
+        for name, p in model.named_parameters():
+            assert torch.equal(p, theirs[name]), name

@@ -1,5 +1,7 @@
 """Qwen3-VL through batchvlm's engine and CLI: greedy tokens identical to transformers'
-`generate` for all four tasks, at engine batch sizes 1, 7 and 64, pipelined and synchronous."""
+`generate` for all four tasks, at engine batch sizes 1, 7 and 64, pipelined and synchronous; for
+the dense model and its mixture-of-experts variant (`qwen3_vl_moe`: 4 experts, top 2, on fewer
+images to keep the suite short)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
 pytest.importorskip("transformers")
 
 MAX_NEW = 20
+MOE = dict(experts=4, top_k=2, ff=24)
+N_IMAGES = {"dense": 7, "moe": 2}
 TASKS = [CaptionTask(caption={"length": "short"}), QueryTask(query={"question": "What colour is the sky?"}),
          DetectTask(detect={"objects": ["cat", "red car"]}), PointTask(point={"objects": ["dog"]})]
 
@@ -82,18 +86,22 @@ def reference_tokens(folder, ims: list[Image.Image], prompts: list[str], hf_clas
     return out
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    folder = write_checkpoint(tmp_path_factory.mktemp("qwen3vl"), seed=2, likely_stops=True)
-    family = open_family(ModelSpec(name=str(folder)))
+DETECT = 'Locate every instance that belongs to the following categories: "{}". Report bbox coordinates in JSON format.'
+PROMPTS = ["Describe this image in one sentence.", "What colour is the sky?", DETECT.format("cat"),
+           DETECT.format("red car"),
+           "Locate every dog in this image with points. Output the point coordinates in JSON format."]
+
+
+@pytest.fixture(scope="module", params=list(N_IMAGES))
+def setup(request, tmp_path_factory):
+    moe = MOE if request.param == "moe" else None
+    folder = write_checkpoint(tmp_path_factory.mktemp(f"qwen3vl-{request.param}"), seed=2, likely_stops=True, moe=moe)
+    family = open_family(ModelSpec(name=str(folder)))  # backend auto: the native family, for both model types
     seqs = family.sequences(TASKS, EngineSpec(max_new_tokens=MAX_NEW))
-    prompts = ["Describe this image in one sentence.", "What colour is the sky?",
-               'Locate every instance that belongs to the following categories: "cat". Report bbox coordinates in JSON format.',
-               'Locate every instance that belongs to the following categories: "red car". Report bbox coordinates in JSON format.',
-               "Locate every dog in this image with points. Output the point coordinates in JSON format."]
-    ims = images()
-    return dict(folder=folder, family=family, model=family.load("float32", "cpu"), seqs=seqs, images=ims,
-                expected=reference_tokens(folder, ims, prompts))
+    ims = images()[: N_IMAGES[request.param]]
+    return dict(variant=request.param, folder=folder, family=family, model=family.load("float32", "cpu"), seqs=seqs,
+                images=ims, expected=reference_tokens(folder, ims, PROMPTS, "Qwen3VLMoeForConditionalGeneration"
+                                                      if moe else "Qwen3VLForConditionalGeneration"))
 
 
 def prepared(setup):
@@ -111,6 +119,8 @@ def prepared(setup):
 @pytest.mark.parametrize("batch,pipelined,n_images", [(1, False, 2), (1, True, 1), (7, True, 7), (7, False, 7),
                                                      (64, True, 7), (64, False, 7)])
 def test_engine_tokens_equal_transformers(setup, batch, pipelined, n_images):
+    n_images = min(n_images, len(setup["images"]))
+    assert setup["family"].name == "qwen3_vl" and setup["family"].backend == "native"
     engine = Engine(setup["model"], setup["seqs"], EngineSpec(max_new_tokens=MAX_NEW, max_batch_size=batch,
                                                               pipelined=pipelined),
                     setup["family"].max_prefix_len())
@@ -125,9 +135,12 @@ def test_some_sequences_stop_by_themselves(setup):
     assert min(lengths) < MAX_NEW == max(lengths), lengths  # both stop paths are exercised
 
 
-def test_cli_on_a_sharded_hub_folder(setup, tmp_path):
+def cli_rows(setup, tmp_path, max_batch_size: int = 7) -> tuple[dict, dict]:
+    """The job's images through `batchvlm run` on the checkpoint folder: rows by key, and the
+    Parquet metadata; every row's texts checked against the reference tokens."""
     import yaml
 
+    assert len(list(setup["folder"].glob("*.safetensors"))) > 1
     src = tmp_path / "images"
     src.mkdir()
     for i, im in enumerate(setup["images"]):
@@ -137,7 +150,7 @@ def test_cli_on_a_sharded_hub_folder(setup, tmp_path):
     bounds = {"json": {"prompt": "Count them.", "schema": SCHEMAS["bounds"][0], "name": "counts", "max_new_tokens": 40}}
     job = {"name": "qwen", "input": {"folder": str(src)}, "model": {"name": str(setup["folder"])},
            "tasks": [t.model_dump() for t in TASKS] + [bounds],
-           "engine": {"max_new_tokens": MAX_NEW, "max_batch_size": 7},
+           "engine": {"max_new_tokens": MAX_NEW, "max_batch_size": max_batch_size},
            "loader": {"workers": 1}, "output": {"dir": str(tmp_path / "out"), "raw_text": True}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     cli("run", tmp_path / "job.yaml")
@@ -149,8 +162,20 @@ def test_cli_on_a_sharded_hub_folder(setup, tmp_path):
         texts = [tok.decode(t).strip() for t in expected]
         assert row["status"] == "ok"
         assert row["caption"] == texts[0] and row["query"] == texts[1]
+        assert row["caption_truncated"] == (len(expected[0]) == MAX_NEW)
         assert row["detect_raw"] == [{"label": "cat", "text": texts[2]}, {"label": "red car", "text": texts[3]}]
         assert row["point_raw"] == [{"label": "dog", "text": texts[4]}]
+    meta = json.loads(pq.read_schema(path).metadata[b"batchvlm"])
+    assert meta["model"]["family"] == setup["family"].name and meta["model"]["backend"] == "native"
+    return rows, meta
+
+
+def test_cli_on_a_sharded_hub_folder(setup, tmp_path):
+    rows, _ = cli_rows(setup, tmp_path)
+    tok = setup["family"].tokenizer
+    for i, expected in enumerate(setup["expected"]):
+        row = rows[f"im{i}.png"]
+        texts = [tok.decode(t).strip() for t in expected]
         boxes = [("cat", b) for b in qwen3_boxes(texts[2])] + [("red car", b) for b in qwen3_boxes(texts[3])]
         assert [(d["label"], pytest.approx(tuple(v for k, v in d.items() if k != "label"))) for d in row["detect"]] \
             == boxes
@@ -162,12 +187,13 @@ def test_cli_on_a_sharded_hub_folder(setup, tmp_path):
     assert stats["parse_failures"] == sum(not parses_cleanly(r["text"], "bbox_2d", 4) for row in rows.values()
                                           for r in row["detect_raw"]) + \
         sum(not parses_cleanly(r["text"], "point_2d", 2) for row in rows.values() for r in row["point_raw"])
-    meta = json.loads(pq.read_schema(path).metadata[b"batchvlm"])
-    assert meta["model"]["family"] == "qwen3_vl" and meta["model"]["backend"] == "native"
 
 
 def test_columns_parse_the_json_the_model_writes(setup):
     from batchvlm.models.decoding import RawOutput
+
+    if setup["variant"] == "moe":
+        pytest.skip("the host side: the same for both model types")
 
     family = setup["family"]
     seqs = family.sequences(TASKS, EngineSpec(max_new_tokens=2000))  # no answer here reaches the limit

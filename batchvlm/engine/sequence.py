@@ -76,6 +76,7 @@ class Sequence:
 
     @property
     def max_decode_steps(self) -> int:
-        """Decode steps after the prompt can never exceed this: the last allowed token or object
-        finishes the sequence without feeding it (decoding.py), so planning stops here."""
-        return self.spec.budget - 1
+        """Decode steps after the prompt can never exceed this: the last allowed item finishes the
+        sequence without being fed, unless the sequence decides once more after it (SeqSpec), so
+        planning stops here."""
+        return self.spec.budget - (0 if self.spec.decides_after_limit else 1)

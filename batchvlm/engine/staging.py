@@ -8,7 +8,8 @@ never overwrites memory a DMA still reads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, is_dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, is_dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -28,24 +29,41 @@ class Emissions:
 
 
 T = TypeVar("T")
+ARRAY, TUPLE, NESTED = 0, 1, 2  # a field of a step's inputs: an array, a tuple of arrays, a dataclass of them
+_KINDS: dict[type, list[tuple[str, int]]] = {}
 
 
-def _leaves(obj) -> list[np.ndarray]:
-    out = []
-    for f in fields(obj):
-        v = getattr(obj, f.name)
-        out += _leaves(v) if is_dataclass(v) else list(v) if isinstance(v, tuple) else [v]
+def _kinds(obj) -> list[tuple[str, int]]:
+    """(name, kind) of each field of a dataclass of arrays, read off its type's first instance (a
+    field's kind is its type's, never its value's): upload runs every step, so this runs once."""
+    kinds = _KINDS.get(type(obj))
+    if kinds is None:
+        kinds = _KINDS[type(obj)] = [
+            (f.name, NESTED if is_dataclass(v := getattr(obj, f.name)) else TUPLE if isinstance(v, tuple) else ARRAY)
+            for f in fields(obj)]
+    return kinds
+
+
+def _leaves(obj, out: list[np.ndarray]) -> list[np.ndarray]:
+    for name, kind in _kinds(obj):
+        v = getattr(obj, name)
+        if kind == ARRAY:
+            out.append(v)
+        elif kind == TUPLE:
+            out.extend(v)
+        else:
+            _leaves(v, out)
     return out
 
 
-def _rebuild(obj: T, values) -> T:
+def _rebuild(obj: T, values: Iterator) -> T:
     """`obj` with its arrays replaced, in `_leaves` order, by the next of `values`."""
-    new = {}
-    for f in fields(obj):
-        v = getattr(obj, f.name)
-        new[f.name] = (_rebuild(v, values) if is_dataclass(v)
-                       else tuple(next(values) for _ in v) if isinstance(v, tuple) else next(values))
-    return replace(obj, **new)
+    args = []
+    for name, kind in _kinds(obj):
+        v = getattr(obj, name)
+        args.append(next(values) if kind == ARRAY else tuple(next(values) for _ in v) if kind == TUPLE
+                    else _rebuild(v, values))
+    return type(obj)(*args)
 
 
 class Staging:
@@ -73,12 +91,11 @@ class Staging:
         """Pack a dataclass of int64 / float32 arrays (nested dataclasses and tuples of arrays
         included) into the slot's pinned buffers, copy up once per dtype, return the same
         dataclass of device views."""
-        arrays = _leaves(inputs)
-        floats = [a for a in arrays if a.dtype == np.float32]
-        ints = [a for a in arrays if a.dtype != np.float32]
-        up_i = iter(self._up(ints, "ints", device, stream))
-        up_f = iter(self._up(floats, "floats", device, stream))
-        return _rebuild(inputs, (next(up_f) if a.dtype == np.float32 else next(up_i) for a in arrays))
+        arrays = _leaves(inputs, [])
+        is_float = [a.dtype == np.float32 for a in arrays]
+        up_i = iter(self._up([a for a, f in zip(arrays, is_float) if not f], "ints", device, stream))
+        up_f = iter(self._up([a for a, f in zip(arrays, is_float) if f], "floats", device, stream))
+        return _rebuild(inputs, iter([next(up_f) if f else next(up_i) for f in is_float]))
 
     def upload_masks(self, rows_M: np.ndarray, words_MW: np.ndarray, device: torch.device, stream
                      ) -> tuple[torch.Tensor, torch.Tensor]:

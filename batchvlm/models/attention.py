@@ -161,8 +161,10 @@ def _plan_reference(batch: AttentionBatch) -> list[GroupPlan]:
 
 
 def _attend_lse(q_BHTD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
-                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention that also returns the log-sum-exp of the scores (float32). -> [B,H,T,D], [B,H,T]"""
+                mask: torch.Tensor | None, may_see_none: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention that also returns the log-sum-exp of the scores (float32). -> [B,H,T,D], [B,H,T]
+    `may_see_none`: a query may see no key (an empty or ragged prefix). Own keys never are: every
+    query, padding ones included, sees its own token's key."""
     H = q_BHTD.shape[1]
     if k_BHLD.shape[1] != H:
         k_BHLD = k_BHLD.repeat_interleave(H // k_BHLD.shape[1], dim=1)
@@ -170,12 +172,15 @@ def _attend_lse(q_BHTD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor
     scores = (q_BHTD.float() * q_BHTD.shape[-1] ** -0.5) @ k_BHLD.float().transpose(-1, -2)
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
-    # A query that sees no key (an empty prefix, a padding query) gets output 0 and LSE -inf,
-    # which weighs 0 in the merge. In place: the scores are the largest tensor here.
-    m = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
+    # In place: the scores are the largest tensor here.
+    m = scores.amax(dim=-1, keepdim=True)
+    if may_see_none:  # a query that sees no key gets output 0 and LSE -inf: it weighs 0 in the merge
+        m = m.clamp(min=torch.finfo(torch.float32).min)
     p = scores.sub_(m).exp_()
     total = p.sum(dim=-1)
-    return (p @ v_BHLD.float()) / total.clamp(min=1e-30)[..., None], m[..., 0] + total.log()
+    if may_see_none:
+        return (p @ v_BHLD.float()) / total.clamp(min=1e-30)[..., None], m[..., 0] + total.log()
+    return (p @ v_BHLD.float()) / total[..., None], m[..., 0] + total.log()
 
 
 def _attend_reference(
@@ -239,7 +244,7 @@ def _prefix_part(q_pad: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q_IHMD = q_pad[p.q_rows].transpose(1, 2)
     k_IHLD, v_IHLD = k_cache[plan.prefix_slots].transpose(1, 2), v_cache[plan.prefix_slots].transpose(1, 2)
     if lse:
-        pre, pre_lse = _attend_lse(q_IHMD, k_IHLD, v_IHLD, plan.prefix_mask)
+        pre, pre_lse = _attend_lse(q_IHMD, k_IHLD, v_IHLD, plan.prefix_mask, p.max_len == 0 or not p.all_full)
     else:
         pre, pre_lse = _attend_plain(q_IHMD, k_IHLD, v_IHLD, plan.prefix_mask), None
     I, _, M, _ = pre.shape

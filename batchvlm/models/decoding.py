@@ -42,6 +42,10 @@ class SeqSpec:
     # token): step k needs heads[k % len(heads)]. One emitted item (a token, an object) takes one
     # cycle, so `limit` items take at most len(heads) * limit positions.
     heads: tuple[int, ...] = (HEAD_TOKEN,)
+    # The sequence feeds its last allowed item and decides once more (does the model want another
+    # one?), so a list of exactly `limit` items is told from a cut one: `RawOutput.more`. It then
+    # writes up to `budget` positions; otherwise its last item is never fed (budget - 1).
+    decides_after_limit: bool = False
     # A host-side grammar the sequence's tokens follow (models/grammar.py JsonGrammar): its
     # `answer()` starts the sequence's RawOutput.grammar, and each step the sequence runs in gets
     # a mask of `words` int32 words from it (engine/scheduler.py: one step behind). Opaque to the
@@ -198,6 +202,7 @@ class RawOutput:
     objects: list[tuple[float, ...]] = field(default_factory=list)
     pending: list[float] = field(default_factory=list)
     cut: bool = False
+    more: bool = False  # a decides_after_limit sequence asked for another item past its limit
     grammar: Any = None  # a constrained sequence's grammar state (SeqSpec.grammar), fed what it emits
 
     @classmethod
@@ -206,7 +211,10 @@ class RawOutput:
 
     def hit_limit(self, spec: SeqSpec) -> bool:
         """The sequence stopped because of its limit, not by itself. (A stop token is never
-        emitted, so `limit` emitted tokens means the limit ended it.)"""
+        emitted, so `limit` emitted tokens means the limit ended it; a decides_after_limit
+        sequence is cut when it asked for more.)"""
+        if spec.decides_after_limit:
+            return self.more
         return len(self.tokens if spec.mode == MODE_TEXT else self.objects) >= spec.limit
 
 

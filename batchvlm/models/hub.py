@@ -124,6 +124,24 @@ def load_strict(params: Mapping[str, torch.Tensor], files: list[Path],
                     param.copy_(f.get_tensor(key))
 
 
+def empty_on(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model.to_empty(device=device)` for a model built on the meta device, without meta
+    `empty_like` (it loads torch's Python decompositions and sympy: most of a second of start-up
+    per process). Each parameter and buffer becomes an uninitialized tensor of its shape and dtype;
+    a parameter shared by several modules stays one parameter."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in made:
+                made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+            setattr(module, name, made[id(p)])
+        for name, b in list(module.named_buffers(recurse=False)):  # setattr keeps a buffer (non-)persistent
+            if id(b) not in made:
+                made[id(b)] = torch.empty(b.shape, dtype=b.dtype, device=device)
+            setattr(module, name, made[id(b)])
+    return model
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

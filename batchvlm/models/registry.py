@@ -21,8 +21,10 @@ DEMO_DIR = Path(__file__).parent / "demo"
 FAMILIES: dict[str, Callable[[Path, ModelSpec, str | None], Family]] = {
     "moondream1": lambda folder, spec, rev: Moondream.open(folder, spec.name, rev, spec.max_crops),
     "qwen3_vl": Qwen3VL.open,
+    "qwen3_vl_moe": Qwen3VL.open,  # the config says which MLP
     "florence2": Florence2.open,
     "qwen3_5": Qwen35.open,
+    "qwen3_5_moe": Qwen35.open,
 }
 # What a family's host side reads of a hub repo: config, tokenizer (tokenizer.model: sentencepiece;
 # *.tiktoken: tiktoken tokenizers), templates: everything but the weights. Never *.bin / *.pt

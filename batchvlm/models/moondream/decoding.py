@@ -9,14 +9,17 @@ Grammar (phase after a forward -> what it decides):
 
     text    TOKEN : sample a token (answer id masked except right after the prompt);
                     stop on EOS or when max_new_tokens are emitted; else feed the token
-    spatial TOKEN : greedy "another object or EOS" (never masked); stop on EOS or when
-                    max_objects are done; else decode x from the same hidden and feed it
+    spatial TOKEN : greedy "another object or EOS" (never masked); stop on EOS; once
+                    max_objects are done, stop either way, emitting MORE if it was not EOS;
+                    else decode x from the same hidden and feed it
             Y     : decode y and feed it (point: the object is complete)
             SIZE  : detect only: decode (w, h) and feed it (the object is complete)
 
-A row that completes its last allowed token or object stops without feeding, so length limits
-never cost a forward. Outputs of a step: `code` (what was emitted), `token`, `value` (x or y in
-value[:, 0], or w, h), and `finished`.
+A text row that emits its last allowed token stops without feeding it (no forward for the
+limit). A spatial row feeds its last allowed object and takes one more TOKEN decision, so
+`detect_truncated` means the model wanted more than max_objects, not that it found exactly that
+many. Outputs of a step: `code` (what was emitted), `token`, `value` (x or y in value[:, 0], or
+w, h), and `finished`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..decoding import EMIT_NONE, EMIT_TOKEN, INPUT_TOKEN, MODE_TEXT, Decision, RowState, sample_tokens
-from .grammar import EMIT_SIZE, EMIT_X, EMIT_Y, INPUT_COORD, INPUT_SIZE, MODE_DETECT, MODE_POINT
+from .grammar import EMIT_MORE, EMIT_SIZE, EMIT_X, EMIT_Y, INPUT_COORD, INPUT_SIZE, MODE_DETECT, MODE_POINT
 from .model import MoondreamModel
 
 PHASE_TOKEN, PHASE_Y, PHASE_SIZE = 0, 1, 2
@@ -59,14 +62,15 @@ def decide(
         size[sz] = region.size_value(region.size_logits(hidden_BC[sz]).argmax(dim=-1))
 
     at_token = phase == PHASE_TOKEN
-    go_on = at_token & (token != tk.eos_id) & (state.count < state.limit)
+    wants = at_token & (token != tk.eos_id)
+    go_on = wants & (state.count < state.limit)
     completes = (is_text & go_on) | (phase == PHASE_SIZE) | ((state.mode == MODE_POINT) & (phase == PHASE_Y))
     count = state.count + completes.long()
-    finished = (at_token & ~go_on) | (completes & (count >= state.limit))
+    finished = (at_token & ~go_on) | (is_text & completes & (count >= state.limit))
 
     code = torch.where(
         at_token,
-        torch.where(go_on, torch.where(is_text, EMIT_TOKEN, EMIT_X), EMIT_NONE),
+        torch.where(go_on, torch.where(is_text, EMIT_TOKEN, EMIT_X), torch.where(wants, EMIT_MORE, EMIT_NONE)),
         torch.where(phase == PHASE_Y, EMIT_Y, EMIT_SIZE),
     )
     value = torch.where((phase == PHASE_SIZE)[:, None], size, coord[:, None].expand(-1, 2))

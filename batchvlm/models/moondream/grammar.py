@@ -3,7 +3,9 @@ and the host half (emissions -> points and boxes). The device half is decoding.p
 
 Head bits: 1 token head, 2 coordinate head, 4 size head. After the prompt and each token step a
 spatial row needs the token head (another object or EOS) and, if it goes on, x (coordinate);
-then y (coordinate); detect then needs (w, h) (size).
+then y (coordinate); detect then needs (w, h) (size). After its max_objects-th object a row
+reads the token head once more: EMIT_MORE if the model wanted another object (the label is cut;
+nothing of that object is kept), else it ended by itself.
 """
 
 from __future__ import annotations
@@ -11,14 +13,14 @@ from __future__ import annotations
 from ..decoding import EMIT_SCORE, EMIT_TOKEN, MODE_TEXT, Decision, RawOutput, SeqSpec
 
 MODE_POINT, MODE_DETECT = 1, 2
-EMIT_X, EMIT_Y, EMIT_SIZE = 2, 3, 4
+EMIT_X, EMIT_Y, EMIT_SIZE, EMIT_MORE = 2, 3, 4, 5
 INPUT_COORD, INPUT_SIZE = 1, 2  # kinds of a step's input beside a token: a coordinate, a (w, h) size
 HEAD_COORD, HEAD_SIZE = 2, 4
 HEADS = {MODE_TEXT: (1,), MODE_POINT: (3, HEAD_COORD), MODE_DETECT: (3, HEAD_COORD, HEAD_SIZE)}
 
 
 def spec(mode: int, prompt: tuple[int, ...], limit: int, temperature: float = 0.0, top_p: float = 1.0) -> SeqSpec:
-    return SeqSpec(mode, prompt, limit, temperature, top_p, heads=HEADS[mode])
+    return SeqSpec(mode, prompt, limit, temperature, top_p, heads=HEADS[mode], decides_after_limit=mode != MODE_TEXT)
 
 
 def emit(out: RawOutput, spec: SeqSpec, code: int, token: int, v0: float, v1: float) -> None:
@@ -37,6 +39,8 @@ def emit(out: RawOutput, spec: SeqSpec, code: int, token: int, v0: float, v1: fl
     elif code == EMIT_SIZE:
         x, y = out.pending
         out.objects.append((x - v0 / 2, y - v1 / 2, x + v0 / 2, y + v1 / 2))
+    elif code == EMIT_MORE:
+        out.more = True
 
 
 def apply_decision(outputs: list[RawOutput], specs: list[SeqSpec], d: Decision) -> list[bool]:

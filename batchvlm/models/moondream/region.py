@@ -69,5 +69,7 @@ class RegionModel(nn.Module):
 
 def size_table(n_bins: int) -> torch.Tensor:
     """float32 size of every bin, each computed alone as the reference does: a vectorized pow
-    over a batch can round differently in the last bit, and labels must not depend on batch."""
-    return torch.stack([torch.pow(2.0, torch.tensor(float(b)) / (n_bins - 1) * 10.0 - 10.0) for b in range(n_bins)])
+    over a batch can round differently in the last bit, and labels must not depend on batch.
+    On the CPU also under a meta-device build (see text.rotary_table)."""
+    return torch.stack([torch.pow(2.0, torch.tensor(float(b), device="cpu") / (n_bins - 1) * 10.0 - 10.0)
+                        for b in range(n_bins)])

@@ -11,9 +11,11 @@ from .layers import MLP, Attention
 
 
 def rotary_table(rot_dim: int, max_context: int, theta: float = 10000.0) -> torch.Tensor:
-    """[max_context, rot_dim] = cos | sin of position * theta^(-2i/rot_dim), i < rot_dim/2."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
-    angles = torch.arange(max_context, dtype=torch.float32)[:, None] * inv_freq[None]
+    """[max_context, rot_dim] = cos | sin of position * theta^(-2i/rot_dim), i < rot_dim/2. On the
+    CPU also under a meta-device build: meta pow / arange load torch's Python decompositions
+    (sympy, dynamo: a second of start-up per process)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32, device="cpu") / rot_dim))
+    angles = torch.arange(max_context, dtype=torch.float32, device="cpu")[:, None] * inv_freq[None]
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..family import ModelLoadError
-from ..hub import load_strict, read_json
+from ..hub import empty_on, load_strict, read_json
 from .config import ConfigError, MoondreamConfig
 from .model import MoondreamModel
 
@@ -41,7 +41,7 @@ def build_model(config: MoondreamConfig, device: torch.device, dtype: torch.dtyp
     happens on the meta device, so no float32 copy of the model ever exists."""
     with torch.device("meta"):
         model = MoondreamModel(config).to(dtype)
-    model = model.to_empty(device=device)
+    model = empty_on(model, device)
     model.reset_buffers()
     return model.eval().requires_grad_(False)
 

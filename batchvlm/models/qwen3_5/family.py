@@ -1,47 +1,22 @@
-"""Qwen3.5 behind the family interface (models/family.py): the host side shared with Qwen3-VL
-(qwen_vl/host.py: prompts, sequences, JSON grounding columns), this family's config and its
-device side. The checkpoints' chat template thinks by default; labels take its non-thinking
+"""Qwen3.5 (`qwen3_5`, and `qwen3_5_moe`: the same family with sparse MLPs and a shared expert)
+behind the family interface (models/family.py): the host side shared with Qwen3-VL
+(qwen_vl/host.py: prompts, sequences, JSON grounding columns), this family's config, module tree
+and device side. The checkpoints' chat template thinks by default; labels take its non-thinking
 form (qwen_prompts.TEMPLATE_VARIABLES: an empty thinking block after the assistant header, part
 of every task's own prompt)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING
-
-import torch
-
-from ..family import ModelLoadError
-from ..hub import load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
-from ..qwen_vl.config import ConfigError
 from ..qwen_vl.host import QwenVLHost
-from ..qwen_vl.preprocess import PixelSettings
+from .config import Qwen35Config
 from .engine_model import Qwen35EngineModel
-from .weights import build_model, load_weights, read_config
+from .model import Qwen35Model
 
-if TYPE_CHECKING:
-    from ...job import ModelSpec
 
 class Qwen35(QwenVLHost):
     name = "qwen3_5"
     title = "Qwen3.5"
-
-    @classmethod
-    def open(cls, folder: Path, spec: ModelSpec, revision: str | None) -> Qwen35:
-        if spec.max_crops is not None:
-            raise ModelLoadError("model.max_crops is Moondream's; Qwen3.5 sizes images by model.min_pixels / "
-                                 "model.max_pixels")
-        try:
-            return cls(read_config(folder), PixelSettings.read(folder), load_tokenizer(folder), folder, spec.name,
-                       revision, spec.min_pixels, spec.max_pixels)
-        except ConfigError as e:
-            raise ModelLoadError(str(e)) from e
-
-    def load(self, dtype: str = "auto", device: str = "auto") -> Qwen35EngineModel:
-        dev = resolve_device(device)
-        dt = resolve_dtype(dtype, dev)
-        files = weight_files(self.folder)
-        model = build_model(self.config, torch.from_numpy(self.settings.lookup_table()), dev, dt)
-        load_weights(model, files)
-        info = self.model_info(weights_sha256(files), str(dt).removeprefix("torch."), str(dev))
-        return Qwen35EngineModel(model, info, self.head, self.stop_ids, self.pre, self.tokenizer.id_of("<|im_end|>"))
+    config_class = Qwen35Config
+    model_class = Qwen35Model
+    engine_class = Qwen35EngineModel
+    skip_prefixes = ("mtp.",)  # the multi-token prediction head of the released checkpoints: not run here

@@ -1,7 +1,8 @@
 """The Qwen3.5 text model over a flat batch of tokens: hybrid layers, attention and per-sequence
 state supplied by the caller.
 
-Every layer: zero-centred RMSNorm -> token mixer -> residual; RMSNorm -> SwiGLU MLP -> residual.
+Every layer: zero-centred RMSNorm -> token mixer -> residual; RMSNorm -> MLP (SwiGLU, or
+qwen3_5_moe's sparse experts with a shared expert: qwen_vl/moe.py) -> residual.
 The token mixer is, per `layer_types`:
   full attention  gated attention: q_proj gives each head's query and an output gate side by
                   side; q / k RMSNorm per head, interleaved multimodal rotary over the first
@@ -15,19 +16,15 @@ gated norm inside Gated DeltaNet scales by weight.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from ..qwen_vl.rotary import apply_rotary, inverse_frequencies, mrope_axes, text_cos_sin
+from ..qwen_vl.attend import Attend
+from ..qwen_vl.moe import layer_mlp
+from ..qwen_vl.rotary import TextRotary, apply_rotary
 from .config import FULL, TextConfig
 from .linear_attention import GatedDeltaNet
 from .linear_state import LinearState, Segments
-
-# (kv layer, q [N, H, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, H, D]
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -67,25 +64,15 @@ class GatedAttention(nn.Module):
         return self.o_proj(o)
 
 
-class MLP(nn.Module):
-    def __init__(self, c: TextConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.dim, c.ff_dim, bias=False)
-        self.up_proj = nn.Linear(c.dim, c.ff_dim, bias=False)
-        self.down_proj = nn.Linear(c.ff_dim, c.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, c: TextConfig, kind: str):
+    def __init__(self, c: TextConfig, layer: int):
         super().__init__()
+        kind = c.layer_types[layer]
         if kind == FULL:
             self.self_attn = GatedAttention(c)
         else:
             self.linear_attn = GatedDeltaNet(c)
-        self.mlp = MLP(c)
+        self.mlp = layer_mlp(c, layer)
         self.input_layernorm = RMSNorm(c.dim, c.rms_eps)
         self.post_attention_layernorm = RMSNorm(c.dim, c.rms_eps)
 
@@ -95,23 +82,17 @@ class TextModel(nn.Module):
         super().__init__()
         self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.dim)
-        self.layers = nn.ModuleList(DecoderLayer(c, kind) for kind in c.layer_types)
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.rms_eps)
         # per layer: its index among the full-attention layers (K/V) or among the linear ones (state)
         self.slot_of = [c.full_layers.index(i) if t == FULL else c.linear_layers.index(i)
                         for i, t in enumerate(c.layer_types)]
-        self.register_buffer("inv_freq", inverse_frequencies(c.rotary_dim, c.rope_theta), persistent=False)
-        self.register_buffer("axes", mrope_axes(c.rotary_dim, c.mrope_section), persistent=False)
-
-    def reset_buffers(self) -> None:
-        dev = self.embed_tokens.weight.device
-        self.inv_freq = inverse_frequencies(self.config.rotary_dim, self.config.rope_theta).to(dev)
-        self.axes = mrope_axes(self.config.rotary_dim, self.config.mrope_section).to(dev)
+        self.rotary = TextRotary(c.rotary_dim, c.rope_theta, c.mrope_section)
 
     def forward(self, embeds_NC: torch.Tensor, positions_3N: torch.Tensor, attend: Attend, segments: Segments,
                 state: LinearState) -> torch.Tensor:
         """Flat tokens of many sequences -> final-normed hidden states [N, C]."""
-        cos, sin = text_cos_sin(positions_3N, self.inv_freq, self.axes)
+        cos, sin = self.rotary(positions_3N)
         x = embeds_NC
         for layer, j in zip(self.layers, self.slot_of):
             h = layer.input_layernorm(x)

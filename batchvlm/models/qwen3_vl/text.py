@@ -1,7 +1,8 @@
 """The Qwen3 text model over a flat batch of tokens, with attention supplied by the caller.
 
 Blocks: RMSNorm -> q/k/v (GQA) with RMSNorm per head on q and k -> interleaved multimodal
-rotary -> attention -> o_proj, residual; RMSNorm -> SwiGLU MLP, residual. The attention is a
+rotary -> attention -> o_proj, residual; RMSNorm -> MLP (SwiGLU, or qwen3_vl_moe's sparse
+experts: qwen_vl/moe.py), residual. The attention is a
 callable (layer index, q, k, v) -> output, so the same weights run under the engine's paged KV
 cache or under a plain dense cache.
 
@@ -12,18 +13,16 @@ layer). Other forwards (prompts, decode steps) carry no DeepStack input.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from ..qwen_vl.rotary import apply_rotary, inverse_frequencies, mrope_axes, text_cos_sin
+from ..qwen_vl.attend import Attend
+from ..qwen_vl.moe import layer_mlp
+from ..qwen_vl.rotary import TextRotary, apply_rotary
 from ..qwen_vl.vision import DeepStack
 from .config import TextConfig
 
-# (layer, q [N, H, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, H, D]
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+__all__ = ["TextModel"]
 
 
 class RMSNorm(nn.Module):
@@ -49,22 +48,11 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_eps)
 
 
-class MLP(nn.Module):
-    def __init__(self, c: TextConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.dim, c.ff_dim, bias=False)
-        self.up_proj = nn.Linear(c.dim, c.ff_dim, bias=False)
-        self.down_proj = nn.Linear(c.ff_dim, c.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, c: TextConfig):
+    def __init__(self, c: TextConfig, layer: int):
         super().__init__()
         self.self_attn = SelfAttention(c)
-        self.mlp = MLP(c)
+        self.mlp = layer_mlp(c, layer)
         self.input_layernorm = RMSNorm(c.dim, c.rms_eps)
         self.post_attention_layernorm = RMSNorm(c.dim, c.rms_eps)
 
@@ -74,22 +62,16 @@ class TextModel(nn.Module):
         super().__init__()
         self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.dim)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.rms_eps)
-        self.register_buffer("inv_freq", inverse_frequencies(c.head_dim, c.rope_theta), persistent=False)
-        self.register_buffer("axes", mrope_axes(c.head_dim, c.mrope_section), persistent=False)
-
-    def reset_buffers(self) -> None:
-        dev = self.embed_tokens.weight.device
-        self.inv_freq = inverse_frequencies(self.config.head_dim, self.config.rope_theta).to(dev)
-        self.axes = mrope_axes(self.config.head_dim, self.config.mrope_section).to(dev)
+        self.rotary = TextRotary(c.rotary_dim, c.rope_theta, c.mrope_section)
 
     def forward(self, embeds_NC: torch.Tensor, positions_3N: torch.Tensor, attend: Attend,
                 deepstack: DeepStack | None = None) -> torch.Tensor:
         """Flat tokens of many sequences -> final-normed hidden states [N, C]."""
         c = self.config
         N = embeds_NC.shape[0]
-        cos, sin = text_cos_sin(positions_3N, self.inv_freq, self.axes)
+        cos, sin = self.rotary(positions_3N)
         x = embeds_NC
         for i, layer in enumerate(self.layers):
             a = layer.self_attn

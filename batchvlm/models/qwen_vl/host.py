@@ -5,8 +5,9 @@ backend) and their columns.
 Every task is one user turn [image, text] in the checkpoint's chat template with the generation
 prompt; the image prefix (template head, image tokens, vision_end) is shared by every task on
 the image, and each sequence's prompt is the rest of the rendered turn. All sequences are plain
-text: boxes and points are parsed from the JSON the model writes (labels.py). A family adds its
-config (`open`) and its device side (`load`).
+text: boxes and points are parsed from the JSON the model writes (labels.py). `open` reads the
+folder with the family's config class, `load` builds the family's module tree and device side:
+a family names its classes (dense and MoE model types alike: the config says which MLP).
 """
 
 from __future__ import annotations
@@ -14,25 +15,31 @@ from __future__ import annotations
 import json
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+
+import torch
 
 from ...tasks import args_of, kind_of
 from ..columns import task_columns
 from ..decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
-from ..family import FamilyError, ModelInfo, TaskSequence, check_kinds
-from ..hub import TokenizerAdapter
+from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence, check_kinds
+from ..hub import TokenizerAdapter, load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
 from ..qwen_prompts import QWEN3
 from .chat import ChatTemplate, read_template, special_tokens
-from .config import ConfigError, VisionConfig
+from .config import ConfigError, QwenVLConfig, VisionConfig
 from .constrain import Grammars, grounding_schema
 from .labels import task_values
 from .preprocess import PixelSettings, Preprocessor
+from .weights import build_model, load_weights, read_config
 
 if TYPE_CHECKING:
-    from ...job import EngineSpec
+    from ...job import EngineSpec, ModelSpec
     from ...tasks import Task
+    from .engine import QwenVLEngineModel
+    from .model import QwenVLModel
 
 KINDS = ("caption", "query", "point", "detect", "ocr", "json")
+H = TypeVar("H", bound="QwenVLHost")
 
 
 def stop_ids(folder: Path, tokenizer: TokenizerAdapter) -> list[int]:
@@ -75,6 +82,10 @@ class QwenVLHost:
     name: str
     title: str  # in messages: "Qwen3-VL"
     kinds: tuple[str, ...] = KINDS  # the task kinds the family runs
+    config_class: ClassVar[type[QwenVLConfig]]
+    model_class: ClassVar[type[QwenVLModel]]
+    engine_class: ClassVar[type[QwenVLEngineModel]]
+    skip_prefixes: ClassVar[tuple[str, ...]] = ()  # checkpoint tensors the family does not run
 
     def __init__(self, config: QwenConfig, settings: PixelSettings, tokenizer, folder: Path, model_name: str,
                  revision: str | None, min_pixels: int | None = None, max_pixels: int | None = None):
@@ -88,6 +99,26 @@ class QwenVLHost:
         self.stop_ids = stop_ids(folder, self.tokenizer)
         self.pre = Preprocessor.create(config.vision, settings, len(self.head), min_pixels, max_pixels)
         self.grammars = Grammars(tokenizer, config.vocab_size, self.stop_ids)
+
+    @classmethod
+    def open(cls: type[H], folder: Path, spec: ModelSpec, revision: str | None) -> H:
+        if spec.max_crops is not None:
+            raise ModelLoadError(f"model.max_crops is Moondream's; {cls.title} sizes images by model.min_pixels / "
+                                 "model.max_pixels")
+        try:
+            return cls(read_config(folder, cls.config_class), PixelSettings.read(folder), load_tokenizer(folder),
+                       folder, spec.name, revision, spec.min_pixels, spec.max_pixels)
+        except ConfigError as e:
+            raise ModelLoadError(str(e)) from e
+
+    def load(self, dtype: str = "auto", device: str = "auto") -> QwenVLEngineModel:
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        files = weight_files(self.folder)
+        model = build_model(self.model_class, self.config, torch.from_numpy(self.settings.lookup_table()), dev, dt)
+        load_weights(model, files, self.skip_prefixes)
+        info = self.model_info(weights_sha256(files), str(dt).removeprefix("torch."), str(dev))
+        return self.engine_class(model, info, self.head, self.stop_ids, self.pre, self.tokenizer.id_of("<|im_end|>"))
 
     def preprocessor(self) -> Preprocessor:
         return self.pre

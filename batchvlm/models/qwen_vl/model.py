@@ -20,7 +20,7 @@ class Towers(nn.Module):
 
 class QwenVLModel(nn.Module):
     """`config`: the family's (with `.vision` and `.text`); `text`: its text model (with
-    `embed_tokens` and `reset_buffers`)."""
+    `embed_tokens` and its rotary tables `rotary`)."""
 
     def __init__(self, config, text: nn.Module):
         super().__init__()
@@ -48,7 +48,7 @@ class QwenVLModel(nn.Module):
     def reset_buffers(self, lut: torch.Tensor) -> None:
         """Recompute derived float32 tables (after meta construction or a dtype cast)."""
         self.visual.reset_buffers(lut)
-        self.text.reset_buffers()
+        self.text.rotary.reset(self.device)
 
     def embed(self, tokens_N: torch.Tensor) -> torch.Tensor:
         return self.text.embed_tokens(tokens_N)

@@ -56,3 +56,22 @@ def vision_cos_sin(rows_N: torch.Tensor, cols_N: torch.Tensor, inv_freq: torch.T
     angles = torch.cat([rows_N.float()[:, None] * inv_freq, cols_N.float()[:, None] * inv_freq], dim=-1)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
+
+
+class TextRotary(torch.nn.Module):
+    """The text model's rotary tables (float32, not in the checkpoint): the inverse frequencies of
+    the first `rotary_dim` dims and the axis driving each."""
+
+    def __init__(self, rotary_dim: int, theta: float, section: tuple[int, int, int]):
+        super().__init__()
+        self.rotary_dim, self.theta, self.section = rotary_dim, theta, section
+        self.register_buffer("inv_freq", inverse_frequencies(rotary_dim, theta), persistent=False)
+        self.register_buffer("axes", mrope_axes(rotary_dim, section), persistent=False)
+
+    def reset(self, device: torch.device) -> None:
+        """Recompute after meta construction or a dtype cast (both would spoil the tables)."""
+        self.inv_freq = inverse_frequencies(self.rotary_dim, self.theta).to(device)
+        self.axes = mrope_axes(self.rotary_dim, self.section).to(device)
+
+    def forward(self, positions_3N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return text_cos_sin(positions_3N, self.inv_freq, self.axes)
