@@ -82,6 +82,8 @@ def test_json_and_constrained_detect(setup):
     """json and output.constrain run on the recurrent family too (the masks are the shared Qwen
     decide's): answers that end validate, the same pipelined at batch 7 as synchronous at 64."""
     pytest.importorskip("xgrammar")
+    import json
+
     import jsonschema
     from structured_cases import SCHEMAS
 

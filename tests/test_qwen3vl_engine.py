@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 from qwen3vl_fixture import IDS, write_checkpoint
+from structured_cases import SCHEMAS
 from test_pipeline import cli
 
 from batchvlm.engine.engine import Engine
@@ -145,8 +146,6 @@ def cli_rows(setup, tmp_path, max_batch_size: int = 7) -> tuple[dict, dict]:
     src.mkdir()
     for i, im in enumerate(setup["images"]):
         im.save(src / f"im{i}.png")
-    from structured_cases import SCHEMAS
-
     bounds = {"json": {"prompt": "Count them.", "schema": SCHEMAS["bounds"][0], "name": "counts", "max_new_tokens": 40}}
     job = {"name": "qwen", "input": {"folder": str(src)}, "model": {"name": str(setup["folder"])},
            "tasks": [t.model_dump() for t in TASKS] + [bounds],
