@@ -99,7 +99,7 @@ def run(
         if envs:  # one worker process per GPU of this node; they start after the clearing
             from .models.registry import check_tasks
 
-            check_tasks(job.model, job.tasks, job.engine)  # a refused job clears nothing
+            check_tasks(job.model, job.tasks, job.engine, job.output.constrain)  # a refused job clears nothing
             if clear:
                 manifest.clear_outputs(Layout(Path(job.output.dir)))
             raise typer.Exit(spawn(job_file, envs, limit, job.name))
@@ -151,7 +151,7 @@ def _check(job: Job, layout: Layout | None = None) -> tuple[Job, ShardList]:
     check_writable(out)
     check_apart_from_inputs(out, job.input, [(s.stem, s.url) for s in shards])
     job = for_device(job, resolve_rank())
-    check_tasks(job.model, job.tasks, job.engine)
+    check_tasks(job.model, job.tasks, job.engine, job.output.constrain)
     return job, shards
 
 

@@ -169,6 +169,9 @@ class OutputSpec(Strict):
     mode: Literal["resume", "overwrite"] = Field("resume", description="resume skips finished shards.")
     raw_text: bool = Field(False, description="Add <name>_raw beside each detect / point column: the decoded "
                                               "text of each object's sequence (list of {label, text}).")
+    constrain: bool = Field(False, description="Native Qwen3-VL / Qwen3.5: decode detect / point answers with the "
+                                               "grammar of their JSON grounding format, so every answer the token "
+                                               "limit does not cut parses (compact JSON, no fence).")
 
 
 class RuntimeSpec(Strict):
@@ -228,7 +231,7 @@ class Job(Strict):
             "input": self.input.fingerprint_fields(),
             "loader": {"max_image_pixels": self.loader.max_image_pixels, "jpeg_draft": self.loader.jpeg_draft},
             "raw_text": self.output.raw_text,  # changes the columns
-        }
+        } | ({"constrain": True} if self.output.constrain else {})  # changes answers (absent: older jobs' prints)
 
     def label_fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(self.label_settings(), sort_keys=True).encode()).hexdigest()[:16]

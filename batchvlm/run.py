@@ -174,7 +174,7 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
     clear = overwrite or job.output.mode == "overwrite"
     check_writable(layout.dir)
     check_apart_from_inputs(layout.dir, job.input, [])
-    registry.check_tasks(job.model, job.tasks, job.engine)  # a refused model or task writes nothing
+    registry.check_tasks(job.model, job.tasks, job.engine, job.output.constrain)  # a refused model or task writes nothing
     if job.input.kind == "parquet":
         manifest.check_not_input(layout, list_files(job.input))
     if not clear:
@@ -209,7 +209,7 @@ def _run(job: Job, layout: Layout, limit: int | None, clear: bool, rank: Rank, p
         return summary
 
     family = registry.open_family(job.model)
-    seqs = family.sequences(job.tasks, job.engine)
+    seqs = family.sequences(job.tasks, job.engine, job.output.constrain)
     stealing = (Stealing(partial(claims.take_pending, layout), offset=rank.rank * max(1, len(shards) // rank.world))
                 if claims else None)
     stream = load(pending, job.input, job.loader, family.preprocessor(), stealing)  # workers decode while the model loads

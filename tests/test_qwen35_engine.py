@@ -76,3 +76,34 @@ def test_forked_state_is_exact(setup, batch, n_images):
 
 def test_cli_on_a_sharded_hub_folder(setup, tmp_path):
     cli_rows(setup, tmp_path)
+
+
+def test_json_and_constrained_detect(setup):
+    """json and output.constrain run on the recurrent family too (the masks are the shared Qwen
+    decide's): answers that end validate, the same pipelined at batch 7 as synchronous at 64."""
+    pytest.importorskip("xgrammar")
+    import json
+
+    import jsonschema
+    from structured_cases import SCHEMAS
+
+    from batchvlm.models.qwen_vl.labels import parses_cleanly
+    from batchvlm.tasks import DetectTask, JsonTask
+
+    tasks = [JsonTask(json={"prompt": "Count them.", "schema": SCHEMAS[n][0], "name": n, "max_new_tokens": 40})
+             for n in ("bounds", "arrays")] + [DetectTask(detect={"objects": ["cat"]})]
+    seqs = setup["family"].sequences(tasks, EngineSpec(max_new_tokens=MAX_NEW), constrain=True)
+    runs = []
+    for batch, pipelined in ((7, True), (64, False)):
+        engine = Engine(setup["model"], seqs, EngineSpec(max_new_tokens=MAX_NEW, max_batch_size=batch,
+                                                         pipelined=pipelined), setup["family"].max_prefix_len())
+        done = {im.ticket: im for im in engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared(setup)))}
+        runs.append([setup["family"].columns(tasks, seqs, [s.output for s in done[i].seqs]) for i in sorted(done)])
+    assert runs[0] == runs[1]
+    for n in ("bounds", "arrays"):
+        finished = [c[n] for c in runs[0] if not c[f"{n}_truncated"]]
+        assert finished
+        for text in finished:
+            jsonschema.validate(json.loads(text), SCHEMAS[n][0])
+    assert all(parses_cleanly(r["text"], "bbox_2d", 4) for c in runs[0] if not c["detect_truncated"]
+               for r in c["detect_raw"])

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
 from qwen3vl_fixture import IDS, write_checkpoint
+from structured_cases import SCHEMAS
 from test_pipeline import cli
 
 from batchvlm.engine.engine import Engine
@@ -144,8 +146,9 @@ def cli_rows(setup, tmp_path, max_batch_size: int = 7) -> tuple[dict, dict]:
     src.mkdir()
     for i, im in enumerate(setup["images"]):
         im.save(src / f"im{i}.png")
+    bounds = {"json": {"prompt": "Count them.", "schema": SCHEMAS["bounds"][0], "name": "counts", "max_new_tokens": 40}}
     job = {"name": "qwen", "input": {"folder": str(src)}, "model": {"name": str(setup["folder"])},
-           "tasks": [t.model_dump() for t in TASKS],
+           "tasks": [t.model_dump() for t in TASKS] + [bounds],
            "engine": {"max_new_tokens": MAX_NEW, "max_batch_size": max_batch_size},
            "loader": {"workers": 1}, "output": {"dir": str(tmp_path / "out"), "raw_text": True}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
@@ -176,6 +179,9 @@ def test_cli_on_a_sharded_hub_folder(setup, tmp_path):
         assert [(d["label"], pytest.approx(tuple(v for k, v in d.items() if k != "label"))) for d in row["detect"]] \
             == boxes
         assert len(row["point"]) == len(qwen3_points(texts[4]))
+        if not row["counts_truncated"]:
+            jsonschema.validate(json.loads(row["counts"]), SCHEMAS["bounds"][0])
+    assert not all(row["counts_truncated"] for row in rows.values())
     stats = json.loads(next((tmp_path / "out" / "__batchvlm__").glob("*.stats.json")).read_text())
     assert stats["parse_failures"] == sum(not parses_cleanly(r["text"], "bbox_2d", 4) for row in rows.values()
                                           for r in row["detect_raw"]) + \

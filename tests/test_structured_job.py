@@ -83,7 +83,7 @@ def test_choice_values_are_a_softmax_in_choice_order():
     assert choice_values(["only"], [-300.0]) == ("only", [{"label": "only", "prob": 1.0}])
 
 
-def test_the_native_engines_run_classify_and_refuse_json_at_validation():
+def test_moondream_runs_classify_and_refuses_json_at_validation():
     from batchvlm.models.decoding import MODE_SCORE
     from batchvlm.models.family import FamilyError
     from batchvlm.models.registry import open_family

@@ -103,9 +103,10 @@ def test_moondream_hot_path_has_no_host_sync(tmp_path, monkeypatch):
     assert audit.found == [], "\n".join(dict.fromkeys(audit.found))
 
 
-@pytest.mark.parametrize("moe_path", [None, "grouped"])
-def test_qwen3_vl_hot_path_has_no_host_sync(tmp_path, monkeypatch, moe_path):
-    """Also the mixture-of-experts variant by its CUDA path, grouped GEMM (moe.py; CPU runs it too)."""
+@pytest.mark.parametrize("moe_path,constrained", [(None, False), ("grouped", False), (None, True)])
+def test_qwen3_vl_hot_path_has_no_host_sync(tmp_path, monkeypatch, moe_path, constrained):
+    """Also the mixture-of-experts variant by its CUDA path, grouped GEMM (moe.py; CPU runs it too);
+    constrained: a json task and output.constrain as well (the mask table, its uploads)."""
     pytest.importorskip("transformers")
     from qwen3vl_fixture import write_checkpoint
     from test_qwen3vl_engine import MOE
@@ -115,13 +116,17 @@ def test_qwen3_vl_hot_path_has_no_host_sync(tmp_path, monkeypatch, moe_path):
     from batchvlm.data.decode import decode
     from batchvlm.models.qwen_vl.moe import set_path
     from batchvlm.models.registry import open_family
+    from batchvlm.tasks import JsonTask
     from helpers import encode_image
 
     unaudited_flex(monkeypatch)
     folder = write_checkpoint(tmp_path / "qwen", seed=2, moe=MOE if moe_path else None)
     family = open_family(ModelSpec(name=str(folder)))
     settings = EngineSpec(max_new_tokens=3, max_batch_size=6, pipelined=True)
-    seqs = family.sequences(QWEN_TASKS, settings)
+    if constrained:
+        pytest.importorskip("xgrammar")
+        QWEN_TASKS = [*QWEN_TASKS, JsonTask(json={"prompt": "Count.", "schema": {"type": "integer"}})]
+    seqs = family.sequences(QWEN_TASKS, settings, constrain=constrained)
     model = family.load("float32", "cpu")
     if moe_path:
         set_path(model.model, moe_path)

@@ -5,7 +5,9 @@ Two step functions share one scheduler and one runner, chosen at start-up:
   pipelined    schedule(t+1), launch(t+1), then collect+commit(t) while the device runs t+1
 Both produce identical labels: the device never needs the host's commit to compute the next
 step (tokens, grammar state and limits live on the device), so the pipelined engine only
-changes *when* the host looks at results, never what they are.
+changes *when* the host looks at results, never what they are. The one host-made input, the
+token mask of a constrained sequence (json), is planned only once the sequence's last step is
+committed, so it never holds a launch back (scheduler.py: such sequences take turns).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class Engine:
         self._compiled_before = (COMPILED.shapes, COMPILED.seconds)  # flex compiles are process-wide
         self.sampling = any(s.spec.temperature > 0 for s in seqs)
         self.scores = any(s.spec.mode == MODE_SCORE for s in seqs)  # classify: the warm-up scores prompt rows
+        # Constrained sequences (json; constrained detect / point): the width of their token masks.
+        self.mask_words = max((s.spec.grammar.words for s in seqs if s.spec.grammar is not None), default=0)
         self.specs = model.state_specs()
         bs = settings.block_size
         n_rows = settings.max_batch_size
@@ -78,25 +82,26 @@ class Engine:
         runner_args = (model, cache, n_rows, n_slots * self.prefixes_per_image, max_prefix_len,
                        max(self.own_blocks), self.seqs_per_prefix)
         try:
-            self.runner = Runner(*runner_args, settings.cuda_graphs, self.sampling)
+            self.runner = Runner(*runner_args, settings.cuda_graphs, self.sampling, self.mask_words)
         except torch.OutOfMemoryError:  # capturing the graphs: run every step eagerly instead
             if not settings.cuda_graphs:
                 raise
             torch.cuda.empty_cache()
             log("batchvlm: out of accelerator memory capturing CUDA graphs; every step runs eagerly "
                 "(engine.cuda_graphs: false skips the capture; a smaller engine.kv_memory_fraction leaves room for it)")
-            self.runner = Runner(*runner_args, False, self.sampling)
+            self.runner = Runner(*runner_args, False, self.sampling, self.mask_words)
         graphs = self.runner.graphs
+        # On CPU a launch runs the whole forward before returning: pipelining would only add a
+        # zombie row per finish and a step of admission lag.
+        self.pipelined = model.device.type == "cuda" if settings.pipelined == "auto" else settings.pipelined
         # With graphs, admit once an eighth of the rows is free: steps that admit run eagerly.
         self.scheduler = Scheduler(BlockManager(n_blocks, bs), n_rows, n_slots,
                                    admit_rows=max(1, n_rows // 8) if graphs is not None else 1,
                                    snapshots=SnapshotSlots(self.n_snapshots) if self.n_snapshots else None,
-                                   emit=model.emit)
+                                   emit=model.emit, fill_masks=model.fill_masks if self.mask_words else None,
+                                   mask_words=self.mask_words, pipelined=self.pipelined)
         self.inflight: deque[InFlight] = deque()
         self._held: WorkItem | None = None  # the next image, when it did not fit in the last vision batch
-        # On CPU a launch runs the whole forward before returning: pipelining would only add a
-        # zombie row per finish and a step of admission lag.
-        self.pipelined = model.device.type == "cuda" if settings.pipelined == "auto" else settings.pipelined
         self.step = self._step_pipelined if self.pipelined else self._step_sync
         self.stats = {"steps": 0, "graph_steps": 0, "vision_images": 0, "kv_blocks": n_blocks, "rows": n_rows,
                       "graph_capture_s": round(graphs.capture_s, 2) if graphs is not None else 0.0}
@@ -183,7 +188,8 @@ class Engine:
         scratch = EngineCache.allocate(self.specs, 2, bs, n_rows, max(self.n_snapshots, 1), model.device)
         self._bound_attention(scratch, n_rows)
         runner = Runner(model, scratch, n_rows, max(len(plan.prefix_features), 1),
-                        self.max_prefix_len, max(self.own_blocks), self.seqs_per_prefix, False, self.sampling)
+                        self.max_prefix_len, max(self.own_blocks), self.seqs_per_prefix, False, self.sampling,
+                        self.mask_words)
         return runner.warm_up(plan, feats)
 
     # ------------------------------------------------------------------ the loop

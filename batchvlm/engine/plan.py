@@ -53,6 +53,12 @@ class StepPlan:
     needs: np.ndarray  # [S + D] int64
     # Host bookkeeping (the runner ignores it): who each emission belongs to.
     seqs: list[Sequence] = field(default_factory=list)
+    # Token masks (models/grammar.py) the runner writes into its row-indexed mask table before
+    # the step's forward: each constrained emitting row's mask, computed on the host from every
+    # token the row has emitted (scheduler.py), and all-allowed for a free row that a constrained
+    # sequence held before. Rows not listed keep their table entry (all-allowed or unused).
+    mask_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [M] int64
+    masks: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int32))  # [M, W] int32
 
     @property
     def is_decode_only(self) -> bool:

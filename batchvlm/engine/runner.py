@@ -54,7 +54,8 @@ class HostEvent:
 
 class Runner:
     def __init__(self, model: EngineModel, cache: EngineCache, n_rows: int, n_feature_slots: int, max_prefix_len: int,
-                 max_own_blocks: int, seqs_per_image: int, cuda_graphs: bool, sampling: bool):
+                 max_own_blocks: int, seqs_per_image: int, cuda_graphs: bool, sampling: bool,
+                 mask_words: int = 0):
         self.model = model
         self.cache = cache
         self.device = dev = model.device
@@ -69,6 +70,10 @@ class Runner:
         self.next_kind = torch.zeros(R, dtype=torch.long, device=dev)
         self.next_token = torch.zeros(R, dtype=torch.long, device=dev)
         self.next_value = torch.zeros(R, 2, dtype=torch.float32, device=dev)
+        # Constrained jobs: each row's token mask for its next decision, int32 words (bit v % 32 of
+        # word v // 32: token v allowed), written by `launch` from the step's StepPlan.masks; a row
+        # never listed there (a free row) keeps all bits, and so does the scratch row.
+        self.mask_RW = torch.full((R, mask_words), -1, dtype=torch.int32, device=dev) if mask_words else None
         # Per feature slot: the family's features until the prefill step is collected.
         self.features: list[Any] = [None] * n_feature_slots
         nbp = -(-max_prefix_len // self.bs)
@@ -131,6 +136,9 @@ class Runner:
             if self.compute is not None:
                 self.compute.wait_event(event)
         with torch.inference_mode():
+            if len(plan.mask_rows):  # before the forward, on its stream: the step's decisions read them
+                rows, words = slot.upload_masks(plan.mask_rows, plan.masks, self.device, self.compute)
+                self.mask_RW[rows] = words
             if plan.is_decode_only and self.graphs is not None:
                 self.graph_steps += 1
                 decision = self.graphs.run(plan, slot)
@@ -273,8 +281,10 @@ class Runner:
                       count=self.state_int["count"][rows], limit=self.state_int["limit"][rows],
                       after_prompt=self.after_prompt[rows], temperature=self.state_float["temperature"][rows],
                       top_p=self.state_float["top_p"][rows], seed=self.state_int["seed"][rows], row=rows)
-        d = self.model.decide(hidden_BC, st, self.sampling, heads) if prompt is None else \
-            self.model.decide(hidden_BC, st, self.sampling, heads, prompt)
+        extra = {} if prompt is None else {"prompt": prompt}
+        if self.mask_RW is not None:  # constrained jobs only: every row masked (free rows allow all)
+            extra["mask_BW"] = self.mask_RW[rows]
+        d = self.model.decide(hidden_BC, st, self.sampling, heads, **extra)
         self.state_int["phase"][rows] = st.phase
         self.state_int["count"][rows] = st.count
         self.after_prompt[rows] = st.after_prompt

@@ -18,12 +18,25 @@ Two knobs bound a step's rows beyond the free rows:
   row_cap     at most this many sequences per step (the engine halves it after running out of
               memory). Running sequences beyond it wait, oldest first served, and keep their
               rows and blocks.
+
+Constrained sequences (SeqSpec.grammar: json, constrained detect / point) get a token mask per
+step, computed here on the host from every token the sequence has emitted, and uploaded with the
+step. Their tokens stay on the device like everyone's, but their masks cannot: so a constrained
+sequence is planned only when none of its steps is in flight (`inflight == 0`: its last token has
+been committed and fed to its grammar). In the synchronous engine that is every step. In the
+pipelined engine, where step t+1 is launched before step t is committed, it is every other step:
+its mask for step t+2 is computed after step t's commit, while the device runs step t+1, so no
+launch ever waits for a mask (one step behind, as kestrel's masks, but off the device's path).
+To keep the device busy while half of them wait, at most half of the constrained sequences
+(rounded up) decode in one pipelined step, oldest first: they settle into two cohorts that take
+turns. Labels do not change: a sequence's tokens depend on its own tokens only.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -35,6 +48,7 @@ from .staging import Emissions
 
 
 Emit = Callable[[RawOutput, SeqSpec, int, int, float, float], None]
+FillMasks = Callable[[list[Any], np.ndarray], None]  # (grammar states, out [M, W] int32)
 
 
 def _lens(prefixes: list[Prefix]) -> np.ndarray:
@@ -47,9 +61,13 @@ def _ints(values) -> np.ndarray:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, n_rows: int, n_feature_slots: int, admit_rows: int = 1,
-                 snapshots: SnapshotSlots | None = None, emit: Emit = emit_text):
+                 snapshots: SnapshotSlots | None = None, emit: Emit = emit_text,
+                 fill_masks: FillMasks | None = None, mask_words: int = 0, pipelined: bool = False):
         self.blocks = blocks
         self.emit = emit  # the family's host half of its grammar
+        self.fill_masks, self.mask_words = fill_masks, mask_words  # constrained sequences' masks
+        self.pipelined = pipelined  # constrained sequences take turns (module docstring)
+        self._masked_rows: set[int] = set()  # rows whose mask-table entry is not all-allowed
         self.snapshots = snapshots  # None: the model keeps no recurrent state
         self.admit_rows = admit_rows
         self.row_cap = n_rows
@@ -95,6 +113,8 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         # Every sequence started earlier decodes, unless its limit says it must be finished.
         decoding = [s for s in self.running if s.state is SeqState.RUNNING and s.decode_steps < s.max_decode_steps]
+        if self.mask_words:
+            decoding = self._constrained_turns(decoding)
         decoding = decoding[: self.row_cap]
         self._rows_left = self.row_cap - len(decoding)
         new: list[Sequence] = []
@@ -142,6 +162,8 @@ class Scheduler:
                            dtype=np.int64),
             seqs=new + decoding,
         )
+        if self.mask_words:
+            plan.mask_rows, plan.masks = self._masks(new, decoding)
         for s in new:
             s.own_len = len(s.spec.prompt)
         for im in prefilled:  # their snapshots are freed after the last fork was planned (above)
@@ -157,6 +179,33 @@ class Scheduler:
             s.inflight += 1
         self.step += 1
         return plan
+
+    def _constrained_turns(self, decoding: list[Sequence]) -> list[Sequence]:
+        """Constrained sequences whose last step is committed, at most half of them in a pipelined
+        step (module docstring); free sequences all."""
+        held = [s for s in decoding if s.spec.grammar is not None]
+        if not held:
+            return decoding
+        turn = (len(held) + 1) // 2 if self.pipelined else len(held)
+        ready = {id(s) for s in [s for s in held if s.inflight == 0][:turn]}
+        return [s for s in decoding if s.spec.grammar is None or id(s) in ready]
+
+    def _masks(self, new: list[Sequence], decoding: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+        """-> (rows, [rows, W] int32 masks) of this step: each constrained row's mask after all its
+        tokens, then all-allowed for each new free row on a row whose table entry a constrained
+        sequence wrote."""
+        held = [s for s in new + decoding if s.spec.grammar is not None]
+        freed = [s.row for s in new if s.spec.grammar is None and s.row in self._masked_rows]
+        masks = np.empty((len(held) + len(freed), self.mask_words), dtype=np.int32)
+        if held:
+            for s in held:
+                if s.output.grammar is None:
+                    s.output.grammar = s.spec.grammar.answer()
+            self.fill_masks([s.output.grammar for s in held], masks)
+        masks[len(held):] = -1  # every bit: nothing masked
+        self._masked_rows.difference_update(freed)
+        self._masked_rows.update(s.row for s in held)
+        return _ints([s.row for s in held] + freed), masks
 
     def _admit(self, new: list[Sequence], prefilled: list[ImageWork]) -> None:
         while self.admitted and self._start_waiting(self.admitted[0], new):

@@ -77,6 +77,10 @@ class Staging:
         # device-to-host copy would stage through pageable memory and block the host).
         self.out_ints = torch.empty(3 * n_rows, dtype=torch.int64, pin_memory=self.pinned)
         self.out_floats = torch.empty(2 * n_rows, dtype=torch.float32, pin_memory=self.pinned)
+        # Token masks of constrained rows (StepPlan.masks), grown on first use: jobs without
+        # constrained sequences never allocate them.
+        self.mask_ints = torch.empty(0, dtype=torch.int64, pin_memory=self.pinned)
+        self.mask_words = torch.empty(0, dtype=torch.int32, pin_memory=self.pinned)
         self.done: torch.cuda.Event | None = None
 
     def out_views(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,6 +96,12 @@ class Staging:
         up_i = iter(self._up([a for a, f in zip(arrays, is_float) if not f], "ints", device, stream))
         up_f = iter(self._up([a for a, f in zip(arrays, is_float) if f], "floats", device, stream))
         return _rebuild(inputs, iter([next(up_f) if f else next(up_i) for f in is_float]))
+
+    def upload_masks(self, rows_M: np.ndarray, words_MW: np.ndarray, device: torch.device, stream
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's mask rows and int32 mask words, through their own pinned buffers (the step's
+        other inputs hold `ints`)."""
+        return self._up([rows_M], "mask_ints", device, stream)[0], self._up([words_MW], "mask_words", device, stream)[0]
 
     def _up(self, arrays: list[np.ndarray], name: str, device: torch.device, stream) -> list[torch.Tensor]:
         total = sum(a.size for a in arrays)

@@ -56,7 +56,7 @@ class Labeler:
             "image_column": image_column or (job.input.image_column if parquet else "image"),
             "key_column": key_column if key_column or not parquet else job.input.key_column, "keep": []})
         self.family = registry.open_family(job.model)
-        self.seqs = self.family.sequences(job.tasks, job.engine)
+        self.seqs = self.family.sequences(job.tasks, job.engine, job.output.constrain)
         self.preprocess = self.family.preprocessor()
         model = self.family.load(job.model.dtype, job.model.device)
         self.labeler = (model.labeler(self.seqs, job.engine) if isinstance(model, StaticModel)

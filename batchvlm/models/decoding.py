@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -45,6 +46,11 @@ class SeqSpec:
     # one?), so a list of exactly `limit` items is told from a cut one: `RawOutput.more`. It then
     # writes up to `budget` positions; otherwise its last item is never fed (budget - 1).
     decides_after_limit: bool = False
+    # A host-side grammar the sequence's tokens follow (models/grammar.py JsonGrammar): its
+    # `answer()` starts the sequence's RawOutput.grammar, and each step the sequence runs in gets
+    # a mask of `words` int32 words from it (engine/scheduler.py: one step behind). Opaque to the
+    # engine but for `words`. None: unconstrained.
+    grammar: Any = field(default=None, compare=False)
 
     @property
     def budget(self) -> int:
@@ -194,6 +200,7 @@ class RawOutput:
     pending: list[float] = field(default_factory=list)
     cut: bool = False
     more: bool = False  # a decides_after_limit sequence asked for another item past its limit
+    grammar: Any = None  # a constrained sequence's grammar state (SeqSpec.grammar), fed what it emits
 
     @classmethod
     def empty(cls) -> RawOutput:
@@ -209,8 +216,11 @@ class RawOutput:
 
 
 def emit_text(out: RawOutput, spec: SeqSpec, code: int, token: int, v0: float, v1: float) -> None:
-    """The host half of plain text decoding: keep emitted tokens (and a choice's score)."""
+    """The host half of plain text decoding: keep emitted tokens (and a choice's score), and feed
+    a constrained sequence's grammar the token (its next mask follows from it)."""
     if code == EMIT_TOKEN:
         out.tokens.append(token)
+        if out.grammar is not None:
+            out.grammar.accept(token)
     elif code == EMIT_SCORE:
         out.objects.append((v0,))

@@ -59,12 +59,17 @@ Engine contract v2: how each kind of model plugs in.
       on the device; no other prompt row's logits are computed) and reduces them per row into
       `Decision.value` (decoding.py `choice_scores`). MODE_SCORE rows score their last `limit` rows
       and write nothing after their prompt (budget 1).
-  (d) JSON / constrained decoding. A grammar object owned by the family keeps its state per row
-      on the device (e.g. a state id in `RowState.phase`) and a mask table [n_states, V] (or a
-      packed bitmask) on the device: `decide` masks the logits with table[phase] before the
-      batch-invariant sampler (`sample_tokens`) and advances the state from the sampled token,
-      so no step waits for the host. A host-built mask (one step behind, kestrel style) would
-      travel as a family input of the next step; `emit` keeps the host-side view.
+  (d) JSON / constrained decoding (json tasks, output.constrain). The family compiles a grammar
+      per schema once per job (models/grammar.py) and puts it in `SeqSpec.grammar`; the engine
+      knows only its mask width. The grammar state of a sequence is on the host
+      (`RawOutput.grammar`, fed by `emit`); the family's `fill_masks` turns the states of a
+      step's constrained rows into int32 bitmasks, which the scheduler computes one step behind
+      (only for sequences none of whose steps is in flight, engine/scheduler.py) and the runner
+      writes into a row-indexed table on the device; `decide` gets `mask_BW` (every row: free
+      rows allow everything) and applies it to the logits before the batch-invariant sampler.
+      No launch waits for a mask. A grammar small enough to tabulate could instead keep a state
+      id in `RowState.phase` and a [n_states, W] mask table on the device (Moondream's point /
+      detect grammar is of that kind, with its own heads).
 """
 
 from __future__ import annotations
@@ -108,6 +113,13 @@ def check_kinds(tasks: list[Task], supported: tuple[str, ...], model: str) -> No
     for i, task in enumerate(tasks):
         if (kind := kind_of(task)) not in supported:
             raise FamilyError(f"tasks.{i}.{kind}: {model} cannot do {kind} tasks (it can: {', '.join(supported)})")
+
+
+def refuse_constrain(tasks: list[Task], constrain: bool, model: str) -> None:
+    """output.constrain is for the native Qwen families' detect / point (their JSON grounding)."""
+    if constrain and any(kind_of(t) in ("detect", "point") for t in tasks):
+        raise FamilyError(f"output.constrain: {model} cannot constrain detect / point answers (native Qwen3-VL and "
+                          "Qwen3.5 can; Moondream's always follow its grammar)")
 
 
 @dataclass(frozen=True)
@@ -188,8 +200,9 @@ class Family(Protocol):
 
     def preprocessor(self) -> Preprocessor: ...
 
-    def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[TaskSequence]:
-        """The sequences every image runs, in task order. Raises FamilyError naming the field."""
+    def sequences(self, tasks: list[Task], engine: EngineSpec, constrain: bool = False) -> list[TaskSequence]:
+        """The sequences every image runs, in task order. Raises FamilyError naming the field.
+        `constrain` (output.constrain): detect / point answers follow the family's format."""
 
     def max_prefix_len(self) -> int:
         """An upper bound of any image's prefix length under this job's preprocessing."""
@@ -274,3 +287,8 @@ class EngineModel(Protocol):
 
     def emit(self, out: RawOutput, spec: SeqSpec, code: int, token: int, v0: float, v1: float) -> None:
         """The host half of the grammar: apply one emission of a sequence (one step behind)."""
+
+    # A family whose sequences may carry a SeqSpec.grammar also has
+    #   fill_masks(states: list[Any], out_MW: np.ndarray) -> None
+    # (the next-token masks of those grammar states into out_MW's first rows, int32) and its
+    # `decide` takes `mask_BW` (note (d)).

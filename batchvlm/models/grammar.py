@@ -1,5 +1,8 @@
-"""Grammar-constrained decoding for `json` tasks: a schema compiled once per job, per-row matchers
-on the host, and the mask step applied on the device before the (batch-invariant) sampler.
+"""Grammar-constrained decoding for `json` tasks (and output.constrain): a schema compiled once per
+job, one answer's matcher on the host (`Answer`, fed the tokens the answer emits), masks of many
+answers filled at once (`fill_masks`), and the mask step applied on the device before the
+(batch-invariant) sampler (`apply_mask`). The native engine computes masks one step behind,
+never while a launch waits (engine/scheduler.py); the transformers backend inside `generate`.
 
 The library is xgrammar (`pip install 'batchvlm[structured]'`), chosen by measurement against
 llguidance (scripts/bench_grammar.py, README "classify and json"): on a 151,643-token byte-level
@@ -50,7 +53,8 @@ class Vocabulary:
         self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_ids)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.vocab_size = vocab_size
-        self.utf8_next_VS, self.utf8_masks_SW = utf8_tables(self.info.decoded_vocab, vocab_size)
+        next_VS, self.utf8_masks_SW = utf8_tables(self.info.decoded_vocab, vocab_size)
+        self.utf8_next_VS = next_VS.numpy()  # read one entry per emitted token: numpy, no tensor op
 
     def compile(self, schema: dict[str, Any]) -> JsonGrammar:
         return JsonGrammar(self.compiler.compile_json_schema(
@@ -110,51 +114,85 @@ def utf8_tables(decoded_vocab: list[bytes], vocab_size: int) -> tuple[torch.Tens
 
 
 class JsonGrammar:
-    """One schema compiled for one vocabulary; `matcher()` starts an answer."""
+    """One schema compiled for one vocabulary; `answer()` starts an answer. Opaque to the engine
+    (SeqSpec.grammar) but for `words`, the width of its masks."""
 
     def __init__(self, compiled, vocab: Vocabulary):
         self.compiled, self.vocab = compiled, vocab
+        self.words = mask_words(vocab.vocab_size)
 
-    def matcher(self):
-        return _xgrammar().GrammarMatcher(self.compiled)
+    def answer(self) -> Answer:
+        return Answer(_xgrammar().GrammarMatcher(self.compiled), self.vocab)
+
+
+class Answer:
+    """The host-side grammar state of one answer: the matcher after its tokens so far and its
+    UTF-8 state (UTF8_STATES). Fed only tokens its own last mask allowed."""
+
+    def __init__(self, matcher, vocab: Vocabulary):
+        self.matcher, self.vocab, self.utf8 = matcher, vocab, 0
+
+    def accept(self, token: int) -> None:
+        """A token the answer emitted. Once the grammar has ended (only a stop token was allowed)
+        nothing more is fed: a stop token is never emitted, a zombie step's token is ignored."""
+        if self.matcher.is_terminated():
+            return
+        if not self.matcher.accept_token(token):
+            raise RuntimeError(f"token {token} broke the grammar (its mask allowed it: a bug)")
+        self.utf8 = int(self.vocab.utf8_next_VS[token, self.utf8])  # >= 0: the mask allowed the token
+
+    @property
+    def ended(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+_BATCH = None  # one xgrammar batch filler per process (it holds a thread pool of one)
+
+
+def fill_masks(answers: list[Answer], out_MW: np.ndarray | torch.Tensor) -> None:
+    """The next-token masks of `answers` into `out_MW[:len(answers)]` (host int32, C-contiguous,
+    `words` wide): the grammar's, ANDed with the UTF-8 state's. An ended answer gets every bit
+    (its row may run one more step whose emission is ignored)."""
+    global _BATCH
+    out = torch.from_numpy(out_MW) if isinstance(out_MW, np.ndarray) else out_MW
+    out[: len(answers)].fill_(ALL_ALLOWED)
+    held = [i for i, a in enumerate(answers) if not a.ended]
+    if not held:
+        return
+    if _BATCH is None:
+        _BATCH = _xgrammar().BatchGrammarMatcher(max_threads=1)
+    _BATCH.batch_fill_next_token_bitmask([answers[i].matcher for i in held], out, indices=held)
+    vocab = answers[held[0]].vocab
+    out[held] &= vocab.utf8_masks_SW[[answers[i].utf8 for i in held]]
 
 
 class RowGrammars:
-    """Host-side grammar state of the engine's rows: each row holds a matcher or nothing (free).
-
-    Only one thread touches it, in step order:
-    `advance` with the tokens a step emitted, then `fill` for the next step's rows.
-    """
+    """Host-side grammar state of a static batch's rows (the transformers backend): each row holds
+    an answer or nothing (free). Only one thread touches it, in step order: `advance` with the
+    tokens a step emitted, then `fill` for the next step's rows."""
 
     def __init__(self, n_rows: int, vocab: Vocabulary):
-        self.matchers: list[Any] = [None] * n_rows
+        self.answers: list[Answer | None] = [None] * n_rows
         self.W = mask_words(vocab.vocab_size)
-        self.vocab = vocab
-        self.utf8 = [0] * n_rows  # each row's UTF-8 state (UTF8_STATES) after its tokens so far
-        self._batch = _xgrammar().BatchGrammarMatcher(max_threads=1)
 
     def start(self, row: int, grammar: JsonGrammar | None) -> None:
-        self.matchers[row] = grammar.matcher() if grammar is not None else None
-        self.utf8[row] = 0
+        self.answers[row] = grammar.answer() if grammar is not None else None
 
     def advance(self, rows: list[int], tokens: list[int]) -> None:
-        """Feed each row the token it emitted (free rows are skipped). A finished row's stop
-        token is accepted too; the row is started afresh before it is reused."""
+        """Feed each row the token it emitted (free rows are skipped; so is a finished row's stop
+        token, after which its grammar has ended)."""
         for r, t in zip(rows, tokens):
-            m = self.matchers[r]
-            if m is not None and not m.is_terminated():
-                if not m.accept_token(t):
-                    raise RuntimeError(f"row {r}: token {t} broke the grammar (its mask allowed it: a bug)")
-                self.utf8[r] = int(self.vocab.utf8_next_VS[t, self.utf8[r]])  # >= 0: the mask allowed t
+            if (a := self.answers[r]) is not None:
+                a.accept(t)
 
     def fill(self, rows: list[int], out_BW: torch.Tensor) -> None:
-        """Masks of `rows` into `out_BW[:len(rows)]` (a CPU int32 tensor). A row whose answer has
-        ended (it may still run one step, its emission ignored) is left unmasked."""
+        """Masks of `rows` into `out_BW[:len(rows)]` (a CPU int32 tensor); free rows unmasked."""
         out_BW[: len(rows)].fill_(ALL_ALLOWED)
-        held = [i for i, r in enumerate(rows) if (m := self.matchers[r]) is not None and not m.is_terminated()]
+        held = [i for i, r in enumerate(rows) if self.answers[r] is not None]
         if held:
-            self._batch.batch_fill_next_token_bitmask([self.matchers[rows[i]] for i in held], out_BW, indices=held)
-            out_BW[held] &= self.vocab.utf8_masks_SW[[self.utf8[rows[i]] for i in held]]
+            part = torch.empty(len(held), self.W, dtype=torch.int32)
+            fill_masks([self.answers[rows[i]] for i in held], part)
+            out_BW[held] = part
 
 
 def apply_mask(logits_BV: torch.Tensor, mask_BW: torch.Tensor) -> torch.Tensor:

@@ -62,8 +62,8 @@ def open_family(spec: ModelSpec, weights: bool = True) -> Family:
     return family
 
 
-def check_tasks(spec: ModelSpec, tasks: list, engine: EngineSpec) -> None:
+def check_tasks(spec: ModelSpec, tasks: list, engine: EngineSpec, constrain: bool = False) -> None:
     """What the model side of `validate` checks, loading no weights: the family's host side builds
     and every task becomes sequences it can run (raises ModelLoadError / FamilyError naming the
     field). `run` calls it before it writes anything, so a refused job leaves no output folder."""
-    open_family(spec, weights=False).sequences(tasks, engine)
+    open_family(spec, weights=False).sequences(tasks, engine, constrain)

@@ -18,7 +18,7 @@ import torch
 from ...tasks import args_of, kind_of
 from ..columns import task_columns
 from ..decoding import MODE_TEXT, RawOutput, SeqSpec
-from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence, check_kinds
+from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence, check_kinds, refuse_constrain
 from ..hub import load_tokenizer, read_json, resolve_device, resolve_dtype, weight_files, weights_sha256
 from .config import ConfigError, Florence2Config, GenerationSettings
 from .engine import Florence2EngineModel
@@ -109,8 +109,9 @@ class Florence2:
         """The encoder's prompt tokens for a task text, as the processor writes them."""
         return self.tokenizer.encode(self.tokenizer.bos + instruction(text) + self.tokenizer.eos)
 
-    def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[TaskSequence]:
+    def sequences(self, tasks: list[Task], engine: EngineSpec, constrain: bool = False) -> list[TaskSequence]:
         check_kinds(tasks, KINDS, "Florence-2")
+        refuse_constrain(tasks, constrain, "Florence-2")
         seqs = []
         for t, task in enumerate(tasks):
             kind, a = kind_of(task), args_of(task)

@@ -58,7 +58,8 @@ class Moondream:
     def max_prefix_len(self) -> int:
         return self.config.prefix_len
 
-    def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[TaskSequence]:
+    def sequences(self, tasks: list[Task], engine: EngineSpec, constrain: bool = False) -> list[TaskSequence]:
+        """`constrain` changes nothing: point / detect are always decoded by the grammar (grammar.py)."""
         check_kinds(tasks, KINDS, "Moondream")
         seqs = [TaskSequence(t, label, spec) for t, task in enumerate(tasks)
                 for label, spec in self._task_sequences(t, task, engine)]

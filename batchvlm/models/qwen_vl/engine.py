@@ -17,6 +17,7 @@ import torch
 
 from ..decoding import Decision, PromptRows, RowState, choice_scores, decide_text, emit_text, with_scores
 from ..family import ModelInfo, PrefixInputs
+from ..grammar import apply_mask, fill_masks
 from ..pinned import PinnedUpload
 from .model import QwenVLModel
 from .positions import prefix_positions
@@ -102,10 +103,15 @@ class QwenVLEngineModel:
         return self.model.embed(token_N)  # every input is a token
 
     emit = staticmethod(emit_text)
+    fill_masks = staticmethod(fill_masks)  # json and constrained detect / point (models/grammar.py)
 
     def decide(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
-               heads: tuple[torch.Tensor, ...] | None, prompt: PromptRows | None = None) -> Decision:
-        d = decide_text(self.model.logits(hidden_BC), state, self.stop_ids, sampling)
+               heads: tuple[torch.Tensor, ...] | None, prompt: PromptRows | None = None,
+               mask_BW: torch.Tensor | None = None) -> Decision:
+        logits_BV = self.model.logits(hidden_BC)
+        if mask_BW is not None:  # the mask step, then the batch-invariant sampler
+            logits_BV = apply_mask(logits_BV, mask_BW)
+        d = decide_text(logits_BV, state, self.stop_ids, sampling)
         if prompt is None:
             return d
         return with_scores(d, state, choice_scores(self.model.logits, prompt, state, self.end_id))

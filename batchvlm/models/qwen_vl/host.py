@@ -27,6 +27,7 @@ from ..hub import TokenizerAdapter, load_tokenizer, resolve_device, resolve_dtyp
 from ..qwen_prompts import QWEN3
 from .chat import ChatTemplate, read_template, special_tokens
 from .config import ConfigError, QwenVLConfig, VisionConfig
+from .constrain import Grammars, grounding_schema
 from .labels import task_values
 from .preprocess import PixelSettings, Preprocessor
 from .weights import build_model, load_weights, read_config
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from .engine import QwenVLEngineModel
     from .model import QwenVLModel
 
-KINDS = ("caption", "query", "point", "detect", "ocr", "classify")
+KINDS = ("caption", "query", "point", "detect", "ocr", "classify", "json")
 H = TypeVar("H", bound="QwenVLHost")
 
 
@@ -71,6 +72,10 @@ class QwenConfig(Protocol):
     @property
     def max_context(self) -> int: ...
 
+    @property
+    def vocab_size(self) -> int:
+        """The width of the model's logits (json masks are that wide)."""
+
 
 class QwenVLHost:
     backend = "native"
@@ -93,6 +98,7 @@ class QwenVLHost:
         self.head = self.tokenizer.encode(self.template.head())
         self.stop_ids = stop_ids(folder, self.tokenizer)
         self.pre = Preprocessor.create(config.vision, settings, len(self.head), min_pixels, max_pixels)
+        self.grammars = Grammars(tokenizer, config.vocab_size, self.stop_ids)
 
     @classmethod
     def open(cls: type[H], folder: Path, spec: ModelSpec, revision: str | None) -> H:
@@ -120,7 +126,9 @@ class QwenVLHost:
     def max_prefix_len(self) -> int:
         return len(self.head) + self.pre.max_tokens() + 1
 
-    def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[TaskSequence]:
+    def sequences(self, tasks: list[Task], engine: EngineSpec, constrain: bool = False) -> list[TaskSequence]:
+        """`constrain` (output.constrain): detect / point answers follow the JSON grounding format
+        (constrain.py)."""
         check_kinds(tasks, self.kinds, self.title)
         seqs = []
         for t, task in enumerate(tasks):
@@ -128,15 +136,20 @@ class QwenVLHost:
             if kind == "classify":
                 seqs += self._choices(t, a)
                 continue
-            if kind in ("caption", "query", "ocr"):
-                pairs, kept = [(None, QWEN3.words(kind, a), a.max_new_tokens or engine.max_new_tokens)], None
+            if kind == "json":  # the prompt as written, the answer held to the schema
+                pairs, kept = [(None, a.prompt, a.max_new_tokens or engine.max_new_tokens,
+                                self.grammars.compile(a.json_schema, f"tasks.{t}.json"))], None
+            elif kind in ("caption", "query", "ocr"):
+                pairs, kept = [(None, QWEN3.words(kind, a), a.max_new_tokens or engine.max_new_tokens, None)], None
             else:
-                pairs = [(obj, QWEN3.words(kind, a, obj), engine.max_new_tokens) for obj in a.objects]
+                pairs = [(obj, QWEN3.words(kind, a, obj), engine.max_new_tokens,
+                          self.grammars.compile(grounding_schema(kind, obj), "output.constrain") if constrain else None)
+                         for obj in a.objects]
                 kept = a.max_objects or engine.max_objects
-            for label, text, limit in pairs:
+            for label, text, limit, grammar in pairs:
                 prompt = tuple(self.tokenizer.encode(self.template.split(text)[1]))
                 seqs.append(TaskSequence(t, label, SeqSpec(MODE_TEXT, prompt, limit, engine.temperature,
-                                                           engine.top_p), kept))
+                                                           engine.top_p, grammar=grammar), kept))
         P, n_ctx = self.max_prefix_len(), self.config.max_context
         for s in seqs:
             n_prompt = len(s.spec.prefix_prompt) + len(s.spec.prompt)

@@ -41,7 +41,7 @@ def task_values(decode, o: TaskOutputs) -> dict[str, Any]:
     """One task's columns (models/columns.py); `decode`: the tokenizer's, special tokens skipped."""
     kind = kind_of(o.task)
     texts = [answer_text(decode, r.tokens) for r in o.raws]
-    if kind in ("caption", "query", "ocr"):
+    if kind in ("caption", "query", "ocr", "json"):  # json: compact JSON as the grammar let it be written
         return {column_of(o.task): texts[0], truncated_column(o.task): o.cut}
     parse, values, key, n = ((qwen3_points, point_values, "point_2d", 2) if kind == "point"
                              else (qwen3_boxes, box_values, "bbox_2d", 4))

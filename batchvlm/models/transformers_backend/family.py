@@ -15,7 +15,7 @@ from ...job import EngineSpec
 from ...tasks import Task
 from ..columns import task_columns
 from ..decoding import RawOutput
-from ..family import ModelInfo, TaskSequence
+from ..family import ModelInfo, TaskSequence, refuse_constrain
 from ..hub import resolve_device, resolve_dtype, weight_files, weights_sha256
 from . import architectures
 from .columns import task_values
@@ -41,7 +41,8 @@ class TransformersFamily:
     def preprocessor(self) -> ImagePreprocessor:
         return ImagePreprocessor(self.host.processor.image_processor)
 
-    def sequences(self, tasks: list[Task], engine: EngineSpec) -> list[TaskSequence]:
+    def sequences(self, tasks: list[Task], engine: EngineSpec, constrain: bool = False) -> list[TaskSequence]:
+        refuse_constrain(tasks, constrain, "the transformers backend")
         prompts = prompts_for(tasks, architectures.style(self.name), self.format, chat_renderer(self.host.processor),
                               self.name, engine.max_new_tokens, engine.max_objects)
         return with_choices(prompts, tasks, self.host.processor.tokenizer)

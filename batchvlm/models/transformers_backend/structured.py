@@ -9,8 +9,8 @@ tokens (float32 log-softmax) are summed per row. Padding after a row's choice is
 comes after every scored position, so it changes nothing.
 
 json: a `LogitsProcessor` holds one grammar matcher per row (models/grammar.py); `generate` calls
-it synchronously, so here the mask of step k is computed after forward k (the native engine
-could overlap the two; it runs no json yet).
+it synchronously, so here the mask of step k is computed after forward k (the native engines
+overlap the two: engine/scheduler.py).
 """
 
 from __future__ import annotations
