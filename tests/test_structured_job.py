@@ -83,17 +83,17 @@ def test_choice_values_are_a_softmax_in_choice_order():
     assert choice_values(["only"], [-300.0]) == ("only", [{"label": "only", "prob": 1.0}])
 
 
-def test_moondream_runs_classify_and_refuses_json_at_validation():
+def test_moondream_builds_classify_and_json_sequences():
     from batchvlm.models.decoding import MODE_SCORE
-    from batchvlm.models.family import FamilyError
     from batchvlm.models.registry import open_family
 
     job = _job({"caption": {}}, {"classify": {"question": "How many shapes are there?", "choices": ["one", "two"]}})
     seqs = open_family(job.model, weights=False).sequences(job.tasks, job.engine)
     assert [s.label for s in seqs if s.spec.mode == MODE_SCORE] == ["one", "two"]
+    pytest.importorskip("xgrammar")
     job = _job({"caption": {}}, {"json": {"prompt": "Describe it.", "schema": {"type": "object"}}})
-    with pytest.raises(FamilyError, match=r"^tasks\.1\.json: Moondream cannot do json tasks"):
-        open_family(job.model, weights=False).sequences(job.tasks, job.engine)
+    seqs = open_family(job.model, weights=False).sequences(job.tasks, job.engine)
+    assert [s.spec.grammar is not None for s in seqs] == [False, True]
 
 
 def test_shapes_scores_classify_labels_against_the_scene():

@@ -89,7 +89,9 @@ def test_the_audit_sees_each_kind_of_sync():
                                                          ".item() / bool()", ".item() / bool()", ".item() / bool()"]
 
 
-def test_moondream_hot_path_has_no_host_sync(tmp_path, monkeypatch):
+@pytest.mark.parametrize("constrained", [False, True])
+def test_moondream_hot_path_has_no_host_sync(tmp_path, monkeypatch, constrained):
+    """constrained: a json task as well (the mask table, its uploads, the mask before sampling)."""
     unaudited_flex(monkeypatch)
     folder = hub_folder(tmp_path / "tiny", TINY, random_state(MoondreamConfig.from_dict(TINY), seed=5),
                         id_tokenizer(64))
@@ -97,7 +99,14 @@ def test_moondream_hot_path_has_no_host_sync(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(4)
     prepared = [md.preprocessor(Image.fromarray(torch.randint(0, 256, (50 + 40 * i, 70, 3), generator=g,
                                                               dtype=torch.uint8).numpy())) for i in range(1)]
-    seqs = md.sequences(TASKS, max_new_tokens=4, max_objects=2)
+    tasks = TASKS
+    if constrained:
+        pytest.importorskip("xgrammar")
+        from batchvlm.tasks import JsonTask
+
+        tasks = [*TASKS, JsonTask(json={"prompt": "1 2", "schema": {"type": "integer"}})]  # digit tokens
+    seqs = md.sequences(tasks, max_new_tokens=4, max_objects=2)
+    assert any(s.spec.grammar is not None for s in seqs) == constrained
     with SyncAudit() as audit:  # engine start-up (graph buckets) and the run: eager steps and graph bodies
         run_engine(md, prepared, seqs, fixed_shape_decode=True, max_batch_size=6, pipelined=True)
     assert audit.found == [], "\n".join(dict.fromkeys(audit.found))

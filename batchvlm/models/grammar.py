@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .family import FamilyError
+
 ALL_ALLOWED = -1  # an int32 word with every bit set
 
 
@@ -201,3 +203,26 @@ def apply_mask(logits_BV: torch.Tensor, mask_BW: torch.Tensor) -> torch.Tensor:
     bit_32 = torch.arange(32, device=mask_BW.device, dtype=torch.int32)
     allowed_BV = ((mask_BW.unsqueeze(-1) >> bit_32) & 1).flatten(1)[:, :V].bool()
     return logits_BV.masked_fill(~allowed_BV, float("-inf"))
+
+
+class Grammars:
+    """A family's schemas compiled for one tokenizer (a `tokenizers.Tokenizer`), each once, the
+    vocabulary built on first use (seconds for a 150k-token vocabulary)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]):
+        self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, stop_ids
+        self._vocab: Vocabulary | None = None
+        self._compiled: dict[str, JsonGrammar] = {}
+
+    def compile(self, schema: dict[str, Any], field: str) -> JsonGrammar:
+        """`field`: the job field the schema comes from, for the one-line error without xgrammar."""
+        try:
+            import xgrammar  # noqa: F401
+        except ImportError:
+            raise FamilyError(f"{field}: needs xgrammar: pip install 'batchvlm[structured]'") from None
+        if self._vocab is None:
+            self._vocab = Vocabulary(self.tokenizer, self.vocab_size, self.stop_ids)
+        key = json.dumps(schema, sort_keys=True)
+        if key not in self._compiled:
+            self._compiled[key] = self._vocab.compile(schema)
+        return self._compiled[key]

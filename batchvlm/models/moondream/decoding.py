@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..decoding import EMIT_NONE, EMIT_TOKEN, INPUT_TOKEN, MODE_TEXT, Decision, RowState, sample_tokens
+from ..grammar import apply_mask
 from .grammar import EMIT_MORE, EMIT_SIZE, EMIT_X, EMIT_Y, INPUT_COORD, INPUT_SIZE, MODE_DETECT, MODE_POINT
 from .model import MoondreamModel
 
@@ -35,13 +36,14 @@ PHASE_TOKEN, PHASE_Y, PHASE_SIZE = 0, 1, 2
 
 def decide(
     model: MoondreamModel, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
-    heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, mask_BW: torch.Tensor | None = None,
 ) -> Decision:
     """Apply one step of every row's grammar; updates `state` in place.
 
     `heads` = (token rows, coordinate rows, size rows): the rows whose grammar phase needs that
     output head (known to the caller); other rows get zeros there, which their phase ignores.
-    None computes every head for every row.
+    None computes every head for every row. `mask_BW`: json token masks (models/grammar.py), in
+    jobs with json tasks; rows without a grammar allow every token.
     """
     tk = model.config.tokenizer
     region = model.region
@@ -49,13 +51,13 @@ def decide(
     is_text = state.mode == MODE_TEXT
     phase = state.phase
     if heads is None:
-        token = _tokens(model, hidden_BC, state, sampling)
+        token = _tokens(model, hidden_BC, state, sampling, mask_BW)
         coord = region.coord_value(region.coord_logits(hidden_BC).argmax(dim=-1))  # [B]
         size = region.size_value(region.size_logits(hidden_BC).argmax(dim=-1))  # [B, 2]
     else:
         lm, co, sz = heads
         token = hidden_BC.new_zeros(B, dtype=torch.long)
-        token[lm] = _tokens(model, hidden_BC[lm], state.index(lm), sampling)
+        token[lm] = _tokens(model, hidden_BC[lm], state.index(lm), sampling, None if mask_BW is None else mask_BW[lm])
         coord = hidden_BC.new_zeros(B, dtype=torch.float32)
         coord[co] = region.coord_value(region.coord_logits(hidden_BC[co]).argmax(dim=-1))
         size = hidden_BC.new_zeros(B, 2, dtype=torch.float32)
@@ -90,10 +92,14 @@ def decide(
     return Decision(code, token, value, finished, next_kind, token, value)
 
 
-def _tokens(model: MoondreamModel, hidden_BC: torch.Tensor, state: RowState, sampling: bool) -> torch.Tensor:
-    """Text rows: sampled (answer id masked except right after the prompt); spatial rows: greedy."""
+def _tokens(model: MoondreamModel, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
+            mask_BW: torch.Tensor | None) -> torch.Tensor:
+    """Text rows: sampled (answer id masked except right after the prompt; a json row's grammar
+    mask first); spatial rows: greedy (their mask rows allow every token)."""
     answer = model.config.tokenizer.answer_id
     logits = model.text.logits(hidden_BC)
+    if mask_BW is not None:
+        logits = apply_mask(logits, mask_BW)
     is_text = state.mode == MODE_TEXT
     masked = logits.clone()
     masked[:, answer] = torch.where(is_text & ~state.after_prompt, float("-inf"), logits[:, answer])

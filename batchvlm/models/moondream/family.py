@@ -19,6 +19,7 @@ from ..attention import AttentionBatch, KVCache
 from ..decoding import (MODE_SCORE, MODE_TEXT, Decision, PromptRows, RawOutput, RowState, SeqSpec, choice_scores,
                         with_scores)
 from ..columns import TaskOutputs, task_columns
+from ..grammar import Grammars, fill_masks
 from . import grammar
 from .grammar import MODE_DETECT, MODE_POINT
 from ..family import FamilyError, ModelInfo, PrefixInputs, TaskSequence, check_kinds
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from ...job import EngineSpec
     from ...tasks import Task
 
-KINDS = ("caption", "query", "point", "detect", "classify")
+KINDS = ("caption", "query", "point", "detect", "classify", "json")
 
 
 class Moondream:
@@ -47,6 +48,8 @@ class Moondream:
         self.tokenizer = TokenizerAdapter(tokenizer)
         self.folder, self.model_name, self.revision = folder, model_name, revision
         self.max_crops = max_crops or config.vision.max_crops
+        # json answers: the logits are config.text.vocab_size wide (may exceed the tokenizer); EOS ends them
+        self.grammars = Grammars(tokenizer, config.text.vocab_size, [config.tokenizer.eos_id])
 
     @classmethod
     def open(cls, folder: Path, model_name: str, revision: str | None, max_crops: int | None = None) -> Moondream:
@@ -78,7 +81,7 @@ class Moondream:
         kind, a = kind_of(task), args_of(task)
         if kind == "classify":
             return self._choices(t, a)
-        tpl = self.config.tokenizer.templates.get(kind)
+        tpl = self.config.tokenizer.templates.get("query" if kind == "json" else kind)
         if tpl is None:
             raise FamilyError(f"tasks: the model has no {kind} template")
         if kind == "caption":
@@ -89,6 +92,10 @@ class Moondream:
             prompt = tpl["prefix"] + self.tokenizer.encode(a.question) + tpl["suffix"] + tpl["suffix"]
             return [(None, SeqSpec(MODE_TEXT, tuple(prompt), a.max_new_tokens or e.max_new_tokens, e.temperature,
                                    e.top_p))]
+        if kind == "json":  # the prompt asked as a query, the answer held to the schema
+            prompt = tpl["prefix"] + self.tokenizer.encode(a.prompt) + tpl["suffix"] + tpl["suffix"]
+            return [(None, SeqSpec(MODE_TEXT, tuple(prompt), a.max_new_tokens or e.max_new_tokens, e.temperature,
+                                   e.top_p, grammar=self.grammars.compile(a.json_schema, f"tasks.{t}.json")))]
         mode = MODE_DETECT if kind == "detect" else MODE_POINT
         return [(obj, grammar.spec(mode, tuple(tpl["prefix"] + self.tokenizer.encode(" " + obj) + tpl["suffix"]),
                                    a.max_objects or e.max_objects))
@@ -121,6 +128,8 @@ class Moondream:
         kind = kind_of(o.task)
         if kind in ("caption", "query"):
             value = self.tokenizer.decode(o.raws[0].tokens).strip()
+        elif kind == "json":  # compact JSON as the grammar let it be written
+            value = self.tokenizer.decode(o.raws[0].tokens)
         else:
             value = (point_values if kind == "point" else box_values)(o.labels, [r.objects for r in o.raws])
         return {column_of(o.task): value, truncated_column(o.task): o.cut}
@@ -193,11 +202,12 @@ class MoondreamEngineModel:
         return self.model.text(embeds_NC, positions, batch, cache.paged["attn"])
 
     emit = staticmethod(grammar.emit)
+    fill_masks = staticmethod(fill_masks)  # json tasks (models/grammar.py)
 
     def decide(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
                heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-               prompt: PromptRows | None = None) -> Decision:
-        d = decide(self.model, hidden_BC, state, sampling, heads)
+               prompt: PromptRows | None = None, mask_BW: torch.Tensor | None = None) -> Decision:
+        d = decide(self.model, hidden_BC, state, sampling, heads, mask_BW)
         if prompt is None:
             return d
         scores = choice_scores(self.model.text.logits, prompt, state, self.model.config.tokenizer.eos_id)

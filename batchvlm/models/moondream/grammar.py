@@ -28,6 +28,8 @@ def emit(out: RawOutput, spec: SeqSpec, code: int, token: int, v0: float, v1: fl
     does, and are not clamped."""
     if code == EMIT_TOKEN:
         out.tokens.append(token)
+        if out.grammar is not None:  # a json answer: its next mask follows from the token
+            out.grammar.accept(token)
     elif code == EMIT_SCORE:
         out.objects.append((v0,))
     elif code == EMIT_X:

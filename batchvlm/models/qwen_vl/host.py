@@ -27,7 +27,8 @@ from ..hub import TokenizerAdapter, load_tokenizer, resolve_device, resolve_dtyp
 from ..qwen_prompts import QWEN3
 from .chat import ChatTemplate, read_template, special_tokens
 from .config import ConfigError, QwenVLConfig, VisionConfig
-from .constrain import Grammars, grounding_schema
+from ..grammar import Grammars
+from .constrain import grounding_schema
 from .labels import task_values
 from .preprocess import PixelSettings, Preprocessor
 from .weights import build_model, load_weights, read_config
