@@ -27,3 +27,18 @@ SCHEMAS = {
     "arrays": (ARRAYS, {"tags": ["a", "bc"]}, {"tags": ["a", "b", "c", "d"]}),
     "required": (REQUIRED, {"title": "x", "people": True, "year": None}, {"title": "x", "people": True}),
 }
+
+
+def assert_finished_answers_validate(columns: list[dict]) -> None:
+    """Every json column of SCHEMAS that did not run into max_new_tokens holds compact JSON that
+    validates; each schema has at least one such answer."""
+    import json
+
+    import jsonschema
+
+    for name, (schema, _, _) in SCHEMAS.items():
+        finished = [c[name] for c in columns if not c[f"{name}_truncated"]]
+        assert finished, f"{name}: every answer ran into max_new_tokens"
+        for text in finished:
+            jsonschema.validate(json.loads(text), schema)
+            assert text == json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)  # compact

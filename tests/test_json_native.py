@@ -5,12 +5,10 @@ pipelined or not; and a CPU trace of the pipelined engine shows no launch waitin
 
 from __future__ import annotations
 
-import json
 
-import jsonschema
 import pytest
 from qwen3vl_fixture import write_checkpoint
-from structured_cases import SCHEMAS
+from structured_cases import SCHEMAS, assert_finished_answers_validate
 
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.labeler import WorkItem
@@ -96,12 +94,7 @@ def traced(setup):
 def test_answers_validate_and_do_not_depend_on_batch_or_pipelining(setup, traced):
     first = traced[0]
     assert columns(setup, engine_for(setup, 7, False)) == first
-    for name, (schema, _, _) in SCHEMAS.items():
-        finished = [c[name] for c in first if not c[f"{name}_truncated"]]
-        assert finished, f"{name}: every answer ran into max_new_tokens"
-        for text in finished:
-            jsonschema.validate(json.loads(text), schema)
-            assert text == json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)  # compact
+    assert_finished_answers_validate(first)
     found = 0
     for kind, key, n in (("detect", "bbox_2d", 4), ("point", "point_2d", 2)):
         for c in first:
