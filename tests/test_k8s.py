@@ -24,7 +24,10 @@ CMD = [sys.executable, "-m", "batchvlm.cli", "run"]
 
 
 def _done(out: Path) -> set[str]:
-    return {p.name.removesuffix(".stats.json") for p in (out / "__batchvlm__").glob("*.stats.json")}
+    """Shards that are done: a marker and its renamed file (the marker is written first, so a kill
+    between the two leaves a marker naming a file that is not there: not done, output/writer.py)."""
+    stems = (p.name.removesuffix(".stats.json") for p in (out / "__batchvlm__").glob("*.stats.json"))
+    return {s for s in stems if (out / f"{s}.parquet").exists()}
 
 
 def _pod(job: Path, index: int, world: int) -> subprocess.Popen:
