@@ -4,7 +4,8 @@ the first token and bans repeated trigrams (tiny_vlms.py).
 classify: each choice is a decoder row of one prefill step on the question's (image, prompt)
 encoder prefix; its probabilities equal those computed from transformers' own teacher-forced
 decoder log-probabilities of the choice's tokens and the end token after what greedy `generate`
-feeds (decoder start, forced first token), at engine batch sizes 1, 7 and 64.
+feeds (decoder start, forced first token), at engine batch sizes 1, 7 and 64 (and on a second
+checkpoint that forces no first token).
 json: sampled answers of a random model (garbage when free) validate against the five schemas of
 structured_cases.py wherever the token limit did not cut them (with the grammar off none is JSON);
 labels are the same at any batch size, pipelined or not, and no pipelined launch waits for a
@@ -45,16 +46,19 @@ MAX_NEW = 60
 N_IMAGES = 2
 
 
+def checkpoint(folder, images) -> dict:
+    family = open_family(ModelSpec(name=str(folder)))
+    assert (family.name, family.backend) == ("florence2", "native")
+    pre = family.preprocessor()
+    return dict(folder=folder, family=family, model=family.load("float32", "cpu"), images=images,
+                prepared=[pre(im) for im in images])
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     folder = florence2(tmp_path_factory.mktemp("florence2"), seed=3,
                        generation=dict(no_repeat_ngram_size=3, forced_bos_token_id=256))
-    family = open_family(ModelSpec(name=str(folder)))
-    assert (family.name, family.backend) == ("florence2", "native")
-    ims = random_images(3, seed=5)
-    pre = family.preprocessor()
-    return dict(folder=folder, family=family, model=family.load("float32", "cpu"), images=ims,
-                prepared=[pre(im) for im in ims])
+    return checkpoint(folder, random_images(3, seed=5))
 
 
 def run(setup, tasks, seqs, batch: int, pipelined: bool, n_images: int, trace: list | None = None,
@@ -70,14 +74,13 @@ def run(setup, tasks, seqs, batch: int, pipelined: bool, n_images: int, trace: l
     return [setup["family"].columns(tasks, seqs, done[i]) for i in range(n_images)]
 
 
-@pytest.fixture(scope="module")
-def expected(setup) -> list[list[tuple[str, list[dict]]]]:
+def reference(setup) -> list[list[tuple[str, list[dict]]]]:
     """transformers alone: the processor's encoder input for the question, and per choice the
     decoder inputs greedy generate starts from, then the choice's ids; one right-padded
     teacher-forced forward per task scores the choice's ids and the end token."""
     ref = Reference(setup["folder"])
     g = ref.model.generation_config
-    start = [g.decoder_start_token_id, g.forced_bos_token_id]
+    start = [g.decoder_start_token_id] + ([] if g.forced_bos_token_id is None else [g.forced_bos_token_id])
     tok = ref.processor.tokenizer
     out = []
     with torch.inference_mode():
@@ -86,20 +89,27 @@ def expected(setup) -> list[list[tuple[str, list[dict]]]]:
             for question, choices in CASES:
                 enc = ref.inputs(im, question)
                 # what generate feeds before its first free token
-                assert ref.model.generate(**enc, do_sample=False, max_new_tokens=2)[0, :2].tolist() == start
+                assert ref.model.generate(**enc, do_sample=False, max_new_tokens=2)[0, :len(start)].tolist() == start
                 rows = [start + tok(c, add_special_tokens=False)["input_ids"] + [g.eos_token_id] for c in choices]
                 L = max(map(len, rows))
                 ids = torch.tensor([r + [g.pad_token_id] * (L - len(r)) for r in rows])
                 B = len(rows)
                 logits = ref.model(pixel_values=enc["pixel_values"].repeat(B, 1, 1, 1),
-                                   input_ids=enc["input_ids"].repeat(B, 1), attention_mask=enc["attention_mask"].repeat(B, 1),
+                                   input_ids=enc["input_ids"].repeat(B, 1),
+                                   attention_mask=enc["attention_mask"].repeat(B, 1),
                                    decoder_input_ids=ids[:, :-1]).logits
                 logp = torch.log_softmax(logits.float(), -1)
-                scores = [float(logp[b, 1: len(r) - 1].gather(-1, torch.tensor(r[2:])[:, None]).sum())
+                n = len(start) - 1  # the last start token's row predicts the choice's first token
+                scores = [float(logp[b, n: len(r) - 1].gather(-1, torch.tensor(r[n + 1:])[:, None]).sum())
                           for b, r in enumerate(rows)]
                 per_task.append(choice_values(choices, scores))
             out.append(per_task)
     return out
+
+
+@pytest.fixture(scope="module")
+def expected(setup):
+    return reference(setup)
 
 
 def test_choices_are_decoder_rows_on_the_question_prefix(setup):
@@ -120,6 +130,17 @@ def test_a_task_token_in_free_text_names_the_field(setup):
 
 @pytest.mark.parametrize("batch,pipelined,n_images", [(1, True, 1), (7, False, 2), (64, True, 2)])
 def test_probabilities_equal_transformers(setup, expected, batch, pipelined, n_images):
+    check_probabilities(setup, expected, batch, pipelined, n_images)
+
+
+def test_probabilities_equal_transformers_without_a_forced_first_token(tmp_path):
+    """A checkpoint that forces no first token: a choice row is the start token and the choice."""
+    plain = checkpoint(florence2(tmp_path / "plain", seed=3), random_images(2, seed=5))
+    assert plain["family"].generation.forced_bos is None
+    check_probabilities(plain, reference(plain), 7, True, 2)
+
+
+def check_probabilities(setup, expected, batch: int, pipelined: bool, n_images: int) -> None:
     seqs = setup["family"].sequences(CLASSIFY, EngineSpec())
     fifty = []
     for i, row in enumerate(run(setup, CLASSIFY, seqs, batch, pipelined, n_images)):
