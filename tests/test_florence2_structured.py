@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 
+import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 from mask_trace import MaskTrace
 from structured_cases import SCHEMAS, assert_finished_answers_validate
 from test_florence2 import Reference, random_images
@@ -205,3 +209,41 @@ def test_the_ngram_ban_never_leaves_a_json_row_without_a_token():
                      row=torch.arange(2))
     d = decoding.decide(logits, state, False, g, history, mask)
     assert d.token.tolist() == [7, 8]
+
+
+def test_cli_writes_classify_and_json_columns(setup, tmp_path):
+    """`batchvlm run` on the checkpoint: the classify and json columns land in Parquet, the same
+    labels as the engine's, and `validate` refuses a json prompt with a task token by its field."""
+    pytest.importorskip("xgrammar")
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i, im in enumerate(setup["images"][:2]):
+        im.save(folder / f"im{i}.png")
+    tasks = [{"classify": {"question": q, "choices": c, "name": f"c{i}"}} for i, (q, c) in enumerate(CASES[:2])]
+    tasks.append({"json": {"prompt": "Describe it.", "schema": SCHEMAS["bounds"][0], "name": "bounds"}})
+    job = {"name": "f2", "input": {"folder": "imgs"}, "model": {"name": str(setup["folder"])}, "tasks": tasks,
+           "engine": {"max_new_tokens": MAX_NEW}, "loader": {"workers": 0},
+           "output": {"dir": "out"}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    r = subprocess.run([sys.executable, "-m", "batchvlm.cli", "run", str(tmp_path / "job.yaml")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = sorted(pq.read_table(tmp_path / "out").to_pylist(), key=lambda row: row["key"])
+    assert [row["status"] for row in rows] == ["ok", "ok"]
+    tasks = [*CLASSIFY[:2], JsonTask(json={"prompt": "Describe it.", "schema": SCHEMAS["bounds"][0], "name": "bounds"})]
+    seqs = setup["family"].sequences(tasks, EngineSpec(max_new_tokens=MAX_NEW))  # greedy: keys do not matter
+    want = run(setup, tasks, seqs, 64, True, 2, max_new_tokens=MAX_NEW)
+    for row, w in zip(rows, want):
+        for k, v in w.items():
+            if k.endswith("_scores"):  # probabilities as float32
+                assert [s["label"] for s in row[k]] == [s["label"] for s in v]
+                assert [s["prob"] for s in row[k]] == pytest.approx([s["prob"] for s in v], abs=1e-6)
+            else:
+                assert row[k] == v, k
+        assert not row["bounds_truncated"] and json.loads(row["bounds"])["count"] in range(10)
+    job["tasks"] = [{"json": {"prompt": "<OCR> as JSON", "schema": {"type": "integer"}}}]
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(job))
+    r = subprocess.run([sys.executable, "-m", "batchvlm.cli", "validate", str(tmp_path / "bad.yaml")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1] == (
+        "batchvlm: error: tasks.0.json.prompt: task token <OCR> must be the only content of the prompt")
