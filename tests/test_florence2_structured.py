@@ -1,5 +1,5 @@
-"""classify and json on the native Florence-2 engine, with one tiny random checkpoint that forces
-the first token and bans repeated trigrams (tiny_vlms.py).
+"""classify and json on the native Florence-2 engine, with a tiny random checkpoint that forces
+the first token and bans repeated trigrams (tiny_vlms.py), and for classify one that forces nothing.
 
 classify: each choice is a decoder row of one prefill step on the question's (image, prompt)
 encoder prefix; its probabilities equal those computed from transformers' own teacher-forced
@@ -10,6 +10,7 @@ json: sampled answers of a random model (garbage when free) validate against the
 structured_cases.py wherever the token limit did not cut them (with the grammar off none is JSON);
 labels are the same at any batch size, pipelined or not, and no pipelined launch waits for a
 mask (mask_trace.py). The n-gram ban never leaves a json row without a token its grammar allows.
+`batchvlm run` writes both kinds of column with the engine's labels.
 """
 
 from __future__ import annotations
