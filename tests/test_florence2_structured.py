@@ -8,7 +8,8 @@ feeds (decoder start, forced first token), at engine batch sizes 1, 7 and 64 (an
 checkpoint that forces no first token).
 json: sampled answers of a random model (garbage when free) validate against the five schemas of
 structured_cases.py wherever the token limit did not cut them (with the grammar off none is JSON);
-labels are the same at any batch size, pipelined or not, and no pipelined launch waits for a
+labels are the same at any batch size, pipelined or not, through the CUDA-graph decode body or
+not, and no pipelined launch waits for a
 mask (mask_trace.py). The n-gram ban never leaves a json row without a token its grammar allows.
 `batchvlm run` writes both kinds of column with the engine's labels.
 """
@@ -30,6 +31,7 @@ from test_florence2 import Reference, random_images
 from tiny_vlms import florence2
 
 from batchvlm.engine.engine import Engine
+from batchvlm.engine.graphs import DecodeGraphs
 from batchvlm.engine.labeler import WorkItem
 from batchvlm.job import EngineSpec, ModelSpec
 from batchvlm.models.decoding import RowState
@@ -67,15 +69,20 @@ def setup(tmp_path_factory):
 
 
 def run(setup, tasks, seqs, batch: int, pipelined: bool, n_images: int, trace: list | None = None,
-        **engine) -> list[dict]:
-    """Labels of the first n_images; `trace`: gets the run's MaskTrace."""
+        fixed_shape_decode: bool = False, **engine) -> list[dict]:
+    """Labels of the first n_images; `trace`: gets the run's MaskTrace; `fixed_shape_decode`: decode
+    steps through the CUDA-graph body (uncaptured)."""
     e = Engine(setup["model"], seqs, EngineSpec(max_batch_size=batch, pipelined=pipelined, **engine),
                setup["family"].max_prefix_len())
     if trace is not None:
         trace.append(MaskTrace.attach(e))
+    if fixed_shape_decode:
+        r = e.runner
+        r.graphs = DecodeGraphs(r, -(-e.max_prefix_len // r.bs), max(e.own_blocks), e.seqs_per_prefix,
+                                capture=False)
     done = {im.ticket: [s.output for s in im.seqs]
             for im in e.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(setup["prepared"][:n_images]))}
-    assert e.scheduler.blocks.used == 0
+    assert e.scheduler.blocks.used == 0 and (not fixed_shape_decode or e.runner.graph_steps > 0)
     return [setup["family"].columns(tasks, seqs, done[i]) for i in range(n_images)]
 
 
@@ -175,6 +182,7 @@ def test_json_answers_validate_and_do_not_depend_on_batch_or_pipelining(setup, j
     first = run(setup, JSON, json_seqs, 64, True, 3, trace, max_new_tokens=MAX_NEW)
     trace[0].assert_no_launch_waits_for_a_mask()
     assert run(setup, JSON, json_seqs, 7, False, 3, max_new_tokens=MAX_NEW) == first
+    assert run(setup, JSON, json_seqs, 5, True, 3, fixed_shape_decode=True, max_new_tokens=MAX_NEW) == first
     assert_finished_answers_validate(first)
     # the grammar off, the same sampled decoding: no answer is JSON at all
     free = [dataclasses.replace(s, spec=dataclasses.replace(s.spec, grammar=None)) for s in json_seqs]
