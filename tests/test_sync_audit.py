@@ -154,8 +154,11 @@ def test_qwen3_vl_hot_path_has_no_host_sync(tmp_path, monkeypatch, moe_path, con
     assert audit.found == [], "\n".join(dict.fromkeys(audit.found))
 
 
-def test_florence2_hot_path_has_no_host_sync(tmp_path, monkeypatch):
-    """Forced first / end tokens and the n-gram ban (a per-row token history) on the device."""
+@pytest.mark.parametrize("constrained", [False, True])
+def test_florence2_hot_path_has_no_host_sync(tmp_path, monkeypatch, constrained):
+    """Forced first / end tokens and the n-gram ban (a per-row token history) on the device;
+    constrained: a json task (the mask table, its uploads, the mask beside the ban) and a classify
+    task (its scored decoder rows) as well."""
     pytest.importorskip("transformers")
     from test_florence2 import TASKS as FLORENCE_TASKS
     from test_florence2 import random_images, tasks_of
@@ -167,7 +170,13 @@ def test_florence2_hot_path_has_no_host_sync(tmp_path, monkeypatch):
     folder = florence2(tmp_path / "f2", seed=1, generation=dict(no_repeat_ngram_size=3, forced_bos_token_id=256))
     family = open_family(ModelSpec(name=str(folder)))
     settings = EngineSpec(max_new_tokens=4, max_batch_size=6, pipelined=True)
-    seqs = family.sequences(tasks_of(FLORENCE_TASKS), settings)
+    specs = FLORENCE_TASKS
+    if constrained:
+        pytest.importorskip("xgrammar")
+        specs = [*FLORENCE_TASKS, {"json": {"prompt": "Count.", "schema": {"type": "integer"}}},
+                 {"classify": {"question": "Is it?", "choices": ["yes", "no"]}}]
+    seqs = family.sequences(tasks_of(specs), settings)
+    assert any(s.spec.grammar is not None for s in seqs) == constrained
     model = family.load("float32", "cpu")
     pre = family.preprocessor()
     prepared = [pre(im) for im in random_images(2)]
