@@ -9,12 +9,15 @@
 #   scripts/gpu_check.sh              the call (CALL_BUDGET_S, default 420 s): every step below
 #   scripts/gpu_check.sh STEP...      only these steps, in the plan's order (same budgets, same call limit)
 #   scripts/gpu_check.sh --plan       the steps and their budgets
+#   scripts/gpu_check.sh --prepare    here, before a device call: the wheels, the parity fixture the GPU
+#                                     tests read, and the size of what the call will send (< 64 MiB)
 #   scripts/gpu_check.sh --dry-run [STEP...]   on CPU: the plan, then the steps at tiny sizes (checks the
 #                                     script and every step's arguments; budgets x4 for a shared CPU)
 #
 # The procedure, for a session whose task has a device (the device tool's `status`: can_start_another):
-#   1. here:  scripts/gpu_wheels.sh && mkdir -p shared && cp -r ../shared/fixtures shared/
-#             scripts/gpu_check.sh --dry-run          (every step walks on CPU first: 1-2 minutes)
+#   1. here:  scripts/gpu_check.sh --prepare && scripts/gpu_check.sh --dry-run
+#             (the dry run walks every step on CPU first: 1-2 minutes; copy all of ../shared/fixtures
+#             and the call would exceed the device tool's 64 MiB: it holds other suites' fixtures)
 #   2. the device call, carry [".whl"] (shared/ travels by itself), timeout_s 480:
 #             OUT=$OUT scripts/gpu_check.sh
 #   3. record from $OUT (the device tool brings back 8 files at most, so there are two):
@@ -39,6 +42,8 @@ DRY=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
 PLAN_ONLY=0
 if [[ "${1:-}" == "--plan" ]]; then PLAN_ONLY=1; shift; fi
+PREPARE=0
+if [[ "${1:-}" == "--prepare" ]]; then PREPARE=1; shift; fi
 OUT=${OUT:-gpu-results}
 LOG_DIR=${LOG_DIR:-/tmp/gpu_check_logs}  # outside $OUT: only summary.txt and logs.tar.gz go there
 mkdir -p "$OUT"
@@ -72,6 +77,20 @@ plan() {
         read -r name budget least _log what <<<"$s"
         printf "  %-16s %4s  (starts with >= %s s left)  %s\n" "$name" "$budget" "$least" "$what"
     done
+}
+
+# Here, before a device call: wheels, the one fixture the GPU tests read (the upstream Moondream
+# tiny parity set, 31 MB), and what the call will send: tracked and untracked-not-ignored files,
+# shared/ (git-ignored, it travels all the same) and the carried .whl/, against the tool's 64 MiB.
+prepare() {
+    scripts/gpu_wheels.sh || return 1
+    local src=${BATCHVLM_SHARED:-../shared}/fixtures/moondream-tiny dst=shared/fixtures/moondream-tiny
+    mkdir -p "$dst" && cp -r "$src"/{config.json,weights.safetensors,expected.json,images} "$dst"/ || return 1
+    local bytes
+    bytes=$( { git ls-files -z --cached --others --exclude-standard; find .whl shared -type f -print0; } \
+             | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+    echo "gpu_check: the device call will send $(( bytes / 1048576 )) MiB (the limit is 64)"
+    (( bytes < 64 * 1048576 ))
 }
 
 FAILED=()
@@ -227,6 +246,7 @@ export DRY PY LOG_DIR SCALE KV_BLOCKS
 # ---------------------------------------------------------------- the call
 
 if (( PLAN_ONLY )); then plan; exit 0; fi
+if (( PREPARE )); then prepare; exit $?; fi
 NAMES=()
 for s in "${STEPS[@]}"; do NAMES+=("${s%% *}"); done
 for want in "$@"; do
