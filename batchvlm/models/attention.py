@@ -34,8 +34,10 @@ What a call reads and writes (`reads`, a family's choice per layer):
                   step's prefix rows only ([n_prefix, ...], what the family computed from its
                   encoder output); they are written into the prefix's blocks.
 
-Backends. This file is the plain reference (gathers, float32 softmax): CPU and tests. CUDA uses
-the fused kernels of models/fused_attention.py, which read the cache in place. The backend is
+Backends. This file is the plain reference (gathers, float32 softmax): CPU and tests. A decode
+group's prefix K/V, read-only while it decodes, are gathered once into a PrefixView that later
+steps on the same prefixes reuse (the engine decides when; see PrefixView). CUDA uses the fused
+kernels of models/fused_attention.py, which read the cache in place. The backend is
 picked once per device (`KVCache.backend`, set on first use when the allocator left it None); a
 family calls `plan_groups(batch, kv)` once per forward and `attend(...)` per layer, whatever the
 backend.
