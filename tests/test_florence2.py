@@ -2,8 +2,8 @@
 checkpoints built here: (a) two DaViT stages, one safetensors file; (b) three stages with windows
 that need padding, scaled embeddings, sharded safetensors, and a generation config that forces the
 first token and bans repeated trigrams. Float32, greedy (num_beams=1), transformers' generate is
-the reference (one batched call per prompt over the images: one prompt, nothing padded); pixel values must be equal, encoder output and logits within float32 tolerance, the
-engine's greedy tokens identical at batch 1 / 5 / 32, pipelined and synchronous (and through the
+the reference (one batched call per prompt over the images: one prompt, nothing padded); pixel
+values must be equal, encoder output and logits within float32 tolerance, the engine's greedy tokens identical at batch 1 / 5 / 32, pipelined and synchronous (and through the
 fixed-shape decode body of CUDA graphs), and the CLI must write the transformers backend's labels.
 """
 
