@@ -251,7 +251,7 @@ class Runner:
         hidden = m.forward(torch.cat(embeds), positions, batch, self.cache, prefix)
         prompt = None
         if layout.n_scored:  # a step of classify choices (MODE_SCORE): decide gets their scored rows
-            prompt = PromptRows(hidden[x.score_rows], x.score_target, x.score_seq)
+            prompt = PromptRows(hidden[x.score_rows], x.score_pick, x.score_target, x.score_seq)
         return self.decide(torch.cat([x.new_rows, x.decode.rows]), hidden[x.last], x.heads, prompt)
 
     def decode_group(self, d: DecodeInputs, first_row: int, embeds, own_pos, write_slots, groups,
