@@ -8,7 +8,8 @@
 #   scripts/gpu_check.sh 2          call 2 (330 s): set-up, bench_engine (Moondream 2 shapes, random
 #                                   weights), then a trimmed Qwen3-VL-2B run if more than 90 s remain
 #                                   (and with QWEN35=1 a Qwen3.5-2B-like run: scripts/gpu_check_qwen35.sh;
-#                                   with MOE=1 the expert paths on a 30B-A3B-shaped stack: bench_moe.py)
+#                                   with MOE=1 the expert paths on a 30B-A3B-shaped stack: bench_moe.py;
+#                                   with CLASSIFY=1 classify vs query on the demo model: bench_classify.py)
 #   scripts/gpu_check.sh --dry-run  on CPU: prints both calls' plans with budgets and walks every
 #                                   step at tiny sizes (checks the script and the steps' arguments)
 #
@@ -123,7 +124,18 @@ gpu_tests() {  # any skipped GPU test is a failure: a GPU run that skips proves 
     return $rc
 }
 
-export -f environment gpu_tests
+# classify(10) against query(max_new_tokens 8) on the same 256 images, demo model on CUDA, CUDA
+# graphs for decode: the decode-bound workload where issue 27 asks classify to be >= 2x faster
+# (scripts/bench_classify.py prints the ratios; query(8) / query(1) bounds what classify can gain).
+classify_bench() {
+    if (( DRY )); then
+        $PY scripts/bench_classify.py --images 4 --repeats 1 --batch 16
+    else
+        $PY scripts/bench_classify.py --device cuda --dtype bfloat16 --images 256 --batch 256 --repeats 3
+    fi
+}
+
+export -f environment gpu_tests classify_bench
 export DRY PY
 
 call_1() {
@@ -175,6 +187,14 @@ call_2() {
             echo "== [2] bench_moe: not run, only ${left} s left (needs > 40 s)" | tee -a "$OUT/summary-2.txt"
         fi
     fi
+    if [[ "${CLASSIFY:-0}" == 1 ]]; then  # opt-in, before the Qwen runs take the rest: classify vs query
+        left=$(budget_left)
+        if (( left > 120 * SCALE )); then  # 13 engines, each capturing its graphs; the first compiles flex
+            step "classify_bench" 120 classify_bench.log classify_bench
+        else
+            echo "== [2] classify_bench: not run, only ${left} s left (needs > 120 s)" | tee -a "$OUT/summary-2.txt"
+        fi
+    fi
     left=$(budget_left)
     if (( left > 90 * SCALE )); then  # Qwen3-VL-2B shapes, random weights (writes a ~4.5 GB checkpoint)
         step "bench_qwen3vl" $(( left / SCALE - 10 )) bench_qwen3vl.log $PY scripts/bench_qwen3vl.py "${qwen_args[@]}" \
@@ -215,6 +235,8 @@ call 2, ${CALL_BUDGET_2} s:
   bench_moe         40   only with MOE=1: scripts/bench_moe.py, the MoE MLP on 4 Qwen3-VL-30B-A3B-shaped
                           layers (128 experts x 768, top 8, random weights): grouped GEMM / gathered / loop
                           vs a dense SwiGLU of the same active width, CUDA-graph replays checked against eager
+  classify_bench   120   only with CLASSIFY=1: scripts/bench_classify.py, demo model, bf16, 256 images,
+                          batch 256: classify(10) vs query(max_new_tokens 8) vs query(1), best of 3
   bench_qwen3vl    rest   only if > 90 s remain: Qwen3-VL-2B shapes, 64 images, engine (built untimed) vs
                           transformers' batched generate, bf16
 EOF
