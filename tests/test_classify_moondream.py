@@ -112,3 +112,24 @@ def test_only_the_scored_rows_get_logits(setup, monkeypatch):
     contexts = {s.prompt[: len(s.prompt) - s.limit + j + 1] for s in choices for j in range(s.limit)}
     assert rows == [(len(contexts), sum(s.limit for s in choices))]
     assert len(contexts) <= sum(s.limit for s in choices) - (len(choices) - 1)  # the last prompt token: once
+
+
+def test_a_step_of_choices_alone_computes_no_other_logits(setup, monkeypatch):
+    """A step holding only classify choices skips the token decision: the language-model head
+    runs on one row per distinct scored context and on nothing else."""
+    md = setup["md"]
+    text = md.engine.model.text
+    rows = []
+    real = text.logits
+
+    def counting(hidden_NC):
+        rows.append(hidden_NC.shape[0])
+        return real(hidden_NC)
+
+    monkeypatch.setattr(text, "logits", counting)
+    seqs = md.sequences(TASKS[:1])
+    engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=64, max_new_tokens=4), md.P)
+    out = list(engine.run([WorkItem(0, setup["prepared"][0], "k0")]))
+    choices = [s.spec for s in seqs]
+    contexts = {s.prompt[: len(s.prompt) - s.limit + j + 1] for s in choices for j in range(s.limit)}
+    assert len(out) == 1 and rows == [len(contexts)]
