@@ -131,18 +131,32 @@ def score_contexts(plan: StepPlan, flat_seq: Array, flat_own: Array, scored: Arr
 
     A row's hidden state is a function of its context alone: its prefix (attended keys and, for
     recurrent layers, the snapshot it forks from), its first position and its own tokens up to and
-    including it. Rows agreeing on all of these have the same logits: one computes them."""
-    first: dict[tuple, int] = {}
-    pick = np.empty(len(scored), dtype=np.int64)
-    tokens = plan.prompt_tokens.tolist()
-    starts = (np.cumsum(plan.prompt_lens) - plan.prompt_lens).tolist()
-    for i, (f, s, j) in enumerate(zip(scored.tolist(), flat_seq[scored].tolist(), flat_own[scored].tolist())):
-        key = (int(plan.prompt_image[s]), int(plan.prompt_fork[s]), int(plan.prompt_pos0[s]),
-               tuple(tokens[starts[s]: starts[s] + j + 1]))
-        pick[i] = first.setdefault(key, len(first))
-    unique = np.empty(len(first), dtype=np.int64)
-    unique[pick] = scored  # every context gets a row of its own (the last written is as good as the first)
-    return unique, pick
+    including it. Rows agreeing on all of these have the same logits: one computes them. Contexts
+    are the nodes of a trie over the scoring sequences' own tokens, numbered level by level (a node
+    is its parent and its token), so equal contexts get equal numbers without hashing."""
+    if not len(scored):
+        return scored, scored
+    seqs = np.unique(flat_seq[scored])  # the scoring sequences
+    lens = plan.prompt_lens[seqs]
+    starts = (np.cumsum(plan.prompt_lens) - plan.prompt_lens)[seqs]
+    where = np.full(len(plan.prompt_lens), -1, dtype=np.int64)
+    where[seqs] = np.arange(len(seqs))
+    root = np.stack([plan.prompt_image[seqs], plan.prompt_fork[seqs], plan.prompt_pos0[seqs]], 1)
+    parent = np.unique(root, axis=0, return_inverse=True)[1].reshape(-1)
+    node = np.full((len(seqs), int(lens.max())), -1, dtype=np.int64)  # [scoring seqs, own index]
+    numbered = 0
+    for j in range(node.shape[1]):
+        live = np.flatnonzero(lens > j)
+        tokens = plan.prompt_tokens[starts[live] + j]
+        pairs = parent[live] * (int(tokens.max()) + 1) + tokens  # (parent, token) as one integer
+        level = np.unique(pairs, return_inverse=True)[1].reshape(-1)
+        node[live, j] = numbered + level
+        parent = np.zeros(len(seqs), dtype=np.int64)
+        parent[live] = level
+        numbered += int(level.max()) + 1
+    context = node[where[flat_seq[scored]], flat_own[scored]]
+    _, first, pick = np.unique(context, return_index=True, return_inverse=True)
+    return scored[first], pick.reshape(-1).astype(np.int64)
 
 
 def step_inputs(plan: StepPlan, recurrent: bool, snapshot_index) -> tuple[StepInputs, StepLayout]:
