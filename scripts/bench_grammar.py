@@ -9,8 +9,9 @@ Compared, the libraries alternated (A B, then B A) so both see the same machine 
 - setup: the tokenizer's preparation (once per job), and its memory;
 - per test schema (tests/structured_cases.py): compile time, the first mask (llguidance builds its
   lexer lazily), and the mask time per row per step at batch 1 / 64 / 256, rows filled together as
-  the engine does (the mean over a walk's steps), each row on its own random walk: at each step a token drawn uniformly from the
-  row's allowed tokens, until the stop token (a random model at its worst: any allowed token);
+  the engine does (the mean over a walk's steps), each row on its own random walk: at each step
+  a token drawn uniformly from the row's allowed tokens, until the stop token (a random model at
+  its worst: any allowed token);
 - correctness: every answer a walk finishes must be UTF-8, JSON and valid against its schema
   (jsonschema);
 - keywords: for each keyword a job schema may use (batchvlm/json_schema.py KEYWORDS), a schema
@@ -96,7 +97,7 @@ def build_tokenizer(path: Path, vocab: int):
 
 def token_bytes(tok) -> list[bytes]:
     """What each token writes (byte-level BPE; special tokens write nothing)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs, n = bs[:], 0
     for b in range(256):  # GPT-2's bytes_to_unicode
         if b not in bs:
@@ -319,13 +320,15 @@ KEYWORD_CASES = {
                           "items": False}), {"a": [1, "ab"]}, [{"a": ["ab", 1]}, {"a": [1, "ab", 2]}]),
     "minItems": (_obj({"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4}),
                  {"a": [1, 2]}, [{"a": [1]}]),
-    "maxItems": (_obj({"type": "array", "items": {"type": "integer"}, "maxItems": 2}), {"a": [1, 2]}, [{"a": [1, 2, 3]}]),
+    "maxItems": (_obj({"type": "array", "items": {"type": "integer"}, "maxItems": 2}), {"a": [1, 2]},
+                 [{"a": [1, 2, 3]}]),
     "enum": (_obj({"enum": ["red", "green", 3]}), {"a": "green"}, [{"a": "blue"}, {"a": 4}]),
     "const": (_obj({"const": "fixed"}), {"a": "fixed"}, [{"a": "fixes"}]),
     "anyOf": (_obj({"anyOf": [{"type": "integer"}, {"type": "null"}]}), {"a": None}, [{"a": "x"}, {"a": True}]),
     "minimum": (_obj({"type": "integer", "minimum": 2, "maximum": 70}), {"a": 2}, [{"a": 1}, {"a": -5}]),
     "maximum": (_obj({"type": "integer", "minimum": 0, "maximum": 7}), {"a": 7}, [{"a": 8}, {"a": 70}]),
-    "minimum (number)": (_obj({"type": "number", "minimum": 0.5, "maximum": 1}), {"a": 0.75}, [{"a": 0.25}, {"a": 1.5}]),
+    "minimum (number)": (_obj({"type": "number", "minimum": 0.5, "maximum": 1}), {"a": 0.75},
+                         [{"a": 0.25}, {"a": 1.5}]),
     "exclusiveMinimum": (_obj({"type": "integer", "exclusiveMinimum": 2, "maximum": 9}), {"a": 3}, [{"a": 2}]),
     "exclusiveMaximum": (_obj({"type": "integer", "minimum": 0, "exclusiveMaximum": 7}), {"a": 6}, [{"a": 7}]),
     "minLength": (_obj({"type": "string", "minLength": 2, "maxLength": 5}), {"a": "ab"}, [{"a": "a"}, {"a": ""}]),
@@ -417,7 +420,8 @@ def main() -> None:
     torch.set_num_threads(1)
     tok = Tokenizer.from_file(str(args.tokenizer))
     stop, vocab = tok.token_to_id(STOP), token_bytes(tok)
-    print(f"# {args.tokenizer}: {len(vocab)} tokens; one thread per library; {Path('/proc/loadavg').read_text().split()[0]} load")
+    load = Path("/proc/loadavg").read_text().split()[0]
+    print(f"# {args.tokenizer}: {len(vocab)} tokens; one thread per library; load {load}")
     libs, setup = {}, {}
     for name in names:
         t0 = time.perf_counter()
@@ -437,7 +441,8 @@ def main() -> None:
     print(f"\n| schema | library | compile ms | first mask ms | {cols} | walk answers valid |")
     print("|---|---|---|---|" + "---|" * len(args.batches) + "---|")
     for sname, (schema, _, _) in SCHEMAS.items():
-        res = {n: {"compile": [], "first": [], "finished": 0, "wrong": [], **{b: [] for b in args.batches}} for n in libs}
+        res = {n: {"compile": [], "first": [], "finished": 0, "wrong": [], **{b: [] for b in args.batches}}
+               for n in libs}
         for rep in range(args.repeats):
             for name in (list(libs) if rep % 2 == 0 else list(libs)[::-1]):  # A B, then B A
                 lib, r = libs[name], res[name]
