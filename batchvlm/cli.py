@@ -19,7 +19,7 @@ import typer
 
 from . import __version__
 from .data.sources import SourceError, check_first_parquet, count_samples, list_files
-from .exits import EXIT_FAILED, EXIT_JOB_ERROR, EXIT_STOPPED
+from .exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_JOB_ERROR, EXIT_STOPPED
 from .job import Job, JobError, load_job
 from .models.family import FamilyError, ModelFetchError, ModelLoadError
 from .output import manifest
@@ -109,6 +109,10 @@ def run(
         stop = StopFlag()
         stop.install()
         summary = run_job(job, limit=limit, overwrite=clear, rank=rank, stop=stop)
+    except KeyboardInterrupt:  # the second Ctrl-C (StopFlag): no summary to wait for
+        typer.echo(f"\nbatchvlm: interrupted: the shards written so far are kept, the unfinished ones are "
+                   f"labelled by the next run (batchvlm status {job_file})", err=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     except RunLockHeld as e:  # not the job's fault: run again once the other run is gone
         fail(str(e), EXIT_STOPPED)
     except ModelFetchError as e:  # the hub, for now

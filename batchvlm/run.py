@@ -36,7 +36,7 @@ from typing import Any
 from . import __version__
 from .data.loader import Sample, ShardEnd, Stealing, load
 from .output.shardlist import ShardList, plan
-from .data.sources import ShardRef, check_first_parquet, keep_fields, list_files
+from .data.sources import ShardRef, check_first_parquet, keep_fields, list_files, shown
 from .device import for_device
 from .dist import Rank, my_shards
 from .engine.engine import EngineLabeler
@@ -138,7 +138,11 @@ class StopFlag:
     def _handle(self, signum, frame) -> None:
         if self.event.is_set() and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.event.set()
+        first = not self.event.is_set()
+        self.event.set()  # before the message: a second signal may run its handler inside this one
+        if first:  # say so at once: the images in flight may take a while
+            again = "; Ctrl-C again stops at once, dropping them" if signum == signal.SIGINT else ""
+            log(f"\nbatchvlm: {signal.Signals(signum).name}: stopping after the images in flight{again}")
 
 
 @dataclass(frozen=True)
@@ -160,7 +164,7 @@ class Ticket:
 
 
 def row_for(ref: ShardRef, s: Sample | Ticket, columns: dict[str, Any] | None, error: str | None) -> dict[str, Any]:
-    row = {"key": s.key, "source": ref.url, "width": s.width or None, "height": s.height or None,
+    row = {"key": s.key, "source": shown(ref.url), "width": s.width or None, "height": s.height or None,
            "status": "error" if error else "ok", "error": error}
     return row | (columns or {}) | (s.meta or {})
 
