@@ -18,6 +18,7 @@ from pathlib import Path
 import typer
 
 from . import __version__
+from .data.loader import SharedMemoryFull
 from .data.sources import SourceError, check_first_parquet, count_samples, list_files
 from .exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_JOB_ERROR, EXIT_STOPPED
 from .job import Job, JobError, load_job
@@ -121,7 +122,7 @@ def run(
         fail(str(e))
     except ValueError as e:  # an inconsistent rank environment
         fail(str(e))
-    except OutputWriteError as e:
+    except (OutputWriteError, SharedMemoryFull) as e:
         fail(str(e), EXIT_FAILED)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EROFS):  # the job record, a stats file: the output again

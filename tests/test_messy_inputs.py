@@ -155,3 +155,25 @@ def test_ctrl_c_twice_says_what_is_kept_and_status_agrees(tmp_path):
     assert pq.read_table(tmp_path / "out").num_rows == 2  # a-00000 only: b was in flight
     code, status = inproc(tmp_path, "status", "out")
     assert code == 0 and status.startswith("messy: 1/2 shards done, 0 partial, 0 failed, 1 pending"), status
+
+
+def test_a_full_dev_shm_stops_the_run_with_one_line_instead_of_hanging(tmp_path):
+    """Docker and Kubernetes give a container 64 MB of /dev/shm unless told otherwise. A loader
+    worker's tensor that did not fit there was lost in the queue's feeder thread and the run
+    waited for it forever; now it ends at once with one line naming the fix, exit 1, and no
+    shard marked done. /dev/shm is a 64 KiB tmpfs in a mount namespace of the run alone."""
+    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs root and mount namespaces (unshare -m)")
+    tar = tmp_path / "in.tar"
+    with tarfile.open(tar, "w") as t:
+        for i in range(4):
+            info = tarfile.TarInfo(f"s{i}.png")
+            info.size = len(data := png((i * 40, 0, 0), (64, 48)))
+            t.addfile(info, io.BytesIO(data))
+    job = job_file(tmp_path, {"shards": "in.tar"}, loader={"workers": 1})
+    run = f"mount -t tmpfs -o size=64k tmpfs /dev/shm && exec {sys.executable} -m batchvlm.cli run {job}"
+    r = subprocess.run(["unshare", "-m", "sh", "-c", run], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 1 and lines[-1].startswith("batchvlm: error: loader: /dev/shm is full ("), r.stderr
+    assert "--shm-size" in lines[-1] and "loader.workers: 0" in lines[-1] and "Traceback" not in r.stderr
+    assert not list((tmp_path / "out").glob("*.parquet"))
