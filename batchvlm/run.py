@@ -96,6 +96,7 @@ class RunSummary:
     shards_partial: list[str] = field(default_factory=list)  # cut short by --limit: redone next run
     shards_failed: list[str] = field(default_factory=list)
     shards_damaged: list[str] = field(default_factory=list)  # "<stem>: N samples kept", done now or before
+    shards_empty: list[str] = field(default_factory=list)  # written now, holding no samples (an empty tar)
     images: int = 0  # rows of the shards handed to the writer
     dropped: int = 0  # images labelled in shards left unfinished (stop) or failed: not kept, labelled again
     errors: int = 0
@@ -117,6 +118,8 @@ class RunSummary:
             parts.append(f"{len(self.shards_failed)} FAILED ({', '.join(self.shards_failed[:3])})")
         if self.shards_damaged:
             parts.append(f"{len(self.shards_damaged)} DAMAGED ({', '.join(sorted(self.shards_damaged)[:3])})")
+        if self.shards_empty:
+            parts.append(f"{len(self.shards_empty)} with no samples ({', '.join(self.shards_empty[:3])})")
         if self.stopped_by_signal:
             parts.append("stopped by signal: unfinished shards left for the next run")
         if self.skipped:
@@ -379,6 +382,8 @@ class Labelling:
         if a.damaged:
             log(f"batchvlm: shard {a.ref.stem} is damaged ({a.damaged}); {len(a.rows)} sample(s) kept")
             self.summary.shards_damaged.append(manifest.damaged_note(a.ref.stem, len(a.rows)))
+        elif not a.rows:
+            self.summary.shards_empty.append(a.ref.stem)
         self.bar.shard_size(i, len(a.rows))
         self.hand_over(i, complete=True)
 

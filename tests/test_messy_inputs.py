@@ -118,10 +118,21 @@ def test_a_tar_of_latin1_names_gives_utf8_keys_and_says_which_image_keys_it_read
 
 
 def test_an_input_with_no_rows_is_one_line_not_an_empty_success(tmp_path):
+    """Parquet files of no rows were labelled into an empty folder with exit 0; now they are one
+    line, exit 2, as an empty image folder is; an empty tar is named in the run's summary."""
     pq.write_table(pa.table({"image": pa.array([], pa.binary())}), tmp_path / "empty.parquet")
     job = job_file(tmp_path, {"parquet": "empty.parquet"})
     code, out = inproc(tmp_path, "validate", job)
     assert code == 2 and out.strip() == f"batchvlm: error: input.parquet: no rows in {tmp_path}/empty.parquet", out
+    # A tar is read to know it is empty: the summary names it beside the shards that had images.
+    tarfile.open(tmp_path / "empty.tar", "w").close()
+    with tarfile.open(tmp_path / "one.tar", "w") as tar:
+        info = tarfile.TarInfo("a.png")
+        info.size = len(data := png())
+        tar.addfile(info, io.BytesIO(data))
+    r = cli("run", job_file(tmp_path, {"shards": "{empty,one}.tar"}), cwd=tmp_path)
+    summary = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 0 and "2 shard(s) written" in summary and "1 with no samples (empty)" in summary, r.stderr
 
 
 def test_ctrl_c_twice_says_what_is_kept_and_status_agrees(tmp_path):
