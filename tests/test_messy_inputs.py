@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from helpers import encode_image
+from helpers import encode_image, png_header_only
 from PIL import Image, features
 from typer.testing import CliRunner
 
@@ -67,7 +67,8 @@ def test_a_folder_of_messy_names_and_impostor_files(tmp_path):
     """Names whose bytes are not UTF-8 (a file and a directory) crashed the whole run before any
     image was labelled; now each is labelled, its key / path / source / shard name showing the
     bytes as \\xNN, and a resumed run finds them done. Files whose extension lies are error rows
-    that name what they hold; AVIF is labelled where this Pillow reads it."""
+    that name what they hold, a too large one names the setting; AVIF is labelled where this
+    Pillow reads it."""
     img = tmp_path / "img"
     img.mkdir()
     try:
@@ -80,6 +81,7 @@ def test_a_folder_of_messy_names_and_impostor_files(tmp_path):
     (img / "iphone.jpg").write_bytes(HEIC)  # HEIC bytes under a JPEG name
     (img / "lfs.png").write_bytes(LFS)  # a dataset cloned without `git lfs pull`
     (img / "page.jpg").write_bytes(b"<!DOCTYPE html><html><body>403 Forbidden</body></html>")
+    (img / "huge.png").write_bytes(png_header_only(20000, 20000))  # 400 megapixels: over the limit
     if features.check("avif"):
         (img / "photo.avif").write_bytes(encode_image(Image.new("RGB", (20, 20), (90, 90, 90)), "AVIF"))
     job = job_file(tmp_path, {"folder": "img", "keep": ["path"]})
@@ -95,7 +97,8 @@ def test_a_folder_of_messy_names_and_impostor_files(tmp_path):
     assert rows["iphone.jpg"]["error"].startswith("decode: HEIC image")
     assert "git lfs pull" in rows["lfs.png"]["error"] and "HTML page" in rows["page.jpg"]["error"]
     assert "photo.avif" not in rows or rows["photo.avif"]["status"] == "ok"
-    assert len(rows) == 6 + features.check("avif")
+    assert rows["huge.png"]["error"] == "too large: 20000x20000 pixels (loader.max_image_pixels: 100000000)"
+    assert len(rows) == 7 + features.check("avif")
 
     code, out = inproc(tmp_path, "run", job, "--dry-run")  # the frozen shard list and done markers read back
     assert code == 0 and "2 shard(s), 2 done, 0 to label" in out, out

@@ -91,7 +91,7 @@ def decode(data: bytes, max_pixels: int, draft_size: Callable[[int, int], tuple[
         fmt = im.format
         w, h = im.size
         if w * h > max_pixels:
-            return Decoded(None, w, h, f"too large: {w}x{h} pixels (limit {max_pixels})")
+            return Decoded(None, w, h, f"too large: {w}x{h} pixels (loader.max_image_pixels: {max_pixels})")
         orientation = im.getexif().get(0x0112, 1) if hasattr(im, "getexif") else 1
         if orientation in _TRANSPOSED:
             w, h = h, w
