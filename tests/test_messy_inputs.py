@@ -120,6 +120,18 @@ def test_a_tar_of_latin1_names_gives_utf8_keys_and_says_which_image_keys_it_read
     assert samples[1].error == "no image in sample (has: gif; input.image_keys: jpg, jpeg, png, webp)"
 
 
+def test_a_parquet_path_not_found_says_where_it_was_looked_for(tmp_path):
+    """Paths written relative to the project, not to the Parquet file: each row says where it looked."""
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(png())
+    (tmp_path / "tables").mkdir()
+    pq.write_table(pa.table({"image": ["img/a.png"]}), tmp_path / "tables" / "t.parquet")
+    inp = InputSpec(parquet=str(tmp_path / "tables" / "t.parquet"))
+    [sample] = read_shard(plan(inp)[0], inp)
+    assert sample.error == (f"read img/a.png: file not found at {tmp_path}/tables/img/a.png (a relative path is "
+                            "read from the Parquet file's folder)")
+
+
 def test_an_input_with_no_rows_is_one_line_not_an_empty_success(tmp_path):
     """Parquet files of no rows were labelled into an empty folder with exit 0; now they are one
     line, exit 2, as an empty image folder is; an empty tar is named in the run's summary."""

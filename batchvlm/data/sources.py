@@ -455,6 +455,7 @@ def image_cells(batch, first_row: int, inp: InputSpec, base: str) -> Iterator[En
                 with fsspec.open(path, "rb") as img:
                     yield Encoded(key, img.read(), None, meta, path, name)
             except FileNotFoundError:
-                yield Encoded(key, None, f"read {value}: file not found", meta, path, name)
+                where = "" if path == value else f" at {path} (a relative path is read from the Parquet file's folder)"
+                yield Encoded(key, None, f"read {value}: file not found{where}", meta, path, name)
             except OSError as e:
                 yield Encoded(key, None, f"read {value}: {e.strerror or e}", meta, path, name)
