@@ -2,9 +2,10 @@
 
 Handled: EXIF orientation (width / height are reported after it), CMYK / palette / grey /
 16-bit and float modes, transparency (composited onto white), decompression bombs (checked
-from the header, before any pixel is decoded), truncated files, non-images (formats PIL cannot read, and the text files that datasets hold in an
-image's place, are named). Animated GIF / WebP / PNG and multi-page TIFF: the first frame. JPEGs may be
-decoded at reduced size (draft mode) when the model needs fewer pixels.
+from the header, before any pixel is decoded), truncated files, non-images (named where their
+first bytes tell: formats Pillow cannot read, and the files datasets hold in an image's place).
+Animated GIF / WebP / PNG and multi-page TIFF: the first frame. JPEGs may be decoded at reduced
+size (draft mode) when the model needs fewer pixels.
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ def _not_decodable(data: bytes) -> str:
     head = data[:512].lstrip()
     if data[4:8] == b"ftyp" and data[8:12] in _HEIF_BRANDS | {b"avif", b"avis"}:
         what = "AVIF" if data[8:12] in (b"avif", b"avis") else "HEIC"
-        return f"decode: {what} image, which this PIL cannot read (convert it to JPEG or PNG)"
+        return f"decode: {what} image, which this Pillow cannot read (convert it to JPEG or PNG)"
     if data.startswith((b"\xff\x0a", b"\x00\x00\x00\x0cJXL ")):
-        return "decode: JPEG XL image, which PIL cannot read (convert it to JPEG or PNG)"
+        return "decode: JPEG XL image, which Pillow cannot read (convert it to JPEG or PNG)"
     if b"<svg" in head[:512] and head.startswith((b"<svg", b"<?xml", b"<!DOCTYPE svg")):
         return "decode: SVG (vector) image, which is not rendered (convert it to PNG)"
     if head.startswith(b"%PDF"):

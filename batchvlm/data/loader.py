@@ -58,18 +58,20 @@ class Halt:
 
 
 class SharedMemoryFull(RuntimeError):
-    pass
+    """Raised in the main process for a worker's Halt."""
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
 def _shm_note() -> str:
+    """` (12 KiB free of 64 MiB)` for /dev/shm, or ''."""
     try:
         st = os.statvfs("/dev/shm")
     except OSError:
         return ""
-    def size(n: int) -> str:
-        return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
-
-    return f" ({size(st.f_bavail * st.f_frsize)} free of {size(st.f_blocks * st.f_frsize)})"
+    return f" ({_size(st.f_bavail * st.f_frsize)} free of {_size(st.f_blocks * st.f_frsize)})"
 
 
 def _to_shared(obj: Any, depth: int = 0) -> None:

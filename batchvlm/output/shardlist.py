@@ -108,7 +108,7 @@ def _merge(inp: InputSpec, prior: list[ShardRef]) -> tuple[ShardList, list[str]]
     """-> (all shards, stems of frozen shards that no longer exist)."""
     shards, dropped = (_merge_folder(inp, prior), []) if inp.folder else _merge_files(inp, prior)
     shards = shards if isinstance(shards, ShardList) else ShardList(shards)
-    if inp.kind == "parquet" and all(s.rows == (0, 0) for s in shards):  # readable, and every one empty
+    if inp.kind == "parquet" and shards and all(s.rows == (0, 0) for s in shards):  # readable, every one empty
         more = f" (and {len(shards) - 1} more file(s))" if len(shards) > 1 else ""
         raise SourceError(f"input.parquet: no rows in {shards[0].url}{more}")
     stems = [s.stem for s in shards]
