@@ -2,8 +2,8 @@
 
 Every failure a user can cause is one line, `batchvlm: error: <field or file>: <cause>; <fix>`,
 exit code 2 for a job that cannot run as written (do not retry), 1 for a run that failed, 75 for
-one to run again (exits.py); a traceback only with `--debug` (also passed to the worker
-processes `run` starts).
+one to run again, 130 for a second Ctrl-C (exits.py); a traceback only with `--debug` (also
+passed to the worker processes `run` starts).
 """
 
 from __future__ import annotations
