@@ -14,8 +14,8 @@ from qwen3vl_fixture import IDS
 from test_qwen3vl_engine import images, prepared
 
 from batchvlm.engine.engine import Engine
-from batchvlm.engine.labeler import WorkItem
 from batchvlm.job import EngineSpec, ModelSpec
+from batchvlm.models.family import WorkItem
 from batchvlm.models.registry import open_family
 from batchvlm.tasks import ClassifyTask, choice_values
 

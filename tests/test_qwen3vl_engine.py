@@ -18,8 +18,8 @@ from structured_cases import SCHEMAS
 from test_pipeline import cli
 
 from batchvlm.engine.engine import Engine
-from batchvlm.engine.labeler import WorkItem
 from batchvlm.job import EngineSpec, ModelSpec
+from batchvlm.models.family import WorkItem
 from batchvlm.models.grounding import qwen3_boxes, qwen3_points
 from batchvlm.models.qwen_vl.labels import parses_cleanly
 from batchvlm.models.registry import open_family

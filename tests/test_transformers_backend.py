@@ -313,8 +313,8 @@ def test_backend_choice_and_missing_package(tmp_path, checkpoints, monkeypatch):
 
 def test_sampling_follows_the_job_seed(checkpoints):
     """temperature > 0 samples (labels differ from greedy) and the same seed gives the same labels."""
-    from batchvlm.engine.labeler import WorkItem
     from batchvlm.job import EngineSpec, ModelSpec
+    from batchvlm.models.family import WorkItem
     from batchvlm.models.registry import open_family
     from batchvlm.tasks import CaptionTask
 
