@@ -11,7 +11,10 @@ from structured_cases import SCHEMAS
 
 pytest.importorskip("xgrammar")
 
-from batchvlm.models.grammar import RowGrammars, Vocabulary, apply_mask  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
+
+from batchvlm.models.grammar import RowGrammars, Vocabulary, apply_mask, mask_words  # noqa: E402
 
 STOP = IDS["<|im_end|>"]
 B, MAX_NEW = 6, 80
@@ -75,3 +78,33 @@ def test_every_finished_answer_validates(model, vocab, name):
         jsonschema.validate(json.loads(text), schema)
         assert text == json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)  # compact
     assert finished, f"{name}: no answer of the random model ended within {MAX_NEW} tokens"
+
+
+class NewBytes(TorchDispatchMode):
+    """Bytes of the storages the ops create (a view or an in-place result is not new)."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        held = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        self.total += sum(t.untyped_storage().nbytes() for t in tree_flatten(out)[0]
+                          if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in held)
+        return out
+
+
+@pytest.mark.parametrize("V", [37, 64, 1000])
+def test_apply_mask_refuses_exactly_the_clear_bits_with_one_byte_per_token_of_temporaries(V):
+    B, W = 5, mask_words(V)
+    mask_BW = torch.randint(-2**31, 2**31 - 1, (B, W), dtype=torch.int32, generator=torch.Generator().manual_seed(V))
+    mask_BW[0] = -1  # a free row
+    logits_BV = torch.randn(B, V, generator=torch.Generator().manual_seed(1))
+    with NewBytes() as counted:
+        out_BV = apply_mask(logits_BV, mask_BW)
+    words = mask_BW.tolist()
+    refused = [[not (words[b][v // 32] >> (v % 32)) & 1 for v in range(V)] for b in range(B)]
+    assert out_BV.isinf().tolist() == refused and not any(refused[0])
+    assert torch.equal(out_BV[~out_BV.isinf()], logits_BV[~out_BV.isinf()])
+    assert counted.total - out_BV.nbytes <= B * W * 32 + 8  # the refused bytes and the 8 shifts
