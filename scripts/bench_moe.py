@@ -30,7 +30,7 @@ import torch
 
 from batchvlm.models.qwen_vl.config import MoEConfig
 from batchvlm.models.qwen_vl.mlp import MLP
-from batchvlm.models.qwen_vl.moe import SparseMoE, grouped_mm_available
+from batchvlm.models.qwen_vl.moe import SparseMoE, grouped_kernel_on, grouped_mm_available
 
 GATHERED_MAX_ROWS = 2048  # token x top-k assignments the gathered fallback is timed at
 SHAPES = {"30b-a3b": dict(dim=2048, experts=128, top_k=8, ff=768),
@@ -107,8 +107,8 @@ def main() -> int:
 
     moe = [rand(SparseMoE(C, MoEConfig(E, K, I, 0, ()))) for _ in range(args.layers)]
     dense = [rand(MLP(C, K * I)) for _ in range(args.layers)]
-    paths = ["loop", "gathered"] + (["grouped"] if grouped_mm_available() and
-                                    (dev.type == "cpu" or dt == torch.bfloat16) else [])
+    paths = ["loop", "gathered"] + (["grouped"] if grouped_kernel_on(dev, dt) or
+                                    (dev.type == "cpu" and grouped_mm_available()) else [])
     graphs = dev.type == "cuda"
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     print(f"# bench_moe: {args.shape} width {C}, {E} experts x {I}, top {K}, {args.layers} layers; dense SwiGLU "

@@ -2,9 +2,10 @@
 """The first thing a GPU runs: the compiled flex_attention kernels at the engine's real shapes,
 against the reference attention. Fails loudly (exit 1) on any mismatch or error.
 
-Cases: Moondream 2 (32/32 heads x 64, MHA) in bfloat16 and float32, Qwen3-VL-2B (16/8 x 128) and
-Qwen3-VL-8B-style GQA (32/8 x 128) in bfloat16; 1, 8, 64 and 128 queries per row (1-64: inductor's
-decode kernel, 64 x 4 heads needing a 256-query block; 128: the main kernel), KV block 16. Each
+Cases: Moondream 2 (32/32 heads x 64, MHA) in bfloat16 and float32, Qwen3-VL-2B (16/8 x 128),
+Qwen3-VL-8B-style GQA (32/8 x 128) and Qwen3.5-2B's full attention (8/2 x 256) in bfloat16; 1, 8,
+64 and 128 queries per row (1-64: inductor's decode kernel, 64 x 4 heads needing a 256-query block;
+128: the main kernel), KV block 16. Each
 case runs its own part (causal, per row) and its shared-prefix part (per image), then one call is
 captured in a CUDA graph and replayed on new queries, and must match again. dynamo is reset first
 and the fallback is an error (fail_on_recompile_limit_hit): an unfused run cannot pass silently.
@@ -30,6 +31,7 @@ CASES = [  # name, heads, kv heads, head dim, dtype
     ("moondream2", 32, 32, 64, torch.float32),
     ("qwen3vl-2b", 16, 8, 128, torch.bfloat16),
     ("qwen3vl-8b", 32, 8, 128, torch.bfloat16),
+    ("qwen3.5-2b", 8, 2, 256, torch.bfloat16),  # its full-attention layers: head dim 256
 ]
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float32: 2e-4}
 
@@ -76,10 +78,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="tiny shapes, eager flex on CPU")
     a = ap.parse_args()
-    dev = torch.device("cpu" if a.small else "cuda")
+    dev = torch.device("cpu")
     if not a.small:
         assert torch.cuda.is_available(), "flex_smoke: no CUDA device"
-        torch.cuda.set_device(dev)
+        dev = torch.device("cuda", torch.cuda.current_device())  # set_device refuses a device without an index
         print(f"flex_smoke: {torch.cuda.get_device_name(dev)}, capability {torch.cuda.get_device_capability(dev)}, "
               f"torch {torch.__version__}, triton {_triton()}", flush=True)
     torch._dynamo.reset()

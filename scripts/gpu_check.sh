@@ -1,59 +1,127 @@
 #!/usr/bin/env bash
-# The GPU validation: the one script a lent GPU runs, in two device calls of ~4.5 and ~5.5 minutes
-# on a CUDA machine with no network. Every step has its own timeout; any failure, timeout, skipped
-# GPU test or flex fallback makes the call exit non-zero and says which step.
+# The GPU validation: the one script a lent GPU runs, planned for a device budget of 15 minutes per
+# task (machine start-ups, idle waits and every call counted in). One call of at most 7 minutes runs
+# the checks that prove CUDA correct first, then the headline benches in order of importance; what
+# the call's time left would not cover is skipped, and a skip is recorded like a failure. What is
+# left of the budget then covers a second, shorter call: a rerun of a step fixed meanwhile, or the
+# benches the first one skipped.
 #
-#   scripts/gpu_check.sh 1          call 1 (270 s): set-up, environment, flex smoke test at the
-#                                   engine's real shapes, bench_attention, the GPU tests
-#   scripts/gpu_check.sh 2          call 2 (330 s): set-up, bench_engine (Moondream 2 shapes, random
-#                                   weights), then a trimmed Qwen3-VL-2B run if more than 90 s remain
-#                                   (and with QWEN35=1 a Qwen3.5-2B-like run: scripts/gpu_check_qwen35.sh;
-#                                   with MOE=1 the expert paths on a 30B-A3B-shaped stack: bench_moe.py)
-#   scripts/gpu_check.sh --dry-run  on CPU: prints both calls' plans with budgets and walks every
-#                                   step at tiny sizes (checks the script and the steps' arguments)
+#   scripts/gpu_check.sh              the call (CALL_BUDGET_S, default 420 s): every step below
+#   scripts/gpu_check.sh STEP...      only these steps, in the plan's order (same budgets, same call limit)
+#   scripts/gpu_check.sh --plan       the steps and their budgets
+#   scripts/gpu_check.sh --prepare    here, before a device call: the wheels, the parity fixture the GPU
+#                                     tests read, and the size of what the call will send (< 64 MiB)
+#   scripts/gpu_check.sh --dry-run [STEP...]   on CPU: the plan, then the steps at tiny sizes (checks the
+#                                     script and every step's arguments; budgets x4 for a shared CPU)
 #
-# Before the device calls, here:  scripts/gpu_wheels.sh; mkdir -p shared; cp -r ../shared/fixtures shared/
-# and carry [".whl"] (shared/ travels by itself). Logs land in $OUT (the device tool's output
-# folder) or ./gpu-results: env.txt, flex_smoke.log, bench_attention.log, gpu_tests.log (call 1);
-# bench.log, bench.json, bench_qwen3vl.log, bench_qwen3vl.json (call 2); summary-<call>.txt.
+# The procedure, for a session whose task has a device (the device tool's `status`: can_start_another):
+#   1. here:  scripts/gpu_check.sh --prepare && scripts/gpu_check.sh --dry-run
+#             (the dry run walks every step on CPU first: 1-2 minutes; copy all of ../shared/fixtures
+#             and the call would exceed the device tool's 64 MiB: it holds other suites' fixtures)
+#   2. the device call, carry [".whl"] (shared/ travels by itself), timeout_s 480:
+#             OUT=$OUT scripts/gpu_check.sh
+#   3. record from $OUT (the device tool brings back 8 files at most, so there are two):
+#      summary.txt (each step: rc, seconds / budget, or why skipped) and logs.tar.gz (every step's
+#      log and JSON: env.txt, gpu_tests.log, bench.json, bench_qwen3vl.json, bench_moe.json,
+#      bench_qwen35.json, bench_florence2.json, bench_classify.log, ...; rewritten after each step,
+#      so a call killed at its limit still brings back what it finished). The README's GPU
+#      numbers come from these files.
+#   4. the second call, with what `status` says is left (budget_left_s; a fresh machine costs 1-2
+#      minutes to start and none starts under 4 minutes left; a call made within 30 s of the last
+#      finds it warm): the steps the first call skipped, or a step fixed on CPU meanwhile, sized
+#      to fit, e.g. (about 280 s after a 420 s first call):
+#             CALL_BUDGET_S=280 OUT=$OUT scripts/gpu_check.sh bench_qwen3vl bench_moe bench_qwen35
+#      then give the machine back (give_back). What neither call ran is for a later task's device.
+# The 420 s call, when every step takes its whole budget: set-up 15, environment 10, flex_smoke 90,
+# gpu_tests 180, bench_engine 120; the benches after it are skipped (recorded) unless time is left.
+# Every step runs under `timeout`; a failure, timeout, skip, skipped GPU test or flex fallback makes
+# the call exit non-zero, and summary.txt says which step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODE=${1:-}
-case "$MODE" in 1|2|--dry-run) ;; *) echo "usage: scripts/gpu_check.sh 1|2|--dry-run" >&2; exit 2 ;; esac
 DRY=0
-[[ "$MODE" == "--dry-run" ]] && DRY=1
+if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
+PLAN_ONLY=0
+if [[ "${1:-}" == "--plan" ]]; then PLAN_ONLY=1; shift; fi
+PREPARE=0
+if [[ "${1:-}" == "--prepare" ]]; then PREPARE=1; shift; fi
 OUT=${OUT:-gpu-results}
+LOG_DIR=${LOG_DIR:-/tmp/gpu_check_logs}  # outside $OUT: only summary.txt and logs.tar.gz go there
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 SCALE=$(( DRY ? 4 : 1 ))  # the dry run's tiny steps on a (shared) CPU get 4x the GPU budgets
-CALL_BUDGET_1=$(( 270 * SCALE ))
-CALL_BUDGET_2=$(( 330 * SCALE ))
+CALL_BUDGET=$(( ${CALL_BUDGET_S:-420} * SCALE ))
 KV_BLOCKS=8192  # one KV size for every bench_engine row: 8192 x 16 tokens, 25.8 GB at Moondream 2 bf16
 
-# Each step: name, budget in seconds, the command. It runs under `timeout`, its output goes to
-# $OUT/<log> and the console; a failure is recorded and the call goes on to the next step.
+# The steps, in order: name, budget (GPU seconds), minimum worth starting with (a bench whose
+# first result needs that long), log file, what it is.
+STEPS=(
+    "environment      10  10 env.txt              nvidia-smi, python / torch / CUDA / Triton versions; torch sees the GPU"
+    "flex_smoke       90  90 flex_smoke.log       compiled flex at Moondream 2 / Qwen3-VL-2B / 8B-GQA / Qwen3.5-2B (head dim 256) shapes, bf16 + fp32, 1-128 queries, vs the reference, one call replayed in a CUDA graph"
+    "gpu_tests       180 150 gpu_tests.log        pytest -m gpu tests/test_gpu.py: graphs vs eager, upstream parity, bf16, json masks, Qwen3.5, Qwen3-VL-MoE (grouped GEMM), Florence-2, classify; a skipped test fails"
+    "bench_engine    120  90 bench.log            Moondream 2 shapes, random bf16 weights, ${KV_BLOCKS} KV blocks: mixed/256, mixed@1024x768/256, caption/256; engine sync + pipelined vs static vs one-at-a-time; busy / graph-step share, compile s"
+    "bench_qwen3vl   120  90 bench_qwen3vl.log    Qwen3-VL-2B shapes, random bf16 weights, 64 images: engine (built untimed) vs transformers' batched generate"
+    "bench_moe        40  40 bench_moe.log        MoE MLP, 4 Qwen3-VL-30B-A3B-shaped layers (128 x 768, top 8): grouped / gathered / loop vs dense SwiGLU, graph replays vs eager"
+    "bench_qwen35    120  90 bench_qwen35.log     Qwen3.5-2B-like shapes, random bf16 weights, 128 images: engine vs transformers' batched generate"
+    "bench_florence2  60  45 bench_florence2.log  Florence-2-base shapes, random weights, 32 images: native engine vs the transformers backend, labels equal"
+    "classify_bench   90  60 bench_classify.log   classify(10) vs query(8) vs query(1) on Qwen3-VL-2B shapes, bf16, batch 256"
+    "bench_attention  50  50 bench_attention.log  one decode step's attention at Moondream 2 shapes, blocks 16 and 64, CUDA events on a captured step"
+)
+
+plan() {
+    echo "gpu_check plan: one call of ${CALL_BUDGET_S:-420} s (CALL_BUDGET_S); budgets in GPU seconds, a step starts"
+    echo "only with its minimum left in the call (else: skipped, recorded, the call fails); the dry run"
+    echo "walks the same steps at tiny sizes on CPU with 4x these budgets"
+    echo "  set-up             ~15   install .whl/ into /tmp/site, check modules, find the parity fixtures"
+    local s
+    for s in "${STEPS[@]}"; do
+        read -r name budget least _log what <<<"$s"
+        printf "  %-16s %4s  (starts with >= %s s left)  %s\n" "$name" "$budget" "$least" "$what"
+    done
+}
+
+# Here, before a device call: wheels, the one fixture the GPU tests read (the upstream Moondream
+# tiny parity set, 31 MB), and what the call will send: tracked and untracked-not-ignored files,
+# shared/ (git-ignored, it travels all the same) and the carried .whl/, against the tool's 64 MiB.
+prepare() {
+    scripts/gpu_wheels.sh || return 1
+    local src=${BATCHVLM_SHARED:-../shared}/fixtures/moondream-tiny dst=shared/fixtures/moondream-tiny
+    mkdir -p "$dst" && cp -r "$src"/{config.json,weights.safetensors,expected.json,images} "$dst"/ || return 1
+    local bytes
+    bytes=$( { git ls-files -z --cached --others --exclude-standard; find .whl shared -type f -print0; } \
+             | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+    echo "gpu_check: the device call will send $(( bytes / 1048576 )) MiB (the limit is 64)"
+    (( bytes < 64 * 1048576 ))
+}
+
 FAILED=()
+record() { echo "$*" | tee -a "$OUT/summary.txt"; }
+budget_left() { echo $(( CALL_BUDGET - (SECONDS - CALL_START) )); }
+
+# One step under its timeout: its budget, or what the call has left (less a margin for the summary).
 step() {
-    local name=$1 budget=$(( $2 * SCALE )) log=$3; shift 3
+    local name=$1 budget=$(( $2 * SCALE )) least=$(( $3 * SCALE )) log=$4
+    local left=$(( $(budget_left) - 5 * SCALE ))
+    if (( left < least )); then
+        record "$name: skipped: needs ${least} s, ${left} s left in the call"
+        FAILED+=("$name (skipped)")
+        return
+    fi
+    (( budget > left )) && budget=$left
+    echo "== $name (budget ${budget} s, ${left} s left in the call)"
     local t0=$SECONDS
-    if declare -F "$1" >/dev/null; then set -- bash -c "$*"; fi  # a step function, run by a child bash
-    echo "== [$CALL] $name (budget ${budget} s, $(( $(budget_left) )) s left in the call): $*"
-    timeout --kill-after=10 "$budget" "$@" 2>&1 | tee "$OUT/$log"
-    local rc=${PIPESTATUS[0]}
-    local took=$(( SECONDS - t0 ))
+    STEP_BUDGET=$budget timeout --kill-after=10 "$budget" bash -c "$name" 2>&1 | tee "$LOG_DIR/$log"
+    local rc=${PIPESTATUS[0]} took=$(( SECONDS - t0 ))
     if (( rc == 124 || rc == 137 )); then
-        echo "!! [$CALL] $name: TIMED OUT after ${budget} s" | tee -a "$OUT/$log"
+        record "$name: TIMED OUT after ${budget} s"
         FAILED+=("$name (timeout)")
     elif (( rc != 0 )); then
-        echo "!! [$CALL] $name: FAILED (exit $rc) after ${took} s" | tee -a "$OUT/$log"
+        record "$name: FAILED (exit $rc) after ${took} s"
         FAILED+=("$name (exit $rc)")
     else
-        echo "== [$CALL] $name: ok in ${took} s"
+        record "$name: ok in ${took}s/${budget}s"
     fi
-    echo "$name: rc=$rc ${took}s/${budget}s" >> "$OUT/summary-$CALL.txt"
-    return $rc
+    tar czf "$OUT/logs.tar.gz" -C "$LOG_DIR" .
 }
-budget_left() { echo $(( CALL_BUDGET - (SECONDS - CALL_START) )); }
 
 setup() {
     if compgen -G ".whl/*.whl" >/dev/null; then
@@ -67,7 +135,8 @@ setup() {
 import importlib, sys
 need = ["torch", "numpy", "PIL", "pyarrow", "tokenizers", "safetensors", "huggingface_hub", "fsspec", "yaml",
         "tqdm", "typer", "pytest", "webdataset", "braceexpand", "pydantic", "pydantic_core", "annotated_types",
-        "typing_inspection", "batchvlm.run", "batchvlm.engine.engine", "batchvlm.models.fused_attention"]
+        "typing_inspection", "transformers", "xgrammar", "batchvlm.run", "batchvlm.engine.engine",
+        "batchvlm.models.fused_attention"]
 missing = []
 for name in need:
     try:
@@ -87,6 +156,8 @@ EOF
     fi
     export BATCHVLM_SHARED=$FIXTURES BATCHVLM_REQUIRE_FIXTURES=1
 }
+
+# ---------------------------------------------------------------- the steps (each run by a child bash)
 
 environment() {
     if (( DRY )); then
@@ -109,128 +180,93 @@ if sys.argv[1] == "0":
 EOF
 }
 
+flex_smoke() { $PY scripts/flex_smoke.py $( (( DRY )) && echo --small ); }
+
 gpu_tests() {  # any skipped GPU test is a failure: a GPU run that skips proves nothing
-    local out
     if (( DRY )); then
-        out=$($PY -m pytest -q -m gpu -p no:cacheprovider --collect-only tests/test_gpu.py 2>&1) || { echo "$out"; return 1; }
-        echo "$out" | tail -3
-        return 0
+        $PY -m pytest -q -m gpu -p no:cacheprovider --collect-only tests/test_gpu.py 2>&1 | tail -3
+        return "${PIPESTATUS[0]}"
     fi
-    out=$($PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_gpu.py 2>&1)
-    local rc=$?
-    echo "$out"
-    if echo "$out" | tail -1 | grep -q "skipped"; then echo "!! GPU tests were skipped"; return 1; fi
-    return $rc
+    # -v: each test's line as it ends, so a timeout still says which ran; durations of the slow ones
+    $PY -m pytest -v -m gpu -p no:cacheprovider -rs --durations=15 tests/test_gpu.py 2>&1 | tee /tmp/gpu_tests.out
+    local rc=${PIPESTATUS[0]}
+    if tail -1 /tmp/gpu_tests.out | grep -q "skipped"; then echo "!! GPU tests were skipped"; return 1; fi
+    return "$rc"
 }
 
-export -f environment gpu_tests
-export DRY PY
-
-call_1() {
-    CALL=1 CALL_BUDGET=$CALL_BUDGET_1 CALL_START=$SECONDS
-    rm -f "$OUT/summary-1.txt"
-    setup || { FAILED+=("set-up"); return; }
-    step "environment" 20 env.txt environment || { (( DRY )) || return; }
-    if (( DRY )); then
-        step "flex smoke test" 90 flex_smoke.log $PY scripts/flex_smoke.py --small
-        step "bench_attention" 50 bench_attention.log $PY scripts/bench_attention.py --images 2 --rows 3 --prefix 37 \
-            --own-max 20 --layers 1 --steps 1 --block-sizes 16 64
-    else
-        step "flex smoke test" 90 flex_smoke.log $PY scripts/flex_smoke.py
-        step "bench_attention" 50 bench_attention.log $PY scripts/bench_attention.py --block-sizes 16 64
-    fi
-    step "GPU tests" $(( $(budget_left) / SCALE - 5 )) gpu_tests.log gpu_tests
+bench_engine() {  # rows in order of importance; rows stop starting at the deadline (a row takes < 60 s)
+    local args=(--model full-random --images 128 --fixed-lengths --max-new-tokens 32 --max-objects 6
+                --rows mixed/256 mixed@1024x768/256 caption/256 --one-at-a-time-images 8
+                --kv-blocks $KV_BLOCKS --profile --deadline-s $(( STEP_BUDGET / SCALE - 60 )))
+    (( DRY )) && args=(--model demo --device cpu --images 2 --repeat 1 --max-new-tokens 3 --max-objects 1
+                       --rows mixed/4 mixed@1024x768/4 --one-at-a-time-images 1 --kv-blocks 300 --deadline-s 120)
+    $PY scripts/bench_engine.py "${args[@]}" --json "$LOG_DIR/bench.json"
 }
 
-call_2() {
-    CALL=2 CALL_BUDGET=$CALL_BUDGET_2 CALL_START=$SECONDS
-    rm -f "$OUT/summary-2.txt"
-    setup || { FAILED+=("set-up"); return; }
-    local bench_args qwen_args
-    if (( DRY )); then
-        bench_args=(--model demo --device cpu --images 2 --repeat 1 --max-new-tokens 3 --max-objects 1
-                    --rows mixed/4 mixed@1024x768/4 --one-at-a-time-images 1 --kv-blocks 300 --deadline-s 120)
-        qwen_args=(--config tiny --dtype float32 --images 2 --batch 8 --hf-batch 8 --max-new-tokens 3 --skip-one-at-a-time)
-    else
-        # rows in order of importance; rows stop starting after the deadline (a row takes < 60 s)
-        bench_args=(--model full-random --images 128 --fixed-lengths --max-new-tokens 32 --max-objects 6
-                    --rows mixed/256 mixed@1024x768/256 caption/256 mixed/64 --one-at-a-time-images 8
-                    --kv-blocks $KV_BLOCKS --profile --deadline-s 170)
-        qwen_args=(--config 2b --dtype bfloat16 --images 64 --batch 256 --hf-batch 80 --max-new-tokens 16
-                   --skip-one-at-a-time)
-    fi
-    step "bench_engine" 230 bench.log $PY scripts/bench_engine.py "${bench_args[@]}" --json "$OUT/bench.json"
-    local left moe_args
-    if [[ "${MOE:-0}" == 1 ]]; then  # opt-in, before the Qwen runs take the rest: MoE MLP paths, 30B-A3B-shaped
-        left=$(budget_left)
-        if (( left > 40 * SCALE )); then
-            if (( DRY )); then
-                moe_args=(--shape tiny --device cpu --dtype float32 --layers 2 --tokens 8 100 --iters 2)
-            else
-                moe_args=(--shape 30b-a3b --layers 4 --tokens 64 256 1024 4096)
-            fi
-            step "bench_moe" $(( 40 < left / SCALE - 10 ? 40 : left / SCALE - 10 )) bench_moe.log \
-                $PY scripts/bench_moe.py "${moe_args[@]}" --json "$OUT/bench_moe.json"
-        else
-            echo "== [2] bench_moe: not run, only ${left} s left (needs > 40 s)" | tee -a "$OUT/summary-2.txt"
-        fi
-    fi
-    left=$(budget_left)
-    if (( left > 90 * SCALE )); then  # Qwen3-VL-2B shapes, random weights (writes a ~4.5 GB checkpoint)
-        step "bench_qwen3vl" $(( left / SCALE - 10 )) bench_qwen3vl.log $PY scripts/bench_qwen3vl.py "${qwen_args[@]}" \
-            --json "$OUT/bench_qwen3vl.json"
-    else
-        echo "== [2] bench_qwen3vl: not run, only ${left} s left (needs > 90 s)" | tee -a "$OUT/summary-2.txt"
-    fi
-    if [[ "${QWEN35:-0}" == 1 ]]; then  # opt-in: Qwen3.5-2B-like shapes, random weights, when time is left
-        left=$(budget_left)
-        if (( left > 90 * SCALE )); then
-            step "bench_qwen35" $(( left / SCALE - 10 )) bench_qwen35.step.log env QWEN35_BUDGET_S=$(( left / SCALE - 15 )) \
-                scripts/gpu_check_qwen35.sh "$OUT" $( (( DRY )) && echo --dry-run )
-        else
-            echo "== [2] bench_qwen35: not run, only ${left} s left (needs > 90 s)" | tee -a "$OUT/summary-2.txt"
-        fi
-    fi
+bench_qwen3vl() {  # writes a ~4.5 GB random checkpoint first
+    local args=(--config 2b --dtype bfloat16 --images 64 --batch 256 --hf-batch 80 --max-new-tokens 16)
+    (( DRY )) && args=(--config tiny --dtype float32 --images 2 --batch 8 --hf-batch 8 --max-new-tokens 3)
+    $PY scripts/bench_qwen3vl.py "${args[@]}" --skip-one-at-a-time --json "$LOG_DIR/bench_qwen3vl.json"
 }
 
-plan() {
-    cat <<EOF
-gpu_check plan (budgets in seconds on the GPU; each step runs under its own timeout; the dry run
-walks the same steps at tiny sizes on CPU with 4x these budgets)
-call 1, ${CALL_BUDGET_1} s:
-  set-up            ~10   install .whl/ into /tmp/site, check modules, find the parity fixtures
-  environment        20   nvidia-smi, python / torch / CUDA / Triton versions, assert torch.cuda.is_available()
-  flex smoke test    90   scripts/flex_smoke.py: compiled flex at Moondream 2 / Qwen3-VL-2B / 8B-GQA shapes,
-                          bf16 + fp32, 1/8/64/128 queries (decode and main kernels), vs the reference,
-                          one call captured in a CUDA graph and replayed
-  bench_attention    50   scripts/bench_attention.py --block-sizes 16 64: decode step, CUDA events on a
-                          captured step, fails beyond its tolerance
-  GPU tests        rest   pytest -m gpu tests/test_gpu.py; a skipped test is a failure
-call 2, ${CALL_BUDGET_2} s:
-  set-up            ~10
-  bench_engine      230   Moondream 2 shapes, random weights, bf16, ${KV_BLOCKS} KV blocks for every row:
-                          mixed/256, mixed@1024x768/256, caption/256, mixed/64; engine sync + pipelined vs
-                          static batches vs one-at-a-time (8 images); GPU busy share, graph-step share,
-                          compile seconds and compiled shapes; rows stop starting after 170 s
-  bench_moe         40   only with MOE=1: scripts/bench_moe.py, the MoE MLP on 4 Qwen3-VL-30B-A3B-shaped
-                          layers (128 experts x 768, top 8, random weights): grouped GEMM / gathered / loop
-                          vs a dense SwiGLU of the same active width, CUDA-graph replays checked against eager
-  bench_qwen3vl    rest   only if > 90 s remain: Qwen3-VL-2B shapes, 64 images, engine (built untimed) vs
-                          transformers' batched generate, bf16
-EOF
+bench_moe() {
+    local args=(--shape 30b-a3b --layers 4 --tokens 64 256 1024 4096)
+    (( DRY )) && args=(--shape tiny --device cpu --dtype float32 --layers 2 --tokens 8 100 --iters 2)
+    $PY scripts/bench_moe.py "${args[@]}" --json "$LOG_DIR/bench_moe.json"
 }
 
-if (( DRY )); then
-    plan
-    call_1
-    call_2
-    echo "gpu_check dry run: $(( ${#FAILED[@]} )) step(s) failed${FAILED[*]:+: ${FAILED[*]}}"
-    (( ${#FAILED[@]} == 0 ))
-    exit $?
-fi
-call_$MODE
-if (( ${#FAILED[@]} )); then
-    echo "gpu_check call $MODE: FAILED: ${FAILED[*]}" | tee -a "$OUT/summary-$MODE.txt"
+bench_qwen35() {  # the Gated DeltaNet layers in plain torch (flash-linear-attention is not used)
+    local args=(--config 2b --dtype bfloat16 --images 128 --batch 256 --hf-batch 64 --max-new-tokens 32)
+    (( DRY )) && args=(--config mid --device cpu --images 2 --batch 16 --hf-batch 8 --max-new-tokens 3)
+    $PY scripts/bench_qwen3vl.py --family qwen3_5 "${args[@]}" --skip-one-at-a-time --json "$LOG_DIR/bench_qwen35.json"
+}
+
+bench_florence2() {
+    local args=(--config base --device cuda --images 32 --hf-batch 32 --pairs 2)
+    (( DRY )) && args=(--config mid --device cpu --images 1 --hf-batch 1 --pairs 1 --max-new-tokens 3)
+    $PY scripts/bench_florence2.py "${args[@]}" --json "$LOG_DIR/bench_florence2.json"
+}
+
+classify_bench() {
+    local args=(--model qwen3_vl --config 2b --device cuda --dtype bfloat16 --batch 256 --images 64 --repeats 2)
+    (( DRY )) && args=(--model qwen3_vl --config tiny --images 2 --repeats 1 --batch 8)
+    $PY scripts/bench_classify.py "${args[@]}"
+}
+
+bench_attention() {
+    local args=(--block-sizes 16 64)
+    (( DRY )) && args=(--images 2 --rows 3 --prefix 37 --own-max 20 --layers 1 --steps 1 --block-sizes 16 64)
+    $PY scripts/bench_attention.py "${args[@]}"
+}
+
+export -f environment flex_smoke gpu_tests bench_engine bench_qwen3vl bench_moe bench_qwen35 bench_florence2 \
+    classify_bench bench_attention
+export DRY PY LOG_DIR SCALE KV_BLOCKS
+
+# ---------------------------------------------------------------- the call
+
+if (( PLAN_ONLY )); then plan; exit 0; fi
+if (( PREPARE )); then prepare; exit $?; fi
+NAMES=()
+for s in "${STEPS[@]}"; do NAMES+=("${s%% *}"); done
+for want in "$@"; do
+    [[ " ${NAMES[*]} " == *" $want "* ]] || { echo "gpu_check: no step '$want' (steps: ${NAMES[*]})" >&2; exit 2; }
+done
+(( DRY )) && plan
+CALL_START=$SECONDS
+rm -rf "$OUT/summary.txt" "$OUT/logs.tar.gz" "$LOG_DIR"
+mkdir -p "$LOG_DIR"
+if ! setup; then
+    record "set-up: FAILED"
     exit 1
 fi
-echo "gpu_check call $MODE: every step ok" | tee -a "$OUT/summary-$MODE.txt"
+for s in "${STEPS[@]}"; do
+    read -r name budget least log _what <<<"$s"
+    if (( $# )) && [[ " $* " != *" $name "* ]]; then continue; fi
+    step "$name" "$budget" "$least" "$log"
+done
+if (( ${#FAILED[@]} )); then
+    record "gpu_check$( (( DRY )) && echo " dry run"): FAILED: ${FAILED[*]} ($(( SECONDS - CALL_START )) s)"
+    exit 1
+fi
+record "gpu_check$( (( DRY )) && echo " dry run"): every step ok ($(( SECONDS - CALL_START )) s)"

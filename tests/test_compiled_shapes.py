@@ -84,7 +84,7 @@ def test_kernel_tiles_divide_every_supported_block_size(dtype):
 
     h100 = CUDAConfigHeuristic().h100_default_flex_config
     for bs in CUDA_BLOCK_SIZES:
-        for head_dim in (64, 128):
+        for head_dim in (64, 128, 256):  # 256: Qwen3.5's full-attention layers
             for n in (1, 2, 8, 16, 64, 127, 128, 256, 1024):
                 for group in (1, 2, 4, 8, 3, 7):
                     q_block, opts = flex_tiles(bs, dtype, head_dim, n, group)

@@ -272,3 +272,147 @@ def test_json_masks_on_cuda_agree_and_do_not_starve_the_device(tmp_path):
     _, free_ahead = run(free, True, True)
     print(f"launches finding the previous step running: json {json_ahead:.0%}, free text {free_ahead:.0%}")
     assert json_ahead >= free_ahead - 0.1
+
+
+# ---------------------------------------------------------------- the newer model paths on CUDA
+
+def _labels(family, model, tasks, prepared, **engine) -> tuple[list[dict], dict]:
+    """The finished columns of every image, and the engine's stats."""
+    from batchvlm.engine.engine import Engine
+    from batchvlm.engine.labeler import WorkItem
+    from batchvlm.job import EngineSpec
+
+    settings = EngineSpec(**engine)
+    seqs = family.sequences(tasks, settings)
+    eng = Engine(model, seqs, settings, family.max_prefix_len())
+    done = {im.ticket: im for im in eng.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared))}
+    assert eng.scheduler.blocks.used == 0
+    return [family.columns(tasks, seqs, [s.output for s in done[i].seqs]) for i in range(len(prepared))], eng.stats
+
+
+def _same(a, b, tol: float) -> bool:
+    """Equal labels; floats (classify probabilities, box corners) within tol."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= tol
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k], tol) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y, tol) for x, y in zip(a, b))
+    return a == b
+
+
+def _share_same(x: list[dict], y: list[dict], tol: float) -> float:
+    """Share of (image, column) labels that agree."""
+    pairs = [(a[k], b.get(k)) for a, b in zip(x, y) for k in a]
+    return sum(_same(p, q, tol) for p, q in pairs) / len(pairs)
+
+
+def _case(name: str, folder):
+    """(checkpoint, tasks, prepared images, CUDA dtype) of a newer model path."""
+    from batchvlm.data.decode import decode
+    from batchvlm.job import ModelSpec
+    from batchvlm.models.registry import open_family
+    from batchvlm.tasks import ClassifyTask
+    from helpers import encode_image
+
+    classify = ClassifyTask(classify={"question": "What is it?", "choices": ["red", "red car", "reddish", "blue"]})
+    if name == "florence2":
+        from test_florence2 import TASKS as FLORENCE_TASKS
+        from test_florence2 import random_images, tasks_of
+        from tiny_vlms import florence2
+
+        # head dim 64 (Triton-valid); the n-gram ban and a forced first token: the per-row token
+        # history (RowState.row) and the prefixes' cross-attention K/V (CrossKV) in the graphs
+        folder = florence2(folder, seed=1, text=dict(d_model=128, encoder_attention_heads=2, decoder_attention_heads=2,
+                                                     encoder_ffn_dim=256, decoder_ffn_dim=256),
+                           generation=dict(no_repeat_ngram_size=3, forced_bos_token_id=256))
+        family = open_family(ModelSpec(name=str(folder)))
+        pre = family.preprocessor()
+        return family, tasks_of(FLORENCE_TASKS), [pre(im) for im in random_images(8, seed=3)], "float32"
+    from test_qwen3vl_engine import TASKS as QWEN_TASKS
+    from test_qwen3vl_engine import images
+
+    if name == "qwen3_5":  # Gated DeltaNet state (float32) forked per task, classify's scored rows
+        from qwen35_fixture import write_checkpoint
+
+        folder = write_checkpoint(folder, seed=2, likely_stops=True, text_dim=256, heads=4, kv_heads=2, head_dim=64,
+                                  section=(8, 4, 4))
+        dtype = "float32"
+    else:  # qwen3_vl_moe: the grouped-GEMM expert path (bfloat16) inside the graphs
+        from qwen3vl_fixture import write_checkpoint
+
+        folder = write_checkpoint(folder, seed=2, likely_stops=True, text_dim=256, heads=4, kv_heads=2, head_dim=64,
+                                  section=(16, 8, 8), moe=dict(experts=8, top_k=2, ff=64))
+        dtype = "bfloat16"
+    family = open_family(ModelSpec(name=str(folder)))
+    pre = family.preprocessor()
+    prepared = [pre(d.image, d.width, d.height) for d in
+                (decode(encode_image(im, "PNG"), 10**8) for im in (images() * 2)[:8])]
+    return family, [*QWEN_TASKS, classify], prepared, dtype
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_vl_moe", "florence2"])
+def test_newer_model_paths_in_cuda_graphs_agree_with_eager_steps_and_the_cpu(name, tmp_path, monkeypatch):
+    """Qwen3.5 (recurrent state, classify), Qwen3-VL-MoE in bfloat16 (grouped GEMM) and Florence-2
+    (CrossKV, the n-gram history): pipelined CUDA-graph runs against synchronous eager ones on CUDA
+    (float32: the same labels; bfloat16: rounding follows the batch, most agree), and float32 CUDA
+    against the CPU engine (which the CPU suite checks against transformers): a device mismatch or
+    a stale static buffer would garble far more than the few near-ties float noise can flip."""
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # convolutions as on the CPU
+    family, tasks, prepared, dtype = _case(name, tmp_path / name)
+    model = family.load(dtype, "cuda")
+    if name == "qwen3_vl_moe":
+        from batchvlm.models.qwen_vl.moe import SparseMoE
+
+        cap = torch.cuda.get_device_capability()
+        paths = {m.path for m in model.model.modules() if isinstance(m, SparseMoE)}
+        assert paths == {"grouped" if cap == (9, 0) or cap[0] == 10 else "gathered"}
+    eager, _ = _labels(family, model, tasks, prepared, max_new_tokens=12, max_batch_size=64, pipelined=False,
+                       cuda_graphs=False)
+    graphs, stats = _labels(family, model, tasks, prepared, max_new_tokens=12, max_batch_size=64, pipelined=True)
+    assert 0 < stats["graph_steps"] < stats["steps"], stats
+    if dtype == "bfloat16":
+        assert _share_same(graphs, eager, 0.05) >= 0.8
+        return
+    assert all(_same(g, e, 1e-4) for g, e in zip(graphs, eager)), (graphs, eager)
+    cpu, _ = _labels(family, family.load("float32", "cpu"), tasks, prepared, max_new_tokens=12, max_batch_size=64,
+                     pipelined=False)
+    share = _share_same(eager, cpu, 1e-3)
+    print(f"{name}: {share:.0%} of the labels equal the CPU engine's")
+    assert share >= 0.9
+
+
+def test_moe_grouped_gemm_equals_the_loop_and_replays_in_a_cuda_graph():
+    """The expert path CUDA bfloat16 gets (grouped GEMM on sm_90 / sm_100, else the gathered one)
+    against the float32 loop, and captured in a CUDA graph: a replay with new tokens (new routing,
+    same shapes) equals an eager call."""
+    from batchvlm.models.qwen_vl.config import MoEConfig
+    from batchvlm.models.qwen_vl.moe import SparseMoE, path_for
+
+    torch.manual_seed(0)
+    ref = SparseMoE(256, MoEConfig(16, 4, 128, 0, ()))
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    m = SparseMoE(256, MoEConfig(16, 4, 128, 0, ())).to("cuda", torch.bfloat16)
+    m.load_state_dict(ref.state_dict())
+    m.path = path_for(m, torch.device("cuda"), torch.bfloat16)
+    ref = ref.to("cuda")
+    xs = [torch.randn(300, 256, device="cuda") for _ in range(2)]
+    with torch.inference_mode():
+        ref.path = "loop"
+        for x in xs:
+            torch.testing.assert_close(m(x.bfloat16()).float(), ref(x), atol=3e-2, rtol=3e-2)
+        static = xs[0].bfloat16()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            m(static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = m(static)
+        static.copy_(xs[1].bfloat16())
+        graph.replay()
+        torch.testing.assert_close(out, m(xs[1].bfloat16()), atol=0, rtol=0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 
 import pytest
+from mask_trace import MaskTrace
 from qwen3vl_fixture import write_checkpoint
 from structured_cases import SCHEMAS, assert_finished_answers_validate
 
@@ -55,40 +56,11 @@ def columns(setup, engine: Engine) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def traced(setup):
-    """The pipelined engine's labels, and a trace of its host-side events: launches, collects (the
-    host's only wait for the device), mask computations (each in the schedule of a step), and
-    the schedules that found nothing to run. -> (columns, events, rows of each step, masked rows
-    of each step)."""
+def traced(setup) -> tuple[list[dict], MaskTrace]:
+    """The pipelined engine's labels, and a trace of its host-side events (mask_trace.py)."""
     engine = engine_for(setup, 64, True)
-    runner, sched = engine.runner, engine.scheduler
-    events: list[tuple[str, int]] = []
-    rows: dict[int, set[int]] = {}
-    masked: dict[int, set[int]] = {}
-
-    def launch(plan, launch=runner.launch):
-        events.append(("launch", plan.step))
-        rows[plan.step] = set(plan.new_rows.tolist()) | set(plan.decode_rows.tolist())
-        masked[plan.step] = set(plan.mask_rows.tolist())
-        return launch(plan)
-
-    def collect(inflight, collect=runner.collect):
-        events.append(("collect", inflight.plan.step))
-        return collect(inflight)
-
-    def fill_masks(answers, out, fill=sched.fill_masks):
-        events.append(("mask", sched.step))
-        fill(answers, out)
-
-    def schedule(schedule=sched.schedule):
-        plan = schedule()
-        if plan is None and sched.running:
-            assert all(s.inflight > 0 for s in sched.running if s.state.name == "RUNNING")
-            events.append(("nothing to run", sched.step))
-        return plan
-
-    runner.launch, runner.collect, sched.fill_masks, sched.schedule = launch, collect, fill_masks, schedule
-    return columns(setup, engine), events, rows, masked
+    trace = MaskTrace.attach(engine)
+    return columns(setup, engine), trace
 
 
 def test_answers_validate_and_do_not_depend_on_batch_or_pipelining(setup, traced):
@@ -105,22 +77,4 @@ def test_answers_validate_and_do_not_depend_on_batch_or_pipelining(setup, traced
 
 
 def test_no_launch_waits_for_a_mask(traced):
-    """Pipelined: the masks of step t are computed after step t-1 was launched and before it is
-    collected, from tokens of committed steps only; the device waits for the host only when
-    nothing at all could run (every running sequence's last step in flight)."""
-    _, events, rows, masked = traced
-    overlapped = 0
-    for k, (what, t) in enumerate(events):
-        if what != "mask" or t == 0:
-            continue
-        assert [e for e in events[:k] if e[0] == "launch"][-1] == ("launch", t - 1)
-        if ("collect", t - 1) in events[:k]:  # the device ran dry: nothing else was runnable
-            assert ("nothing to run", t) in events[events.index(("launch", t - 1)):k]
-        else:  # computed while step t-1 runs: for rows not in it, whose tokens are all committed
-            overlapped += 1
-            assert not masked[t] & rows[t - 1]
-    waits = sum(e[0] == "nothing to run" for e in events)
-    steps = sum(e[0] == "launch" for e in events)
-    # Constrained rows take turns in two cohorts: the device runs dry only at the start (every
-    # sequence admitted at once) and in the tail (one answer left, nothing to overlap it with).
-    assert overlapped > waits and overlapped > steps // 2, (overlapped, waits, steps)
+    traced[1].assert_no_launch_waits_for_a_mask()

@@ -2,8 +2,8 @@
 op that makes the host wait for the device on CUDA: `.item()` / `bool()` (_local_scalar_dense),
 data-dependent shapes (nonzero, boolean-mask indexing or assignment, masked_select) and tensors made
 from Python data (`torch.tensor(...)`: a blocking upload from pageable memory on CUDA), while the
-engine labels images with Moondream, Qwen3-VL and Florence-2 through the fused attention (CUDA's path),
-eager steps and the CUDA-graph decode body both. The intended wait, the emission read in
+engine labels images with Moondream, Qwen3-VL, Qwen3.5 and Florence-2 through the fused attention
+(CUDA's path), eager steps and the CUDA-graph decode body both. The intended wait, the emission read in
 `collect`, is an event and numpy views: it dispatches nothing. The flex_attention call itself is
 one compiled kernel on CUDA, so its eager CPU stand-in is not audited. (CPU-only blind spot:
 `.tolist()` of a CPU tensor dispatches nothing.)"""
@@ -154,8 +154,11 @@ def test_qwen3_vl_hot_path_has_no_host_sync(tmp_path, monkeypatch, moe_path, con
     assert audit.found == [], "\n".join(dict.fromkeys(audit.found))
 
 
-def test_florence2_hot_path_has_no_host_sync(tmp_path, monkeypatch):
-    """Forced first / end tokens and the n-gram ban (a per-row token history) on the device."""
+@pytest.mark.parametrize("constrained", [False, True])
+def test_florence2_hot_path_has_no_host_sync(tmp_path, monkeypatch, constrained):
+    """Forced first / end tokens and the n-gram ban (a per-row token history) on the device;
+    constrained: a json task (the mask table, its uploads, the mask beside the ban) and a classify
+    task (its scored decoder rows) as well."""
     pytest.importorskip("transformers")
     from test_florence2 import TASKS as FLORENCE_TASKS
     from test_florence2 import random_images, tasks_of
@@ -167,10 +170,49 @@ def test_florence2_hot_path_has_no_host_sync(tmp_path, monkeypatch):
     folder = florence2(tmp_path / "f2", seed=1, generation=dict(no_repeat_ngram_size=3, forced_bos_token_id=256))
     family = open_family(ModelSpec(name=str(folder)))
     settings = EngineSpec(max_new_tokens=4, max_batch_size=6, pipelined=True)
-    seqs = family.sequences(tasks_of(FLORENCE_TASKS), settings)
+    specs = FLORENCE_TASKS
+    if constrained:
+        pytest.importorskip("xgrammar")
+        specs = [*FLORENCE_TASKS, {"json": {"prompt": "Count.", "schema": {"type": "integer"}}},
+                 {"classify": {"question": "Is it?", "choices": ["yes", "no"]}}]
+    seqs = family.sequences(tasks_of(specs), settings)
+    assert any(s.spec.grammar is not None for s in seqs) == constrained
     model = family.load("float32", "cpu")
     pre = family.preprocessor()
     prepared = [pre(im) for im in random_images(2)]
+    with SyncAudit() as audit:
+        engine = Engine(model, seqs, settings, family.max_prefix_len())
+        r = engine.runner
+        r.graphs = DecodeGraphs(r, -(-engine.max_prefix_len // r.bs), max(engine.own_blocks),
+                                engine.seqs_per_prefix, capture=False)
+        done = list(engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared)))
+    assert len(done) == 2 and r.graph_steps > 0
+    assert audit.found == [], "\n".join(dict.fromkeys(audit.found))
+
+
+def test_qwen3_5_hot_path_has_no_host_sync(tmp_path, monkeypatch):
+    """The linear-attention layers' runs and state indices (qwen3_5/linear_state.py), the state
+    forked from each image prefix, and classify's scored prompt rows (StepInputs.score_*), eager
+    steps and the graph body."""
+    pytest.importorskip("transformers")
+    from qwen35_fixture import write_checkpoint
+    from test_qwen3vl_engine import TASKS as QWEN_TASKS
+    from test_qwen3vl_engine import images
+
+    from batchvlm.data.decode import decode
+    from batchvlm.models.registry import open_family
+    from batchvlm.tasks import ClassifyTask
+    from helpers import encode_image
+
+    unaudited_flex(monkeypatch)
+    family = open_family(ModelSpec(name=str(write_checkpoint(tmp_path / "qwen35", seed=2))))
+    settings = EngineSpec(max_new_tokens=3, max_batch_size=6, pipelined=True)
+    tasks = [*QWEN_TASKS[:2], ClassifyTask(classify={"question": "Which?", "choices": ["red", "red car", "blue"]})]
+    seqs = family.sequences(tasks, settings)
+    model = family.load("float32", "cpu")
+    pre = family.preprocessor()
+    prepared = [pre(d.image, d.width, d.height) for d in (decode(encode_image(im, "PNG"), 10**8)
+                                                          for im in images()[:2])]
     with SyncAudit() as audit:
         engine = Engine(model, seqs, settings, family.max_prefix_len())
         r = engine.runner

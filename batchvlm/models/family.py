@@ -58,7 +58,9 @@ Engine contract v2: how each kind of model plugs in.
       [n_scored, C], the token each row predicts and its emitting row, chosen on the host, already
       on the device; no other prompt row's logits are computed) and reduces them per row into
       `Decision.value` (decoding.py `choice_scores`). MODE_SCORE rows score their last `limit` rows
-      and write nothing after their prompt (budget 1).
+      and write nothing after their prompt (budget 1). An encoder-decoder (Florence-2) has the
+      whole prompt in its encoder prefix instead: a choice's own tokens are the decoder's start
+      tokens (start, forced first token) and the choice's tokens, its last `limit` rows scored.
   (d) JSON / constrained decoding (json tasks, output.constrain). The family compiles a grammar
       per schema once per job (models/grammar.py) and puts it in `SeqSpec.grammar`; the engine
       knows only its mask width. The grammar state of a sequence is on the host

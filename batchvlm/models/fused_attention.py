@@ -46,7 +46,9 @@ cache block, and both kernels need their BLOCK_N to divide it (the main kernel's
 are 32-128 wide, more than a 16-token block), so `flex_tiles` passes `kernel_options` with a
 BLOCK_N that divides every supported block size (16, 32, 64, 128). The decode kernel's query tile
 holds queries x group heads (next power of two, >= 16) and must divide the mask's query block:
-the query block grows with it (e.g. 64 queries x 4 heads -> 256).
+the query block grows with it (e.g. 64 queries x 4 heads -> 256). No tile is larger than
+inductor's own sm_90 default for the dtype and head dim (64 x 32 at Qwen3.5's head dim 256, where
+128 x 64 would not fit in shared memory).
 
 CUDA graphs: every step here is device tensor work with shapes that follow the input shapes
 (no host sync, no data-dependent shapes), so the fixed-shape decode body (engine/graphs.py)
@@ -81,8 +83,9 @@ def flex_tiles(block_size: int, dtype: torch.dtype, head_dim: int, n_queries: in
     if n_queries < 128 and pow2_group:  # inductor's decode kernel
         return max(Q_BLOCK, bucket(n_queries * group)), {"BLOCK_N": min(block_size, 64)}
     wide = dtype == torch.float32
-    options: dict[str, int | bool] = {"BLOCK_M": 32 if wide and head_dim > 64 else 128,
-                                      "BLOCK_N": min(block_size, 32 if wide else 64)}
+    big = head_dim > 128  # Qwen3.5's 256: inductor's own sm_90 tiles are 64 x 32 there (shared memory)
+    options: dict[str, int | bool] = {"BLOCK_M": 32 if wide and head_dim > 64 else 64 if big else 128,
+                                      "BLOCK_N": min(block_size, 32 if wide or big else 64)}
     if not pow2_group:  # torch < 2.10 would still try the decode kernel, which needs a power of two
         options["FORCE_USE_FLEX_ATTENTION"] = True
     return Q_BLOCK, options

@@ -10,6 +10,17 @@ applied in transformers' order to every row's logits, without a host round trip:
                     RawOutput.cut), unless the model chose the end token itself.
 Otherwise as decoding.py's `decide_text`: a row that writes its limit-th token finishes (cut).
 
+json rows (a grammar mask `mask_BW`, models/grammar.py) meet these settings so:
+  forced_bos        not grammar text: it is written (EMIT_FORCED, kept in the tokens like every
+                    row's) but not fed to the grammar, whose first mask holds for the next token;
+  forced_eos        at the limit the answer is cut, grammar or not (`<name>_truncated`); the
+                    grammar's end allows the end token, so a finished answer ends by itself;
+  no_repeat_ngram   banned after the mask, unless the ban would leave the row no token the
+                    grammar allows: then that row's ban is lifted for that step (the grammar wins,
+                    so a row always has a token to write).
+Classify choices (MODE_SCORE rows, `PromptRows`) are scored from the raw logits: no ban, no
+forced token (engine.py).
+
 The n-gram ban needs each row's tokens: `History` keeps them on the device, one row per
 device-state row of the engine (RowState.row), written by every decision.
 """
@@ -19,13 +30,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..decoding import EMIT_NONE, EMIT_TOKEN, Decision, RawOutput, RowState, SeqSpec, sample_tokens
+from ..decoding import EMIT_NONE, EMIT_SCORE, EMIT_TOKEN, Decision, RawOutput, RowState, SeqSpec, sample_tokens
+from ..grammar import apply_mask
 from .config import GenerationSettings
 
 # Emission code beside EMIT_NONE / EMIT_TOKEN: the forced end token cut the answer (nothing
 # written). A limit-th token written ends the answer too; the scheduler sees that one itself
 # (RawOutput.hit_limit).
 EMIT_CUT = 2
+# The forced first token (forced_bos): written like a token, but not answer text to a grammar.
+EMIT_FORCED = 3
 
 
 class History:
@@ -63,13 +77,22 @@ def ban_repeats(logits_BV: torch.Tensor, hist_BW: torch.Tensor, len_B: torch.Ten
 
 
 def decide(logits_BV: torch.Tensor, state: RowState, sampling: bool, g: GenerationSettings,
-           history: History | None) -> Decision:
-    """One step of every row; updates `state` (and the history) in place."""
+           history: History | None, mask_BW: torch.Tensor | None = None) -> Decision:
+    """One step of every row; updates `state` (and the history) in place. `mask_BW`: json token
+    masks, in jobs with json tasks (rows without a grammar allow every token)."""
+    if mask_BW is not None:
+        logits_BV = apply_mask(logits_BV, mask_BW)
     if history is not None:
-        logits_BV = ban_repeats(logits_BV, history.read(state.row), state.count + 1, g.no_repeat_ngram)
+        banned_BV = ban_repeats(logits_BV, history.read(state.row), state.count + 1, g.no_repeat_ngram)
+        if mask_BW is not None:  # never ban a row's last allowed tokens (module docstring)
+            left_B1 = (banned_BV > float("-inf")).any(-1, keepdim=True)
+            banned_BV = torch.where(left_B1, banned_BV, logits_BV)
+        logits_BV = banned_BV
     chosen = sample_tokens(logits_BV, state, sampling)
+    forced = torch.zeros_like(state.count, dtype=torch.bool)
     if g.forced_bos is not None:
-        chosen = torch.where(state.count == 0, g.forced_bos, chosen)
+        forced = state.count == 0
+        chosen = torch.where(forced, g.forced_bos, chosen)
     last = state.count + 1 >= state.limit  # this decision writes the limit-th token
     token = chosen if g.forced_eos is None else torch.where(last, g.forced_eos, chosen)
     written = token != g.eos
@@ -78,14 +101,20 @@ def decide(logits_BV: torch.Tensor, state: RowState, sampling: bool, g: Generati
         history.write(state.row, state.count, token)
     state.count = state.count + written.long()
     state.after_prompt = torch.zeros_like(state.after_prompt)
-    code = torch.where(written, EMIT_TOKEN, torch.where(cut, EMIT_CUT, EMIT_NONE))
+    code = torch.where(written, torch.where(forced, EMIT_FORCED, EMIT_TOKEN),
+                       torch.where(cut, EMIT_CUT, EMIT_NONE))
     zeros = logits_BV.new_zeros(token.shape[0], 2, dtype=torch.float32)
     return Decision(code, token, zeros, ~written | last, torch.zeros_like(token), token, zeros)
 
 
 def emit(out: RawOutput, spec: SeqSpec, code: int, token: int, v0: float, v1: float) -> None:
-    """The host half: keep written tokens, note a forced cut."""
-    if code == EMIT_TOKEN:
+    """The host half: keep written tokens (feeding a json answer's grammar all but the forced
+    first one), note a forced cut, keep a choice's score."""
+    if code in (EMIT_TOKEN, EMIT_FORCED):
         out.tokens.append(token)
+        if code == EMIT_TOKEN and out.grammar is not None:
+            out.grammar.accept(token)
     elif code == EMIT_CUT:
         out.cut = True
+    elif code == EMIT_SCORE:
+        out.objects.append((v0,))

@@ -20,8 +20,9 @@ import torch
 from ...cache.specs import CrossKV, PagedKV, StateSpec
 from ...cache.tensors import EngineCache
 from ..attention import AttentionBatch, PrefixGroup, Reads, attend, plan_groups
-from ..decoding import Decision, PromptRows, RowState
+from ..decoding import Decision, PromptRows, RowState, choice_scores, with_scores
 from ..family import ModelInfo, PrefixInputs
+from ..grammar import fill_masks
 from ..pinned import PinnedUpload
 from . import decoding
 from .config import GenerationSettings
@@ -122,7 +123,14 @@ class Florence2EngineModel:
         return torch.cat([embeds_NC.new_zeros(P, hidden.shape[1]), hidden]) if P else hidden
 
     def decide(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
-               heads: tuple[torch.Tensor, ...] | None, prompt: PromptRows | None = None) -> Decision:
-        return decoding.decide(self.model.text.logits(hidden_BC), state, sampling, self.generation, self._history)
+               heads: tuple[torch.Tensor, ...] | None, prompt: PromptRows | None = None,
+               mask_BW: torch.Tensor | None = None) -> Decision:
+        text = self.model.text
+        d = decoding.decide(text.logits(hidden_BC), state, sampling, self.generation, self._history, mask_BW)
+        if prompt is None:
+            return d
+        # classify choices: the end token ends a choice (family.py _choices)
+        return with_scores(d, state, choice_scores(text.logits, prompt, state, self.generation.eos))
 
     emit = staticmethod(decoding.emit)
+    fill_masks = staticmethod(fill_masks)  # json tasks (models/grammar.py)

@@ -4,6 +4,14 @@ Every sequence is one (image, prompt) pair: the prompt (`<s>` instruction `</s>`
 read by the encoder after the image tokens (`SeqSpec.prefix_prompt`: engine contract v2's prefix
 segment), and the decoder writes the answer from the decoder start token (`SeqSpec.prompt`), its
 own tokens at positions 0, 1, ... for every sequence.
+
+classify and json are asked as a query is (the question / prompt verbatim: Florence-2 has no chat
+template). A classify choice is a decoder row on the (image, question) prefix: its own tokens are
+what greedy `generate` feeds before an answer (the decoder start token, then the forced first
+token if the checkpoint forces one) and the choice's tokens, scored from the first choice token
+on, then the end token (models/family.py (c)). A json answer is decoded under its schema's grammar
+(models/grammar.py) over this tokenizer; how the grammar meets the forced tokens and the n-gram
+ban: decoding.py.
 """
 
 from __future__ import annotations
@@ -17,8 +25,9 @@ import torch
 
 from ...tasks import args_of, kind_of
 from ..columns import task_columns
-from ..decoding import MODE_TEXT, RawOutput, SeqSpec
+from ..decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
 from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence, check_kinds, refuse_constrain
+from ..grammar import Grammars
 from ..hub import load_tokenizer, read_json, resolve_device, resolve_dtype, weight_files, weights_sha256
 from .config import ConfigError, Florence2Config, GenerationSettings
 from .engine import Florence2EngineModel
@@ -48,13 +57,19 @@ class Tokenizer:
         self.bos, self.eos = (t["content"] if isinstance(t, dict) else t
                               for t in (config.get("bos_token", "<s>"), config.get("eos_token", "</s>")))
 
+    @property
+    def raw(self):
+        """The `tokenizers.Tokenizer` itself (the grammar library reads its vocabulary)."""
+        return self._tok
+
     def encode(self, text: str) -> tuple[int, ...]:
         return tuple(self._tok.encode(text, add_special_tokens=False).ids)
 
-    def decode(self, ids: tuple[int, ...], special: bool) -> str:
-        """`special`: keep special tokens (the <loc_N> text the post-processor reads)."""
+    def decode(self, ids: tuple[int, ...], special: bool, cleanup: bool = True) -> str:
+        """`special`: keep special tokens (the <loc_N> text the post-processor reads); `cleanup`:
+        the tokenizer config's clean-up of spaces, if it asks for it."""
         text = self._tok.decode(list(ids), skip_special_tokens=not special)
-        if self.cleanup:
+        if cleanup and self.cleanup:
             for a, b in _CLEANUP:
                 text = text.replace(a, b)
         return text
@@ -82,6 +97,8 @@ class Florence2:
         self.config, self.settings, self.generation, self.tokenizer = config, settings, generation, tokenizer
         self.folder, self.model_name, self.revision = folder, model_name, revision
         self.image_tokens = image_token_count(config, settings)
+        # json answers: the logits are config.text.vocab_size wide; the end token ends them
+        self.grammars = Grammars(tokenizer.raw, config.text.vocab_size, [generation.eos])
         if self.image_tokens != settings.image_tokens:
             raise ConfigError(f"{folder}: preprocessor_config.json image_seq_length {settings.image_tokens}, but a "
                               f"{settings.width}x{settings.height} image makes {self.image_tokens} image tokens")
@@ -115,25 +132,59 @@ class Florence2:
         seqs = []
         for t, task in enumerate(tasks):
             kind, a = kind_of(task), args_of(task)
+            if kind == "classify":
+                seqs += self._choices(t, a.choices, self._prefix(t, kind, task_text(kind, a)))
+                continue
             limit = getattr(a, "max_new_tokens", None) or engine.max_new_tokens
             kept = (a.max_objects or engine.max_objects) if kind in ("detect", "regions") else None
+            grammar = self.grammars.compile(a.json_schema, f"tasks.{t}.json") if kind == "json" else None
             for obj in (a.objects if kind == "detect" else [None]):
                 spec = SeqSpec(MODE_TEXT, (self.generation.decoder_start,), limit, engine.temperature, engine.top_p,
-                               prefix_prompt=self.prompt(task_text(kind, a, obj)))
+                               prefix_prompt=self._prefix(t, kind, task_text(kind, a, obj)), grammar=grammar)
                 seqs.append(TaskSequence(t, obj, spec, kept))
         n_pos = self.config.text.max_positions
         for s in seqs:
             if self.image_tokens + (n := len(s.spec.prefix_prompt)) > n_pos:
                 raise FamilyError(f"tasks.{s.task}: {self.image_tokens} image tokens and a {n}-token "
                                   f"prompt exceed the encoder's {n_pos} positions; shorten it")
-            if 1 + s.spec.limit > n_pos:
+            if s.spec.mode == MODE_SCORE and len(s.spec.prompt) > n_pos:
+                raise FamilyError(f"tasks.{s.task}.classify.choices: {s.label!r} is {len(s.spec.prompt)} decoder "
+                                  f"tokens, more than the decoder's {n_pos} positions; shorten it")
+            if s.spec.mode != MODE_SCORE and 1 + s.spec.limit > n_pos:
                 raise FamilyError(f"tasks.{s.task}: up to {s.spec.limit} generated tokens exceed the decoder's {n_pos} "
                                   "positions; lower engine.max_new_tokens (or the task's max_new_tokens)")
         return seqs
 
+    def _prefix(self, t: int, kind: str, text: str) -> tuple[int, ...]:
+        """The encoder prompt of task t's text; a task token inside free text is an error naming the field."""
+        try:
+            return self.prompt(text)
+        except ValueError as e:
+            field = {"query": "question", "classify": "question", "json": "prompt", "detect": "objects"}.get(kind)
+            raise FamilyError(f"tasks.{t}.{kind}{'.' + field if field else ''}: {e}") from None
+
+    def _choices(self, t: int, choices: list[str], prefix: tuple[int, ...]) -> list[TaskSequence]:
+        """One decoder row per choice on the question's (image, prompt) prefix: the decoder start
+        token, the forced first token (if any), the choice's tokens. Its last `limit` = choice
+        tokens + 1 rows are scored: each predicts the next choice token, the last one the end token
+        (a forced token is not scored). After the special start / forced tokens a choice encodes as
+        it does alone."""
+        g = self.generation
+        start = (g.decoder_start,) if g.forced_bos is None else (g.decoder_start, g.forced_bos)
+        seqs: list[TaskSequence] = []
+        for c in choices:
+            ids = self.tokenizer.encode(c)
+            for s in seqs:
+                if s.spec.prompt[len(start):] == ids:
+                    raise FamilyError(f"tasks.{t}.classify.choices: {s.label!r} and {c!r} are the same tokens for "
+                                      "this model")
+            seqs.append(TaskSequence(t, c, SeqSpec(MODE_SCORE, start + ids, len(ids) + 1, prefix_prompt=prefix)))
+        return seqs
+
     def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput],
                 seen: tuple[int, int] | None = None) -> dict[str, Any]:
-        return task_columns(tasks, seqs, raws, seen, partial(task_values, self.tokenizer))
+        forced_first = self.generation.forced_bos is not None
+        return task_columns(tasks, seqs, raws, seen, partial(task_values, self.tokenizer, forced_first))
 
     def load(self, dtype: str = "auto", device: str = "auto") -> Florence2EngineModel:
         dev = resolve_device(device)

@@ -1,5 +1,7 @@
 """Florence-2's generated tokens -> one image's column values, as the processor post-processes
-them: captions, answers and OCR are the text without special tokens (stripped); detect and
+them: captions, answers and OCR are the text without special tokens (stripped); a json answer is
+the text exactly as its grammar read it (every token but the forced first one, special tokens as
+their text, no clean-up: nothing the grammar allowed is dropped or changed); detect and
 regions read the text with its <loc_N> tokens (models/grounding.py, the processor's rules). A
 detect box is labelled with the object asked for, a region with its own phrase; at most
 max_objects of them, in the order the model wrote them. Detect text is `<name>_raw` too.
@@ -14,11 +16,14 @@ from ..columns import TaskOutputs
 from ..grounding import florence2_boxes, florence2_regions
 
 
-def task_values(tokenizer, o: TaskOutputs) -> dict[str, Any]:
-    """One task's columns (models/columns.py)."""
+def task_values(tokenizer, forced_first: bool, o: TaskOutputs) -> dict[str, Any]:
+    """One task's columns (models/columns.py). `forced_first`: every answer starts with the
+    checkpoint's forced first token (not grammar text)."""
     kind, cut = kind_of(o.task), o.cut
     out: dict[str, Any] = {}
-    if kind in ("caption", "query", "ocr"):
+    if kind == "json":
+        out[column_of(o.task)] = tokenizer.decode(o.raws[0].tokens[int(forced_first):], special=True, cleanup=False)
+    elif kind in ("caption", "query", "ocr"):
         out[column_of(o.task)] = tokenizer.decode(o.raws[0].tokens, special=False).strip()
     elif kind == "regions":
         regions = florence2_regions(tokenizer.decode(o.raws[0].tokens, special=True))

@@ -2,7 +2,8 @@
 transformers backend.
 
 A task becomes a task token (`<CAPTION>`, `<OPEN_VOCABULARY_DETECTION>` + the object, ...); a
-query is its question as written. The processor (transformers' `Florence2Processor`) then turns a
+query is its question as written, and so are a classify question and a json prompt (Florence-2 has
+no chat template: they are asked as a query is). The processor (transformers' `Florence2Processor`) then turns a
 task token into the instruction the model was trained on; `instruction()` does the same here,
 with the processor's exact strings (the parity tests compare them with the processor's tables).
 The encoder reads [image tokens][<s> instruction </s>].
@@ -39,15 +40,17 @@ INSTRUCTIONS_WITH_INPUT = {
 }
 
 # What each task kind can be for Florence-2; `point` has no Florence-2 task.
-KINDS = ("caption", "query", "detect", "ocr", "regions")
+KINDS = ("caption", "query", "detect", "ocr", "regions", "classify", "json")
 
 
 def task_text(kind: str, args: Any, obj: str | None = None) -> str:
     """The text a sequence hands the processor: a task token (+ the object), or the question."""
     if kind == "caption":
         return CAPTION_TOKENS[args.length]
-    if kind == "query":
+    if kind in ("query", "classify"):
         return args.question
+    if kind == "json":
+        return args.prompt
     if kind == "detect":
         return DETECT_TOKEN + obj
     if kind == "ocr":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .config import TextConfig
@@ -42,6 +43,14 @@ class LinearState:
                                                                                  device=device))
 
 
+def _upload(device: torch.device, *columns: np.ndarray) -> list[torch.Tensor]:
+    """Host int arrays -> device long tensors, in one copy that never waits for the device: from
+    pageable memory the driver stages the bytes before returning, so nothing needs to stay alive
+    (`torch.tensor(list, device=...)` would block until the device has run everything queued)."""
+    flat = torch.from_numpy(np.concatenate(columns).astype(np.int64, copy=False))
+    return list(flat.to(device, non_blocking=True).split([len(c) for c in columns]))
+
+
 class Runs:
     """Runs of one wave, batched: padded to the longest for the chunked rule."""
 
@@ -51,17 +60,17 @@ class Runs:
         if not self.any:
             return
         self.fresh = all(r == ZERO for r in read)  # else: none is (waves are split so)
-        self.read = torch.tensor(read, dtype=torch.long, device=device)
-        self.write = torch.tensor(write, dtype=torch.long, device=device)
-        self.lens_B = torch.tensor(length, dtype=torch.long, device=device)
         L = max(length)
-        j = torch.arange(L, device=device)
-        self.valid_BL = j[None] < self.lens_B[:, None]
-        self.rows_BL = torch.where(self.valid_BL, torch.tensor(start, device=device)[:, None] + j[None], 0)
+        lens = np.asarray(length, dtype=np.int64)
+        b = np.repeat(np.arange(len(length)), lens)
+        t = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
         # the real tokens, from the host's lengths (no boolean indexing, no sync): their flat rows
         # and their places in the padded [B * L] layout
-        self.rows = torch.tensor([a + t for a, n in zip(start, length) for t in range(n)], device=device)
-        self.padded = torch.tensor([b * L + t for b, n in enumerate(length) for t in range(n)], device=device)
+        self.read, self.write, self.lens_B, start_B, self.rows, self.padded = _upload(
+            device, np.asarray(read), np.asarray(write), lens, np.asarray(start), np.asarray(start)[b] + t, b * L + t)
+        j = torch.arange(L, device=device)
+        self.valid_BL = j[None] < self.lens_B[:, None]
+        self.rows_BL = torch.where(self.valid_BL, start_B[:, None] + j[None], 0)
 
 
 class Segments:

@@ -16,11 +16,16 @@ Three ways to run the experts, the same sums (`path`, chosen for the device by p
   grouped  the assignments (token, k) sorted by expert, one grouped GEMM per projection over the
            sorted rows (`grouped_mm` with per-expert end offsets), unsorted and summed over k.
            Every shape is N * K rows: fixed for a step bucket, no host sync, CUDA-graph safe.
-           CUDA with bfloat16 on SM80+, and CPU where torch has `F.grouped_mm` (2.10+; faster
-           there than the loop, and the tests then run the CUDA path's code).
+           CUDA with bfloat16 on SM90 / SM100 (Hopper, Blackwell datacenter parts: torch's
+           CUTLASS kernel; elsewhere torch falls back to a loop over the experts that reads the
+           offsets back to the host, a sync per call that also fails inside a CUDA graph
+           capture), and CPU where torch has `F.grouped_mm` (2.10+; faster there than the loop,
+           and the tests then run the CUDA path's code). CUDA's kernel also wants 16-byte
+           aligned rows: dim and ff_dim multiples of 8 (every released checkpoint's are; a
+           model whose are not runs gathered).
   gathered the same sorted rows, each multiplied by its own expert's weights gathered per row
            (a batched matmul) in fixed chunks of rows: fixed shapes, no host sync; the fallback
-           where grouped_mm cannot run (float32 or older GPUs on CUDA). Memory per chunk:
+           where the grouped kernel cannot run (float32, or other GPUs, on CUDA). Memory per chunk:
            CHUNK_ROWS * 3 * I * C weights.
 """
 
@@ -47,12 +52,23 @@ def _grouped_mm(x_RC: torch.Tensor, w_ECO: torch.Tensor, offs_E: torch.Tensor) -
     return mm(x_RC, w_ECO, offs=offs_E)
 
 
-def path_for(device: torch.device, dtype: torch.dtype) -> str:
+def grouped_kernel_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's CUDA grouped GEMM runs as one kernel here (GroupedBlas.cpp's fast path:
+    bfloat16 on compute capability 9.0 or 10.x); anything else takes its per-expert fallback."""
+    if device.type != "cuda" or dtype != torch.bfloat16 or not grouped_mm_available():
+        return False
+    major, minor = torch.cuda.get_device_capability(device)
+    return (major, minor) == (9, 0) or major == 10
+
+
+def path_for(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str:
+    """The expert path for `model`'s SparseMoE layers on this device and dtype."""
     if device.type != "cuda":
         return "grouped" if hasattr(F, "grouped_mm") else "loop"
-    if dtype == torch.bfloat16 and grouped_mm_available() and torch.cuda.get_device_capability(device) >= (8, 0):
-        return "grouped"
-    return "gathered"
+    # The kernel's operands need 16-byte aligned rows (8 bf16): the width and the expert width.
+    aligned = all(m.experts.gate_up_proj.shape[-1] % 8 == 0 and m.experts.ff_dim % 8 == 0
+                  for m in model.modules() if isinstance(m, SparseMoE))
+    return "grouped" if grouped_kernel_on(device, dtype) and aligned else "gathered"
 
 
 class Experts(nn.Module):

@@ -91,5 +91,5 @@ def build_model(make: Callable[[object], M], config, lut: torch.Tensor, device: 
         model = make(config).to(dtype)
     model = empty_on(model, device)
     model.reset_buffers(lut)
-    set_path(model, path_for(device, dtype))
+    set_path(model, path_for(model, device, dtype))
     return model.eval().requires_grad_(False)
