@@ -279,8 +279,8 @@ def test_json_masks_on_cuda_agree_and_do_not_starve_the_device(tmp_path):
 def _labels(family, model, tasks, prepared, **engine) -> tuple[list[dict], dict]:
     """The finished columns of every image, and the engine's stats."""
     from batchvlm.engine.engine import Engine
-    from batchvlm.engine.labeler import WorkItem
     from batchvlm.job import EngineSpec
+    from batchvlm.models.family import WorkItem
 
     settings = EngineSpec(**engine)
     seqs = family.sequences(tasks, settings)
