@@ -2,8 +2,8 @@
 
 Every failure a user can cause is one line, `batchvlm: error: <field or file>: <cause>; <fix>`,
 exit code 2 for a job that cannot run as written (do not retry), 1 for a run that failed, 75 for
-one to run again (exits.py); a traceback only with `--debug` (also passed to the worker
-processes `run` starts).
+one to run again, 130 for a second Ctrl-C (exits.py); a traceback only with `--debug` (also
+passed to the worker processes `run` starts).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from pathlib import Path
 import typer
 
 from . import __version__
+from .data.loader import SharedMemoryFull
 from .data.sources import SourceError, check_first_parquet, count_samples, list_files
-from .exits import EXIT_FAILED, EXIT_JOB_ERROR, EXIT_STOPPED
+from .exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_JOB_ERROR, EXIT_STOPPED
 from .job import Job, JobError, load_job
 from .models.family import FamilyError, ModelFetchError, ModelLoadError
 from .output import manifest
@@ -109,6 +110,10 @@ def run(
         stop = StopFlag()
         stop.install()
         summary = run_job(job, limit=limit, overwrite=clear, rank=rank, stop=stop)
+    except KeyboardInterrupt:  # the second Ctrl-C (StopFlag): no summary to wait for
+        typer.echo(f"\nbatchvlm: interrupted: the shards written so far are kept, the unfinished ones are "
+                   f"labelled by the next run (batchvlm status {job_file})", err=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     except RunLockHeld as e:  # not the job's fault: run again once the other run is gone
         fail(str(e), EXIT_STOPPED)
     except ModelFetchError as e:  # the hub, for now
@@ -117,7 +122,7 @@ def run(
         fail(str(e))
     except ValueError as e:  # an inconsistent rank environment
         fail(str(e))
-    except OutputWriteError as e:
+    except (OutputWriteError, SharedMemoryFull) as e:
         fail(str(e), EXIT_FAILED)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EROFS):  # the job record, a stats file: the output again

@@ -8,6 +8,7 @@ Kubernetes podFailurePolicy, Ray's driver):
         the same launch fails the same way, so do not retry (podFailurePolicy FailIndex)
     75  stopped before the end and nothing is wrong (SIGTERM / SIGUSR1: preemption, a drain,
         a time limit; or another live run holds this rank): run again to continue (EX_TEMPFAIL)
+    130 interrupted at once by a second Ctrl-C (SIGINT): the shards in flight are dropped
 
 Finished shards are kept whatever the code; the next run labels only what is left.
 """
@@ -16,3 +17,4 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_JOB_ERROR = 2
 EXIT_STOPPED = 75
+EXIT_INTERRUPTED = 130

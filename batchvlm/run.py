@@ -36,7 +36,7 @@ from typing import Any
 from . import __version__
 from .data.loader import Sample, ShardEnd, Stealing, load
 from .output.shardlist import ShardList, plan
-from .data.sources import ShardRef, check_first_parquet, keep_fields, list_files
+from .data.sources import ShardRef, check_first_parquet, keep_fields, list_files, shown
 from .device import for_device
 from .dist import Rank, my_shards
 from .engine.engine import EngineLabeler
@@ -96,6 +96,7 @@ class RunSummary:
     shards_partial: list[str] = field(default_factory=list)  # cut short by --limit: redone next run
     shards_failed: list[str] = field(default_factory=list)
     shards_damaged: list[str] = field(default_factory=list)  # "<stem>: N samples kept", done now or before
+    shards_empty: list[str] = field(default_factory=list)  # written now, holding no samples (an empty tar)
     images: int = 0  # rows of the shards handed to the writer
     dropped: int = 0  # images labelled in shards left unfinished (stop) or failed: not kept, labelled again
     errors: int = 0
@@ -117,6 +118,8 @@ class RunSummary:
             parts.append(f"{len(self.shards_failed)} FAILED ({', '.join(self.shards_failed[:3])})")
         if self.shards_damaged:
             parts.append(f"{len(self.shards_damaged)} DAMAGED ({', '.join(sorted(self.shards_damaged)[:3])})")
+        if self.shards_empty:
+            parts.append(f"{len(self.shards_empty)} with no samples ({', '.join(self.shards_empty[:3])})")
         if self.stopped_by_signal:
             parts.append("stopped by signal: unfinished shards left for the next run")
         if self.skipped:
@@ -138,7 +141,11 @@ class StopFlag:
     def _handle(self, signum, frame) -> None:
         if self.event.is_set() and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.event.set()
+        first = not self.event.is_set()
+        self.event.set()  # before the message: a second signal may run its handler inside this one
+        if first:  # say so at once: the images in flight may take a while
+            again = "; Ctrl-C again stops at once, dropping them" if signum == signal.SIGINT else ""
+            log(f"\nbatchvlm: {signal.Signals(signum).name}: stopping after the images in flight{again}")
 
 
 @dataclass(frozen=True)
@@ -160,7 +167,7 @@ class Ticket:
 
 
 def row_for(ref: ShardRef, s: Sample | Ticket, columns: dict[str, Any] | None, error: str | None) -> dict[str, Any]:
-    row = {"key": s.key, "source": ref.url, "width": s.width or None, "height": s.height or None,
+    row = {"key": s.key, "source": shown(ref.url), "width": s.width or None, "height": s.height or None,
            "status": "error" if error else "ok", "error": error}
     return row | (columns or {}) | (s.meta or {})
 
@@ -375,6 +382,8 @@ class Labelling:
         if a.damaged:
             log(f"batchvlm: shard {a.ref.stem} is damaged ({a.damaged}); {len(a.rows)} sample(s) kept")
             self.summary.shards_damaged.append(manifest.damaged_note(a.ref.stem, len(a.rows)))
+        elif not a.rows:
+            self.summary.shards_empty.append(a.ref.stem)
         self.bar.shard_size(i, len(a.rows))
         self.hand_over(i, complete=True)
 

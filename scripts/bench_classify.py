@@ -17,6 +17,7 @@ classify can cost, so query(8) / query(1) bounds what classify can gain on a wor
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import tempfile
 import time
@@ -37,6 +38,9 @@ TEN = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "
 def label(family, model, tasks, prepared, batch: int) -> tuple[list[dict], tuple[float, float]]:
     """-> each image's columns, (wall, process CPU) seconds of the engine's run (on a loaded CPU
     machine the CPU seconds are the steadier of the two)."""
+    if model.device.type == "cuda":  # each arm's engine sizes its KV cache from the same free memory
+        gc.collect()
+        torch.cuda.empty_cache()
     seqs = family.sequences(tasks, EngineSpec(max_new_tokens=8))
     engine = Engine(model, seqs, EngineSpec(max_new_tokens=8, max_batch_size=batch), family.max_prefix_len())
     if model.device.type == "cuda":

@@ -89,7 +89,9 @@ def test_probabilities_equal_the_models_forward(setup, batch, pipelined, n_tasks
 
 def test_only_the_scored_rows_get_logits(setup, monkeypatch):
     """A step with a caption's prompt and a classify's choices computes choice logits for the
-    choices' scored rows alone, not for every prompt row of the step."""
+    choices' scored rows alone, not for every prompt row of the step, and once per distinct
+    context: the prompt's last token, which every choice repeats, and tokens that choices begin
+    with alike, get one row."""
     from batchvlm.models.moondream import family as moondream_family
     from batchvlm.tasks import CaptionTask
 
@@ -98,7 +100,7 @@ def test_only_the_scored_rows_get_logits(setup, monkeypatch):
     real = moondream_family.choice_scores
 
     def counting(logits_fn, prompt, state, end_id):
-        rows.append(prompt.hidden_NC.shape[0])
+        rows.append((prompt.hidden_UC.shape[0], prompt.pick_N.shape[0]))
         return real(logits_fn, prompt, state, end_id)
 
     monkeypatch.setattr(moondream_family, "choice_scores", counting)
@@ -107,4 +109,27 @@ def test_only_the_scored_rows_get_logits(setup, monkeypatch):
     engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=64, max_new_tokens=4), md.P)
     list(engine.run([WorkItem(0, setup["prepared"][0], "k0")]))
     choices = [s.spec for s in seqs if s.task == 1]
-    assert rows == [sum(s.limit for s in choices)] and sum(len(s.spec.prompt) for s in seqs) > rows[0]
+    contexts = {s.prompt[: len(s.prompt) - s.limit + j + 1] for s in choices for j in range(s.limit)}
+    assert rows == [(len(contexts), sum(s.limit for s in choices))]
+    assert len(contexts) <= sum(s.limit for s in choices) - (len(choices) - 1)  # the last prompt token: once
+
+
+def test_a_step_of_choices_alone_computes_no_other_logits(setup, monkeypatch):
+    """A step holding only classify choices skips the token decision: the language-model head
+    runs on one row per distinct scored context and on nothing else."""
+    md = setup["md"]
+    text = md.engine.model.text
+    rows = []
+    real = text.logits
+
+    def counting(hidden_NC):
+        rows.append(hidden_NC.shape[0])
+        return real(hidden_NC)
+
+    monkeypatch.setattr(text, "logits", counting)
+    seqs = md.sequences(TASKS[:1])
+    engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=64, max_new_tokens=4), md.P)
+    out = list(engine.run([WorkItem(0, setup["prepared"][0], "k0")]))
+    choices = [s.spec for s in seqs]
+    contexts = {s.prompt[: len(s.prompt) - s.limit + j + 1] for s in choices for j in range(s.limit)}
+    assert len(out) == 1 and rows == [len(contexts)]

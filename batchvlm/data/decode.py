@@ -2,8 +2,10 @@
 
 Handled: EXIF orientation (width / height are reported after it), CMYK / palette / grey /
 16-bit and float modes, transparency (composited onto white), decompression bombs (checked
-from the header, before any pixel is decoded), truncated files, non-images. JPEGs may be
-decoded at reduced size (draft mode) when the model needs fewer pixels.
+from the header, before any pixel is decoded), truncated files, non-images (named where their
+first bytes tell: formats Pillow cannot read, and the files datasets hold in an image's place).
+Animated GIF / WebP / PNG and multi-page TIFF: the first frame. JPEGs may be decoded at reduced
+size (draft mode) when the model needs fewer pixels.
 """
 
 from __future__ import annotations
@@ -58,6 +60,29 @@ def _to_rgb(im: Image.Image) -> Image.Image:
     return im if im.mode == "RGB" else im.convert("RGB")
 
 
+_HEIF_BRANDS = {b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1"}
+
+
+def _not_decodable(data: bytes) -> str:
+    """Why bytes PIL does not recognise are no image we can label, naming what they are where
+    the first bytes say so."""
+    head = data[:512].lstrip()
+    if data[4:8] == b"ftyp" and data[8:12] in _HEIF_BRANDS | {b"avif", b"avis"}:
+        what = "AVIF" if data[8:12] in (b"avif", b"avis") else "HEIC"
+        return f"decode: {what} image, which this Pillow cannot read (convert it to JPEG or PNG)"
+    if data.startswith((b"\xff\x0a", b"\x00\x00\x00\x0cJXL ")):
+        return "decode: JPEG XL image, which Pillow cannot read (convert it to JPEG or PNG)"
+    if b"<svg" in head[:512] and head.startswith((b"<svg", b"<?xml", b"<!DOCTYPE svg")):
+        return "decode: SVG (vector) image, which is not rendered (convert it to PNG)"
+    if head.startswith(b"%PDF"):
+        return "decode: not an image (a PDF document)"
+    if head.startswith(b"version https://git-lfs"):
+        return "decode: not an image (a Git LFS pointer: fetch the file with `git lfs pull`)"
+    if head[:15].lower().startswith((b"<!doctype html", b"<html")):
+        return "decode: not an image (an HTML page, e.g. an error page saved in its place)"
+    return "decode: not an image"
+
+
 def decode(data: bytes, max_pixels: int, draft_size: Callable[[int, int], tuple[int, int]] | None = None) -> Decoded:
     """`draft_size(width, height)`: the smallest (w, h) the model needs at this full size."""
     if not data:
@@ -67,7 +92,7 @@ def decode(data: bytes, max_pixels: int, draft_size: Callable[[int, int], tuple[
         fmt = im.format
         w, h = im.size
         if w * h > max_pixels:
-            return Decoded(None, w, h, f"too large: {w}x{h} pixels (limit {max_pixels})")
+            return Decoded(None, w, h, f"too large: {w}x{h} pixels (loader.max_image_pixels: {max_pixels})")
         orientation = im.getexif().get(0x0112, 1) if hasattr(im, "getexif") else 1
         if orientation in _TRANSPOSED:
             w, h = h, w
@@ -82,6 +107,6 @@ def decode(data: bytes, max_pixels: int, draft_size: Callable[[int, int], tuple[
             w, h = im.size
         return Decoded(_to_rgb(im), w, h, format=fmt)
     except UnidentifiedImageError:
-        return Decoded(None, 0, 0, "decode: not an image")
+        return Decoded(None, 0, 0, _not_decodable(data))
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         return Decoded(None, 0, 0, f"decode: {e}")

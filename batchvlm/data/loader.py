@@ -5,18 +5,23 @@ exactly one worker (no duplicates, no gaps) and each shard's samples arrive in s
 followed by one `ShardEnd`. With work stealing, every worker walks all shards (from its own
 offset) and reads those it manages to claim instead. A key seen before in the same shard makes
 an error row (`duplicate key`): no two rows of a shard share a key, and nothing is dropped
-silently. Crops travel as uint8 tensors (shared memory), never floats. Workers ignore SIGTERM /
+silently. Crops travel as uint8 tensors (shared memory), never floats; a worker moves them there
+itself, so a full /dev/shm stops the run with one line instead of losing the sample in the
+queue's feeder thread (where the main process would wait for it forever). Workers ignore SIGTERM /
 SIGINT: the main process decides when to stop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
+import os
 import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..job import InputSpec, LoaderSpec
@@ -43,6 +48,42 @@ class ShardEnd:
     n_samples: int
     damaged: str | None = None  # the container broke; the samples before it were delivered
     failed: str | None = None  # unreadable (I/O error, broken container): must not be marked done
+
+
+@dataclass
+class Halt:
+    """A worker cannot hand samples over at all (shared memory is full): the run stops."""
+
+    error: str
+
+
+class SharedMemoryFull(RuntimeError):
+    """Raised in the main process for a worker's Halt."""
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def _shm_note() -> str:
+    """` (12 KiB free of 64 MiB)` for /dev/shm, or ''."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return ""
+    return f" ({_size(st.f_bavail * st.f_frsize)} free of {_size(st.f_blocks * st.f_frsize)})"
+
+
+def _to_shared(obj: Any, depth: int = 0) -> None:
+    """Move the tensors of a prepared image (a dataclass, or dicts / lists of them) into shared
+    memory, as pickling them for the main process would."""
+    if isinstance(obj, torch.Tensor):
+        obj.share_memory_()
+    elif depth < 4:
+        values = (obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple))
+                  else [getattr(obj, f.name) for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else [])
+        for v in values:
+            _to_shared(v, depth + 1)
 
 
 def prepare(enc: Encoded, pre: Preprocessor, spec: LoaderSpec, shard: int, index: int) -> Sample:
@@ -83,8 +124,9 @@ class ShardStream(IterableDataset):
             if st.take(self.shards[i]):
                 yield from self._shard(i)
 
-    def _shard(self, i: int) -> Iterator[Sample | ShardEnd]:
+    def _shard(self, i: int) -> Iterator[Sample | ShardEnd | Halt]:
         count, seen = 0, set()  # keys of this shard so far: bounded by the shard size
+        in_worker = get_worker_info() is not None
         try:
             for enc in read_shard(self.shards[i], self.inp):
                 if not isinstance(enc, Encoded):
@@ -95,6 +137,17 @@ class ShardStream(IterableDataset):
                 seen.add(enc.key)
                 sample = prepare(enc, self.pre, self.spec, i, count)
                 sample.meta = enc.meta
+                if in_worker:
+                    try:
+                        _to_shared(sample.prepared)
+                    except RuntimeError as e:
+                        if "shared memory" not in str(e):
+                            raise
+                        yield Halt(f"loader: /dev/shm is full{_shm_note()}: loader workers hand images to the "
+                                   "model through shared memory; give the machine or container more (docker run "
+                                   "--shm-size=8g, or a Kubernetes emptyDir of medium Memory at /dev/shm), or set "
+                                   "loader.workers: 0")
+                        return
                 yield sample
                 count += 1
         except Exception as e:  # noqa: BLE001 - whatever breaks a shard fails that shard, never the job
@@ -112,11 +165,14 @@ def _quiet_worker(_: int) -> None:
 class Stream:
     """The loader's samples, and the worker processes that make them."""
 
-    items: Iterator[Sample | ShardEnd]
+    items: Iterator[Sample | ShardEnd | Halt]
     workers: list[multiprocessing.process.BaseProcess]
 
     def __iter__(self) -> Iterator[Sample | ShardEnd]:
-        return self.items
+        for item in self.items:
+            if isinstance(item, Halt):
+                raise SharedMemoryFull(item.error)
+            yield item
 
     def close(self) -> None:
         """Kill the workers. They ignore SIGTERM, and the multiprocessing exit hook terminates

@@ -27,13 +27,16 @@ from typing import Any
 import fsspec
 import pyarrow as pa
 from braceexpand import braceexpand
+from PIL import features
 
 from ..job import InputSpec, is_url
 
-FOLDER_EXTS = {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+AVIF = features.check("avif")  # Pillow >= 11.2 wheels read AVIF
+FOLDER_EXTS = {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff",
+               *([".avif"] if AVIF else [])}
 # Image files a folder holds that are not labelled: counted, with the reason, never silently left out
-UNREADABLE_EXTS = {".heic": "HEIC", ".heif": "HEIC", ".avif": "AVIF", ".jxl": "JPEG XL", ".raw": "raw",
-                   ".cr2": "raw", ".nef": "raw", ".arw": "raw", ".dng": "raw", ".svg": "SVG"}
+UNREADABLE_EXTS = {".heic": "HEIC", ".heif": "HEIC", ".jxl": "JPEG XL", ".raw": "raw", ".cr2": "raw", ".nef": "raw",
+                   ".arw": "raw", ".dng": "raw", ".svg": "SVG", **({} if AVIF else {".avif": "AVIF"})}
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,20 @@ class ShardDamaged:
 
 class SourceError(ValueError):
     pass
+
+
+def shown(name: str) -> str:
+    """`name` as valid UTF-8 text. A file name whose bytes are not UTF-8 reaches Python with
+    surrogate escapes, which no Parquet string, seed or JSON reader takes: its bytes are written
+    `\\xNN` instead (`caf\\xe9.jpg`). Keys, kept paths, shard names and sources are made of it;
+    the file itself is still opened by its real name."""
+    if name.isascii():
+        return name
+    try:
+        raw = name.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that no file name decodes to
+        return name.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode("utf-8", "backslashreplace")
 
 
 def _expand(patterns: list[str]) -> list[str]:
@@ -289,7 +306,8 @@ def _pick_image(key: str, sample: dict, image_keys: list[str]) -> Encoded:
         if ext in sample:
             return Encoded(key, sample[ext], name=f"{key}.{ext}")
     present = sorted(k for k in sample if not k.startswith("__"))
-    return Encoded(key, None, f"no image in sample (has: {', '.join(present) or 'nothing'})")
+    return Encoded(key, None, f"no image in sample (has: {', '.join(present) or 'nothing'}; "
+                              f"input.image_keys: {', '.join(image_keys)})")
 
 
 # webdataset's metadata members (`__meta__.json`, `dir/__info__.txt`, `__x__/...`) are no samples
@@ -304,8 +322,9 @@ def _tar_members(f) -> Iterator[tuple[str, str, bytes]]:
 
     tar = tarfile.open(fileobj=f, mode="r|*")
     for info in tar:
-        key, ext = base_plus_ext(info.name)
-        if info.isreg() and key is not None and not _METADATA.search(info.name):
+        name = shown(info.name)  # tarfile decodes member names as UTF-8 with surrogate escapes
+        key, ext = base_plus_ext(name)
+        if info.isreg() and key is not None and not _METADATA.search(name):
             yield key, ext.lower(), tar.extractfile(info).read()
         tar.members = []  # a stream holds no index: memory stays flat on huge shards
     # Stream mode ends quietly at a header it cannot read (bad checksum, cut short, missing).
@@ -369,9 +388,10 @@ def _read_folder(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded]:
         if inp.keep:
             meta = {ext: _text(_read_or_none(path.with_suffix(f".{ext}"))) for ext in inp.keep if ext != "path"}
             if "path" in inp.keep:
-                meta["path"] = os.path.relpath(path, inp.folder)
+                meta["path"] = shown(os.path.relpath(path, inp.folder))
         data = _read_or_none(path)
-        yield Encoded(name, data, None if data is not None else "read: file not found", meta, str(path), name)
+        key = shown(name)
+        yield Encoded(key, data, None if data is not None else "read: file not found", meta, str(path), key)
 
 
 def _row_groups(pf, start: int, end: int) -> tuple[list[int], int]:
@@ -435,6 +455,7 @@ def image_cells(batch, first_row: int, inp: InputSpec, base: str) -> Iterator[En
                 with fsspec.open(path, "rb") as img:
                     yield Encoded(key, img.read(), None, meta, path, name)
             except FileNotFoundError:
-                yield Encoded(key, None, f"read {value}: file not found", meta, path, name)
+                where = "" if path == value else f" at {path} (a relative path is read from the Parquet file's folder)"
+                yield Encoded(key, None, f"read {value}: file not found{where}", meta, path, name)
             except OSError as e:
                 yield Encoded(key, None, f"read {value}: {e.strerror or e}", meta, path, name)

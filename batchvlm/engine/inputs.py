@@ -62,9 +62,12 @@ class StepInputs:
     flat_pos: Array  # [n_prompt] its rotary position
     decode: DecodeInputs
     last: Array  # [S + D] flat row of each emitting row's last token
-    # Prompt rows that MODE_SCORE sequences score (their last `limit` rows), and only those: the
-    # logits of no other prompt row are computed (models/decoding.py choice_scores).
-    score_rows: Array  # [n_scored] flat rows
+    # Prompt rows that MODE_SCORE sequences score (their last `limit` rows). Logits are computed
+    # once per distinct context among them and for no other row (models/decoding.py choice_scores):
+    # the choices of one classify repeat the prompt's last token, and choices that begin alike
+    # repeat their shared tokens, at the same positions after the same prefix (score_contexts).
+    score_rows: Array  # [U] flat rows, one per distinct context
+    score_pick: Array  # [n_scored] index into score_rows of each scored row's context
     score_target: Array  # [n_scored] the token each predicts: the next prompt token, SCORE_END at a prompt's last
     score_seq: Array  # [n_scored] emitting row (new sequence) of each
     heads: tuple[Array, ...]  # N_HEADS x [rows needing head b], indices into the emitting rows
@@ -123,6 +126,39 @@ def pad_decode(d: DecodeInputs, n_rows: int, n_images: int, per_image: int, own_
                         pad(d.image_lens, (n_images,), 1), pad(d.by_image, (n_images, per_image), n_rows), slot)
 
 
+def score_contexts(plan: StepPlan, flat_seq: Array, flat_own: Array, scored: Array) -> tuple[Array, Array]:
+    """-> (the scored rows that are first of their context, each scored row's index among those).
+
+    A row's hidden state is a function of its context alone: its prefix (attended keys and, for
+    recurrent layers, the snapshot it forks from), its first position and its own tokens up to and
+    including it. Rows agreeing on all of these have the same logits: one computes them. Contexts
+    are the nodes of a trie over the scoring sequences' own tokens, numbered level by level (a node
+    is its parent and its token), so equal contexts get equal numbers without hashing."""
+    if not len(scored):
+        return scored, scored
+    seqs = np.unique(flat_seq[scored])  # the scoring sequences
+    lens = plan.prompt_lens[seqs]
+    starts = (np.cumsum(plan.prompt_lens) - plan.prompt_lens)[seqs]
+    where = np.full(len(plan.prompt_lens), -1, dtype=np.int64)
+    where[seqs] = np.arange(len(seqs))
+    root = np.stack([plan.prompt_image[seqs], plan.prompt_fork[seqs], plan.prompt_pos0[seqs]], 1)
+    parent = np.unique(root, axis=0, return_inverse=True)[1].reshape(-1)
+    node = np.full((len(seqs), int(lens.max())), -1, dtype=np.int64)  # [scoring seqs, own index]
+    numbered = 0
+    for j in range(node.shape[1]):
+        live = np.flatnonzero(lens > j)
+        tokens = plan.prompt_tokens[starts[live] + j]
+        pairs = parent[live] * (int(tokens.max()) + 1) + tokens  # (parent, token) as one integer
+        level = np.unique(pairs, return_inverse=True)[1].reshape(-1)
+        node[live, j] = numbered + level
+        parent = np.zeros(len(seqs), dtype=np.int64)
+        parent[live] = level
+        numbered += int(level.max()) + 1
+    context = node[where[flat_seq[scored]], flat_own[scored]]
+    _, first, pick = np.unique(context, return_index=True, return_inverse=True)
+    return scored[first], pick.reshape(-1).astype(np.int64)
+
+
 def step_inputs(plan: StepPlan, recurrent: bool, snapshot_index) -> tuple[StepInputs, StepLayout]:
     I, S, D = len(plan.prefix_features), len(plan.new_rows), len(plan.decode_rows)
     n_pre, n_prompt = int(plan.prefix_lens.sum()), int(plan.prompt_lens.sum())
@@ -148,6 +184,7 @@ def step_inputs(plan: StepPlan, recurrent: bool, snapshot_index) -> tuple[StepIn
     scored = np.flatnonzero((plan.new_int[flat_seq, 0] == MODE_SCORE) & (flat_own >= seq_len - seq_limit))
     following = plan.prompt_tokens[np.minimum(scored + 1, max(n_prompt - 1, 0))]
     score_target = np.where(flat_own[scored] == seq_len[scored] - 1, SCORE_END, following)
+    score_rows, score_pick = score_contexts(plan, flat_seq, flat_own, scored)
     layout = StepLayout(n_pre, n_prompt, len(scored), [], [], [], [])
     if recurrent:  # prefixes from a zero state into their snapshots, prompts from those into their rows
         layout.span_start = pre_start.tolist() + (n_pre + prompt_start).tolist()
@@ -160,7 +197,7 @@ def step_inputs(plan: StepPlan, recurrent: bool, snapshot_index) -> tuple[StepIn
         plan.new_rows, plan.new_int, plan.new_float, plan.prompt_tokens, plan.prompt_lens, plan.prompt_tables,
         plan.prompt_image_tables, plan.prompt_image_lens, q_prompt, own_prompt, prompt_by_image, prompt_slot,
         flat_seq, flat_own, plan.prompt_pos0[flat_seq] + flat_own, decode, _ints(last),
-        n_pre + scored, _ints(score_target), flat_seq[scored],
+        n_pre + score_rows, score_pick, _ints(score_target), flat_seq[scored],
         tuple(np.flatnonzero(plan.needs & (1 << b)) for b in range(N_HEADS)),
         _ints(layout.span_read), _ints(layout.span_write), _ints(np.concatenate([[0], np.cumsum(layout.span_len)])))
     return inputs, layout

@@ -29,7 +29,7 @@ import torch
 from ..cache.spans import StateSpans
 from ..cache.tensors import EngineCache
 from ..models.attention import AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
-from ..models.decoding import Decision, PromptRows, RowState
+from ..models.decoding import MODE_SCORE, Decision, PromptRows, RowState
 from ..models.family import EngineModel, Prepared
 from .graphs import DecodeGraphs
 from .inputs import DecodeInputs, step_inputs
@@ -251,7 +251,8 @@ class Runner:
         hidden = m.forward(torch.cat(embeds), positions, batch, self.cache, prefix)
         prompt = None
         if layout.n_scored:  # a step of classify choices (MODE_SCORE): decide gets their scored rows
-            prompt = PromptRows(hidden[x.score_rows], x.score_target, x.score_seq)
+            only = D == 0 and bool((plan.new_int[:, 0] == MODE_SCORE).all())  # no row has a token to decide
+            prompt = PromptRows(hidden[x.score_rows], x.score_pick, x.score_target, x.score_seq, only)
         return self.decide(torch.cat([x.new_rows, x.decode.rows]), hidden[x.last], x.heads, prompt)
 
     def decode_group(self, d: DecodeInputs, first_row: int, embeds, own_pos, write_slots, groups,

@@ -23,7 +23,10 @@ def largest_step(n_rows: int, seqs_per_image: int, max_prefix_len: int, max_prom
     """max_own_len: the most own tokens (prompt + budget) a sequence of the job can hold;
     prefix_prompt: the longest prefix prompt (part of max_prefix_len); recurrent: every prefix
     writes (and every prompt forks from) snapshot slot 0; scores: every prompt row is scored
-    (MODE_SCORE sequences: the most logits a step of classify choices computes)."""
+    (MODE_SCORE sequences: the most logits a step of classify choices computes; the sequences of
+    an image begin with different tokens, so no two scored rows share a context and none is
+    computed once for several: engine/inputs.py score_contexts; the first sequence is plain text,
+    so the step also runs the token decision over every row, which a step of choices alone skips)."""
     P, bs = max_prefix_len, block_size
     nbp = -(-P // bs)
     I = max(1, prefill_tokens // P)
@@ -34,6 +37,8 @@ def largest_step(n_rows: int, seqs_per_image: int, max_prefix_len: int, max_prom
     own = max_own_len - 1  # own index of the last token a decode row can feed
     max_own_blocks = -(-max_own_len // bs)
     ones = lambda *shape: np.ones(shape, dtype=np.int64)  # noqa: E731
+    new_int = np.tile(np.array([[MODE_SCORE, max_prompt, 0] if scores else [MODE_TEXT, 1, 0]], dtype=np.int64), (S, 1))
+    new_int[0] = [MODE_TEXT, 1, 0]
     return StepPlan(
         step=0,
         prefix_features=np.arange(I, dtype=np.int64), prefix_lens=np.full(I, P, dtype=np.int64),
@@ -42,10 +47,10 @@ def largest_step(n_rows: int, seqs_per_image: int, max_prefix_len: int, max_prom
         prefix_snapshot=np.full(I, 0 if recurrent else -1, dtype=np.int64),
         prompt_fork=np.full(S, 0 if recurrent else -1, dtype=np.int64),
         new_rows=np.arange(S, dtype=np.int64),
-        new_int=np.tile(np.array([[MODE_SCORE, max_prompt, 0] if scores else [MODE_TEXT, 1, 0]], dtype=np.int64),
-                        (S, 1)),
+        new_int=new_int,
         new_float=np.tile(np.array([[0.0, 1.0]], dtype=np.float32), (S, 1)),
-        prompt_tokens=np.zeros(S * max_prompt, dtype=np.int64), prompt_lens=np.full(S, max_prompt, dtype=np.int64),
+        prompt_tokens=np.repeat(np.arange(S, dtype=np.int64) % seqs_per_image if scores else np.zeros(S, np.int64),
+                                max_prompt), prompt_lens=np.full(S, max_prompt, dtype=np.int64),
         prompt_pos0=np.full(S, P, dtype=np.int64), prompt_tables=ones(S, -(-max_prompt // bs)),
         prompt_image=np.arange(S, dtype=np.int64) // seqs_per_image,
         prompt_image_tables=ones(I, nbp), prompt_image_lens=np.full(I, P, dtype=np.int64),

@@ -163,19 +163,33 @@ class PromptRows:
     """The prompt rows a step's MODE_SCORE sequences score (their last `limit` rows, chosen on the
     host), on the device: what a family that scores choices needs (models/family.py (c))."""
 
-    hidden_NC: torch.Tensor  # [n_scored, C]
+    hidden_UC: torch.Tensor  # [U, C]: one row per distinct context (scored rows that agree on theirs share it)
+    pick_N: torch.Tensor  # [n_scored] the row of hidden_UC that holds each scored row's context
     target_N: torch.Tensor  # [n_scored] the token each row predicts: the next prompt token, or SCORE_END
     seq_N: torch.Tensor  # [n_scored] emitting row of each
+    # Every emitting row of the step is a MODE_SCORE sequence (a host fact): there is no token to
+    # decide, so a family skips its decision (and the logits of the emitting rows): `scores_only`.
+    only_scores: bool = False
 
 
 def choice_scores(logits_fn, prompt: PromptRows, state: RowState, end_id: int) -> torch.Tensor:
     """[B] summed float32 log-probabilities of what each MODE_SCORE row's scored prompt rows
     predict: the choice's tokens (each scored at the row before it), then `end_id` at the last row
-    (the end is never fed). Other rows get 0. Logits are computed for the scored rows only."""
+    (the end is never fed). Other rows get 0. Logits are computed once per distinct context of
+    the scored rows, and for no other row."""
     target = torch.where(prompt.target_N == SCORE_END, end_id, prompt.target_N)
-    logp = torch.log_softmax(logits_fn(prompt.hidden_NC).float(), -1).gather(-1, target[:, None])[:, 0]
+    logp = torch.log_softmax(logits_fn(prompt.hidden_UC).float(), -1)[prompt.pick_N, target]
     return torch.zeros(state.mode.shape[0], dtype=torch.float32, device=logp.device).index_add_(
         0, prompt.seq_N, logp)
+
+
+def scores_only(scores_B: torch.Tensor) -> Decision:
+    """The decision of a step whose rows are all MODE_SCORE: each emits its score and finishes."""
+    B = scores_B.shape[0]
+    zeros_B = torch.zeros(B, dtype=torch.long, device=scores_B.device)
+    value = torch.stack([scores_B, torch.zeros_like(scores_B)], 1)
+    return Decision(torch.full_like(zeros_B, EMIT_SCORE), zeros_B, value, torch.ones(B, dtype=torch.bool,
+                    device=scores_B.device), zeros_B, zeros_B, torch.zeros_like(value))
 
 
 def with_scores(d: Decision, state: RowState, scores_B: torch.Tensor) -> Decision:

@@ -54,9 +54,11 @@ Engine contract v2: how each kind of model plugs in.
       prompt token] + the choice's tokens, with limit 1 (it finishes at its first decision: one
       prefill step, no decode loop). Its score, the sum of the choice tokens' log-probs, needs the
       logits of its own prompt rows, where `decide` sees the last row only: in a step with
-      MODE_SCORE sequences, `decide` gets their scored rows as well (`PromptRows`: hidden
-      [n_scored, C], the token each row predicts and its emitting row, chosen on the host, already
-      on the device; no other prompt row's logits are computed) and reduces them per row into
+      MODE_SCORE sequences, `decide` gets their scored rows as well (`PromptRows`: hidden states
+      [U, C], one per distinct context among the scored rows (the choices' shared last prompt
+      token and shared leading tokens once), the token each scored row predicts, its context
+      and its emitting row, chosen on the host, already on the device; no other prompt row's
+      logits are computed) and reduces them per row into
       `Decision.value` (decoding.py `choice_scores`). MODE_SCORE rows score their last `limit` rows
       and write nothing after their prompt (budget 1). An encoder-decoder (Florence-2) has the
       whole prompt in its encoder prefix instead: a choice's own tokens are the decoder's start

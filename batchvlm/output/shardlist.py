@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..data.sources import (FolderScan, ShardRef, SourceError, file_stat, file_stem, list_files, parquet_rows,
-                            scan_folder)
+                            scan_folder, shown)
 from ..job import InputSpec
 from .layout import Layout
 from .writer import atomic_write_bytes
@@ -108,6 +108,9 @@ def _merge(inp: InputSpec, prior: list[ShardRef]) -> tuple[ShardList, list[str]]
     """-> (all shards, stems of frozen shards that no longer exist)."""
     shards, dropped = (_merge_folder(inp, prior), []) if inp.folder else _merge_files(inp, prior)
     shards = shards if isinstance(shards, ShardList) else ShardList(shards)
+    if inp.kind == "parquet" and shards and all(s.rows == (0, 0) for s in shards):  # readable, every one empty
+        more = f" (and {len(shards) - 1} more file(s))" if len(shards) > 1 else ""
+        raise SourceError(f"input.parquet: no rows in {shards[0].url}{more}")
     stems = [s.stem for s in shards]
     if len(set(stems)) != len(stems):
         dupe = next(s for s in stems if stems.count(s) > 1)
@@ -116,7 +119,7 @@ def _merge(inp: InputSpec, prior: list[ShardRef]) -> tuple[ShardList, list[str]]
 
 
 def _dir_name(rel: str, used: set[str]) -> str:
-    base = "root" if rel == "." else rel.replace("/", "__").lstrip("._") or "dir"
+    base = "root" if rel == "." else shown(rel).replace("/", "__").lstrip("._") or "dir"
     name, n = base, 1
     while name in used:
         n += 1
@@ -130,7 +133,7 @@ def _signature(scan: FolderScan, rel: str, files: tuple[str, ...]) -> str:
     h = hashlib.sha256()
     for name in files:
         size, mtime_ns = scan.stat.get(f"{rel}/{name}" if rel != "." else name, (-1, -1))
-        h.update(f"{name}\0{size}\0{mtime_ns}\n".encode())
+        h.update(f"{name}\0{size}\0{mtime_ns}\n".encode("utf-8", "surrogateescape"))  # names as on disk
     return h.hexdigest()[:32]
 
 
@@ -184,7 +187,7 @@ def _base_of(shards: list[ShardRef]) -> str:
 def _new_file(url: str, inp: InputSpec, used: set[str], size: int | None, mtime_ns: int | None) -> list[ShardRef]:
     """A new file's shards, named by its stem without leading dots and underscores, with `+N`
     where another file (`d1/x.tar`, `d2/x.tar`) or a row range already has a name."""
-    base = file_stem(url).lstrip("._") or "shard"
+    base = shown(file_stem(url)).lstrip("._") or "shard"
     n = 1
     while True:
         shards = _split(url, base if n == 1 else f"{base}+{n}", inp, size, mtime_ns)

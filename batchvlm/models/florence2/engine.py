@@ -20,7 +20,7 @@ import torch
 from ...cache.specs import CrossKV, PagedKV, StateSpec
 from ...cache.tensors import EngineCache
 from ..attention import AttentionBatch, PrefixGroup, Reads, attend, plan_groups
-from ..decoding import Decision, PromptRows, RowState, choice_scores, with_scores
+from ..decoding import Decision, PromptRows, RowState, choice_scores, scores_only, with_scores
 from ..family import ModelInfo, PrefixInputs
 from ..grammar import fill_masks
 from ..pinned import PinnedUpload
@@ -126,6 +126,9 @@ class Florence2EngineModel:
                heads: tuple[torch.Tensor, ...] | None, prompt: PromptRows | None = None,
                mask_BW: torch.Tensor | None = None) -> Decision:
         text = self.model.text
+        if prompt is not None and prompt.only_scores:  # classify choices alone: nothing to sample (a
+            # reused row's history is read only as far as its new sequence wrote it)
+            return scores_only(choice_scores(text.logits, prompt, state, self.generation.eos))
         d = decoding.decide(text.logits(hidden_BC), state, sampling, self.generation, self._history, mask_BW)
         if prompt is None:
             return d

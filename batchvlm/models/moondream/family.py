@@ -17,7 +17,7 @@ from ...cache.specs import PagedKV, bytes_per_slot
 from ...cache.tensors import EngineCache
 from ..attention import AttentionBatch, KVCache
 from ..decoding import (MODE_SCORE, MODE_TEXT, Decision, PromptRows, RawOutput, RowState, SeqSpec, choice_scores,
-                        with_scores)
+                        scores_only, with_scores)
 from ..columns import TaskOutputs, task_columns
 from ..grammar import Grammars, fill_masks
 from . import grammar
@@ -207,8 +207,9 @@ class MoondreamEngineModel:
     def decide(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
                heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
                prompt: PromptRows | None = None, mask_BW: torch.Tensor | None = None) -> Decision:
-        d = decide(self.model, hidden_BC, state, sampling, heads, mask_BW)
         if prompt is None:
-            return d
+            return decide(self.model, hidden_BC, state, sampling, heads, mask_BW)
         scores = choice_scores(self.model.text.logits, prompt, state, self.model.config.tokenizer.eos_id)
-        return with_scores(d, state, scores)
+        if prompt.only_scores:  # classify choices alone: nothing to sample
+            return scores_only(scores)
+        return with_scores(decide(self.model, hidden_BC, state, sampling, heads, mask_BW), state, scores)

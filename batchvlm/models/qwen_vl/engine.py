@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding import Decision, PromptRows, RowState, choice_scores, decide_text, emit_text, with_scores
+from ..decoding import (Decision, PromptRows, RowState, choice_scores, decide_text, emit_text, scores_only,
+                        with_scores)
 from ..family import ModelInfo, PrefixInputs
 from ..grammar import apply_mask, fill_masks
 from ..pinned import PinnedUpload
@@ -108,6 +109,8 @@ class QwenVLEngineModel:
     def decide(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
                heads: tuple[torch.Tensor, ...] | None, prompt: PromptRows | None = None,
                mask_BW: torch.Tensor | None = None) -> Decision:
+        if prompt is not None and prompt.only_scores:  # classify choices alone: nothing to sample
+            return scores_only(choice_scores(self.model.logits, prompt, state, self.end_id))
         logits_BV = self.model.logits(hidden_BC)
         if mask_BW is not None:  # the mask step, then the batch-invariant sampler
             logits_BV = apply_mask(logits_BV, mask_BW)
