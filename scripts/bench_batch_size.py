@@ -38,9 +38,8 @@ def one(batch: int, images: int, full: bool, device: str, max_new_tokens: int) -
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from batchvlm.engine.engine import Engine
-    from batchvlm.engine.labeler import WorkItem
     from batchvlm.job import EngineSpec
-    from batchvlm.models.family import ModelInfo
+    from batchvlm.models.family import ModelInfo, WorkItem
     from batchvlm.models.hub import resolve_device, resolve_dtype
     from batchvlm.models.moondream.config import MoondreamConfig
     from batchvlm.models.moondream.family import Moondream, MoondreamEngineModel

@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from batchvlm.engine.engine import Engine
-from batchvlm.engine.labeler import WorkItem
 from batchvlm.job import EngineSpec, ModelSpec
+from batchvlm.models.family import WorkItem
 from batchvlm.models.moondream.family import Moondream, MoondreamEngineModel
 from batchvlm.models.moondream.generate import generate
 from batchvlm.models.moondream.preprocess import Preprocessor

@@ -31,7 +31,10 @@ def measure(images: int, batch: int, pipelined: bool) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from batchvlm.engine.engine import Engine
-    from batchvlm.engine.labeler import WorkItem  # where both engine versions have it
+    try:
+        from batchvlm.models.family import WorkItem
+    except ImportError:  # a tree from before WorkItem moved beside the family interface
+        from batchvlm.engine.labeler import WorkItem
     from batchvlm.job import EngineSpec, ModelSpec
     from batchvlm.models.registry import open_family
     from batchvlm.shapes.world import SPEC, draw_scene

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -128,3 +130,17 @@ def write_job(path: Path, shards: str, out: str = "out", **sections) -> Path:
         job[k] = v if not isinstance(v, dict) else {**job.get(k, {}), **v}
     path.write_text(yaml.safe_dump(job))
     return path
+
+
+LOAD_AND_LIST = """import sys
+from batchvlm.job import ModelSpec
+from batchvlm.models.registry import open_family
+open_family(ModelSpec(name=sys.argv[1])).load("float32", "cpu")
+print(",".join(m for m in ("torch._dynamo", "sympy") if m in sys.modules))"""
+
+
+def heavy_imports_of_loading(folder: Path) -> str:
+    """Which of torch._dynamo / sympy (most of a second of start-up together) a fresh process
+    imports while it opens and loads the checkpoint `folder` on the CPU: "" for none."""
+    r = subprocess.run([sys.executable, "-c", LOAD_AND_LIST, str(folder)], capture_output=True, text=True, check=True)
+    return r.stdout.strip()

@@ -1,4 +1,4 @@
-"""classify on the native Qwen3-VL and Qwen3.5 engines: each choice is a row of one prefill step
+"""classify on the native Qwen3-VL and Qwen3.5 engines, dense and MoE: each choice is a row of one prefill step
 that shares the image prefix and the prompt (a prefix prompt; Qwen3.5's linear-attention state at
 its end is forked to every choice row); its probabilities equal those computed from transformers'
 own forward log-probabilities of the choice's tokens and <|im_end|> after the same prompt, at
@@ -11,11 +11,11 @@ import torch
 import qwen35_fixture
 import qwen3vl_fixture
 from qwen3vl_fixture import IDS
-from test_qwen3vl_engine import images, prepared
+from test_qwen3vl_engine import MOE, images, prepared
 
 from batchvlm.engine.engine import Engine
-from batchvlm.engine.labeler import WorkItem
 from batchvlm.job import EngineSpec, ModelSpec
+from batchvlm.models.family import WorkItem
 from batchvlm.models.registry import open_family
 from batchvlm.tasks import ClassifyTask, choice_values
 
@@ -26,9 +26,15 @@ FIFTY = [f"option {i}" for i in range(50)]
 CASES = [("What is it?", SHARED), ("Is it?", ["yes"]), ("Which option?", FIFTY)]
 TASKS = [ClassifyTask(classify={"question": q, "choices": c, "name": f"c{i}"}) for i, (q, c) in enumerate(CASES)]
 N_IMAGES = 2
-# family -> (fixture, transformers class, chat template variables: Qwen3.5 labels non-thinking)
-FAMILIES = {"qwen3_vl": (qwen3vl_fixture, "Qwen3VLForConditionalGeneration", {}),
-            "qwen3_5": (qwen35_fixture, "Qwen3_5ForConditionalGeneration", {"enable_thinking": False})}
+# variant -> (family, fixture, its MoE settings (None: dense), transformers class, chat template
+# variables: Qwen3.5 labels non-thinking)
+FAMILIES = {
+    "qwen3_vl": ("qwen3_vl", qwen3vl_fixture, None, "Qwen3VLForConditionalGeneration", {}),
+    "qwen3_vl_moe": ("qwen3_vl", qwen3vl_fixture, MOE, "Qwen3VLMoeForConditionalGeneration", {}),
+    "qwen3_5": ("qwen3_5", qwen35_fixture, None, "Qwen3_5ForConditionalGeneration", {"enable_thinking": False}),
+    "qwen3_5_moe": ("qwen3_5", qwen35_fixture, dict(MOE, shared=40), "Qwen3_5MoeForConditionalGeneration",
+                    {"enable_thinking": False}),
+}
 
 
 def reference_logprobs(folder, ims, hf_class: str, template_kwargs: dict) -> list[list[list[float]]]:
@@ -69,12 +75,24 @@ def reference_logprobs(folder, ims, hf_class: str, template_kwargs: dict) -> lis
     return out
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def setup(request, tmp_path_factory):
-    fixture, hf_class, template_kwargs = FAMILIES[request.param]
-    folder = fixture.write_checkpoint(tmp_path_factory.mktemp(request.param), seed=2)
+@pytest.fixture(scope="module")
+def setups(tmp_path_factory):
+    """variant -> its setup, each built on first use."""
+    built: dict[str, dict] = {}
+
+    def get(variant: str) -> dict:
+        if variant not in built:
+            built[variant] = make_setup(variant, tmp_path_factory)
+        return built[variant]
+    return get
+
+
+def make_setup(variant: str, tmp_path_factory) -> dict:
+    name, fixture, moe, hf_class, template_kwargs = FAMILIES[variant]
+    folder = fixture.write_checkpoint(tmp_path_factory.mktemp(variant), seed=2, moe=moe)
     family = open_family(ModelSpec(name=str(folder)))
-    assert family.name == request.param and family.backend == "native"
+    assert family.name == name and family.backend == "native"
+    assert (family.config.text.moe is None) == (moe is None)
     seqs = family.sequences(TASKS, EngineSpec())
     ims = images()[:N_IMAGES]
     setup = dict(folder=folder, family=family, model=family.load("float32", "cpu"), seqs=seqs, images=ims)
@@ -84,15 +102,23 @@ def setup(request, tmp_path_factory):
     return setup
 
 
-def test_choices_share_the_prompt_as_a_prefix(setup):
-    seqs = setup["seqs"]
+@pytest.mark.parametrize("variant", list(FAMILIES))
+def test_choices_share_the_prompt_as_a_prefix(setups, variant):
+    seqs = setups(variant)["seqs"]
     assert len(seqs) == 4 + 1 + 50 and all(s.spec.budget == 1 for s in seqs)
     shared = [s.spec for s in seqs if s.task == 0]
     assert len({s.prefix_prompt for s in shared}) == 1 and all(len(s.prompt) == s.limit >= 2 for s in shared)
 
 
-@pytest.mark.parametrize("batch,pipelined,n_images", [(1, True, 1), (7, False, 2), (64, True, 2)])
-def test_probabilities_equal_transformers(setup, batch, pipelined, n_images):
+# Batch sizes and pipelining on the dense variants; the MoE ones (the same engine path, sparse
+# MLPs) once, every choice row in one step.
+RUNS = [(v, *run) for v, (_, _, moe, _, _) in FAMILIES.items()
+        for run in ([(1, True, 1), (7, False, 2), (64, True, 2)] if moe is None else [(64, True, 2)])]
+
+
+@pytest.mark.parametrize("variant,batch,pipelined,n_images", RUNS)
+def test_probabilities_equal_transformers(setups, variant, batch, pipelined, n_images):
+    setup = setups(variant)
     engine = Engine(setup["model"], setup["seqs"], EngineSpec(max_batch_size=batch, pipelined=pipelined),
                     setup["family"].max_prefix_len())
     done = {im.ticket: [s.output for s in im.seqs]

@@ -12,8 +12,8 @@ import yaml
 from helpers import LoadedMoondream
 
 from batchvlm.engine.engine import Engine
-from batchvlm.engine.labeler import WorkItem
 from batchvlm.job import EngineSpec, load_job
+from batchvlm.models.family import WorkItem
 from batchvlm.models.moondream.generate import generate
 from batchvlm.shapes.evaluate import score_model, score_output
 from batchvlm.shapes.world import SPEC, draw_scene

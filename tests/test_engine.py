@@ -12,9 +12,9 @@ from test_moondream_loading import TINY
 
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs
-from batchvlm.engine.labeler import WorkItem, sequence_seed
 from batchvlm.job import EngineSpec
-from batchvlm.models.decoding import RawOutput
+from batchvlm.models.decoding import RawOutput, sequence_seed
+from batchvlm.models.family import WorkItem
 from batchvlm.models.moondream.config import MoondreamConfig
 from batchvlm.models.moondream.generate import generate
 from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask

@@ -13,10 +13,10 @@ from test_moondream_loading import TINY
 import batchvlm.engine.engine as engine_mod
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs, buckets, key_of
-from batchvlm.engine.labeler import WorkItem
 from batchvlm.engine.runner import Runner
 from batchvlm.engine.staging import Staging
 from batchvlm.job import EngineSpec
+from batchvlm.models.family import WorkItem
 from batchvlm.models.moondream.config import MoondreamConfig
 from batchvlm.models.moondream.generate import generate
 

@@ -9,10 +9,9 @@ from toy_family import PIXELS, ToyImage
 from toy_states import DEC_START, EncDecToy, HybridToy, encdec_reference, hybrid_reference
 
 from batchvlm.engine.engine import Engine
-from batchvlm.engine.labeler import WorkItem
 from batchvlm.job import EngineSpec
 from batchvlm.models.decoding import MODE_TEXT, SeqSpec
-from batchvlm.models.family import TaskSequence
+from batchvlm.models.family import TaskSequence, WorkItem
 
 LENGTHS = [3, 23, 5, 14, 8]
 

@@ -10,10 +10,9 @@ import torch
 from toy_family import PIXELS, ToyImage, ToyModel, reference
 
 from batchvlm.engine.engine import Engine
-from batchvlm.engine.labeler import WorkItem
 from batchvlm.job import EngineSpec
 from batchvlm.models.decoding import MODE_TEXT, SeqSpec
-from batchvlm.models.family import TaskSequence
+from batchvlm.models.family import TaskSequence, WorkItem
 
 ROOT = Path(__file__).resolve().parents[1] / "batchvlm"
 

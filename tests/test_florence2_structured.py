@@ -32,10 +32,9 @@ from tiny_vlms import florence2
 
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs
-from batchvlm.engine.labeler import WorkItem
 from batchvlm.job import EngineSpec, ModelSpec
 from batchvlm.models.decoding import RowState
-from batchvlm.models.family import FamilyError
+from batchvlm.models.family import FamilyError, WorkItem
 from batchvlm.models.florence2 import decoding
 from batchvlm.models.florence2.config import GenerationSettings
 from batchvlm.models.registry import open_family

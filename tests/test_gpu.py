@@ -110,8 +110,8 @@ def test_emission_views_are_pinned_and_contiguous():
 def test_graphs_are_captured_at_start_up_and_replayed(tiny_cuda):
     from batchvlm.engine.engine import Engine
     from batchvlm.engine.graphs import buckets
-    from batchvlm.engine.labeler import WorkItem
     from batchvlm.job import EngineSpec
+    from batchvlm.models.family import WorkItem
 
     md, prepared = tiny_cuda
     seqs = md.sequences(TASKS, max_new_tokens=9, max_objects=3)
@@ -177,7 +177,7 @@ def test_warm_up_halves_the_rows_until_the_largest_step_fits(tiny_cuda, monkeypa
     engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=64), md.P, log=logged.append)
     assert engine.stats["rows"] == 8 and len(logged) == 3
     reference = [[(o.tokens, o.objects) for o in img] for img in generate(md.model, prepared, [s.spec for s in seqs])]
-    from batchvlm.engine.labeler import WorkItem
+    from batchvlm.models.family import WorkItem
 
     out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
            for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
@@ -232,8 +232,8 @@ def test_json_masks_on_cuda_agree_and_do_not_starve_the_device(tmp_path):
 
     from batchvlm.data.decode import decode
     from batchvlm.engine.engine import Engine
-    from batchvlm.engine.labeler import WorkItem
     from batchvlm.job import EngineSpec, ModelSpec
+    from batchvlm.models.family import WorkItem
     from batchvlm.models.registry import open_family
     from batchvlm.tasks import CaptionTask, DetectTask, JsonTask
     from helpers import encode_image
@@ -279,8 +279,8 @@ def test_json_masks_on_cuda_agree_and_do_not_starve_the_device(tmp_path):
 def _labels(family, model, tasks, prepared, **engine) -> tuple[list[dict], dict]:
     """The finished columns of every image, and the engine's stats."""
     from batchvlm.engine.engine import Engine
-    from batchvlm.engine.labeler import WorkItem
     from batchvlm.job import EngineSpec
+    from batchvlm.models.family import WorkItem
 
     settings = EngineSpec(**engine)
     seqs = family.sequences(tasks, settings)

@@ -12,8 +12,8 @@ from helpers import LoadedMoondream
 from structured_cases import SCHEMAS, assert_finished_answers_validate
 
 from batchvlm.engine.engine import Engine
-from batchvlm.engine.labeler import WorkItem
 from batchvlm.job import EngineSpec
+from batchvlm.models.family import WorkItem
 from batchvlm.shapes.world import SPEC, draw_scene
 from batchvlm.tasks import JsonTask
 

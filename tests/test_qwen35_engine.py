@@ -7,6 +7,7 @@ exact."""
 from __future__ import annotations
 
 import pytest
+from helpers import heavy_imports_of_loading
 from qwen35_fixture import write_checkpoint
 from test_qwen3vl_engine import MAX_NEW, MOE, PROMPTS, TASKS, cli_rows, images, prepared, reference_tokens
 
@@ -57,6 +58,12 @@ def test_engine_tokens_equal_transformers(setup, batch, pipelined, n_images):
 def test_some_sequences_stop_by_themselves(setup):
     lengths = [len(t) for per_image in setup["expected"] for t in per_image]
     assert min(lengths) < MAX_NEW == max(lengths), lengths  # both stop paths are exercised
+
+
+def test_loading_imports_neither_dynamo_nor_sympy(setup):
+    """The meta-device build (hub.empty_on, hub.embedding_table, CPU rotary tables) keeps them
+    out of start-up."""
+    assert heavy_imports_of_loading(setup["folder"]) == ""
 
 
 @pytest.mark.parametrize("batch,n_images", [(1, 1), (64, N_IMAGES)])

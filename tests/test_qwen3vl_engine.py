@@ -13,13 +13,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
+from helpers import heavy_imports_of_loading
 from qwen3vl_fixture import IDS, write_checkpoint
 from structured_cases import SCHEMAS
 from test_pipeline import cli
 
 from batchvlm.engine.engine import Engine
-from batchvlm.engine.labeler import WorkItem
 from batchvlm.job import EngineSpec, ModelSpec
+from batchvlm.models.family import WorkItem
 from batchvlm.models.grounding import qwen3_boxes, qwen3_points
 from batchvlm.models.qwen_vl.labels import parses_cleanly
 from batchvlm.models.registry import open_family
@@ -134,6 +135,12 @@ def test_engine_tokens_equal_transformers(setup, batch, pipelined, n_images):
 def test_some_sequences_stop_by_themselves(setup):
     lengths = [len(t) for per_image in setup["expected"] for t in per_image]
     assert min(lengths) < MAX_NEW == max(lengths), lengths  # both stop paths are exercised
+
+
+def test_loading_imports_neither_dynamo_nor_sympy(setup):
+    """The meta-device build (hub.empty_on, hub.embedding_table, CPU rotary tables) keeps them
+    out of start-up."""
+    assert heavy_imports_of_loading(setup["folder"]) == ""
 
 
 def cli_rows(setup, tmp_path, max_batch_size: int = 7) -> tuple[dict, dict]:

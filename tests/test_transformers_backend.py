@@ -313,8 +313,8 @@ def test_backend_choice_and_missing_package(tmp_path, checkpoints, monkeypatch):
 
 def test_sampling_follows_the_job_seed(checkpoints):
     """temperature > 0 samples (labels differ from greedy) and the same seed gives the same labels."""
-    from batchvlm.engine.labeler import WorkItem
     from batchvlm.job import EngineSpec, ModelSpec
+    from batchvlm.models.family import WorkItem
     from batchvlm.models.registry import open_family
     from batchvlm.tasks import CaptionTask
 
@@ -332,3 +332,39 @@ def test_sampling_follows_the_job_seed(checkpoints):
     sampled = captions(temperature=1.0, seed=3)
     assert sampled == captions(temperature=1.0, seed=3) and sampled != greedy
 
+
+
+
+def test_an_end_the_model_chose_at_the_forced_position_is_not_a_cut(checkpoints, tmp_path):
+    """Florence-2's generation config forces </s> as the last allowed token. Where transformers'
+    unforced generate stops at exactly that position, the model ended by itself (not truncated);
+    with one token less allowed, the forced end cut it. The random model never writes </s>, so a
+    copy of it also stops at a token its caption writes (a second eos_token_id)."""
+    import shutil
+
+    from batchvlm.job import EngineSpec, ModelSpec
+    from batchvlm.models.family import WorkItem
+    from batchvlm.models.registry import open_family
+    from batchvlm.tasks import CaptionTask
+
+    folder = shutil.copytree(checkpoints["florence2"], tmp_path / "florence2")
+    im = next(iter(images(tmp_path / "imgs", 1).values()))
+    processor = load_processor(tf(), "florence2", folder)
+    hf = tf().AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    eos = hf.generation_config.eos_token_id
+    assert hf.generation_config.forced_eos_token_id == eos
+    enc = processor(images=im, text="<CAPTION>", return_tensors="pt")
+    free = hf.generate(**enc, do_sample=False, max_new_tokens=12, forced_eos_token_id=None)[0].tolist()[1:]
+    n = next(k for k in range(1, len(free)) if free[k] not in free[:k]) + 1  # stop there: n tokens with it
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps(config | {"eos_token_id": [eos, free[n - 1]]}))
+    hf.generation_config.eos_token_id = [eos, free[n - 1]]
+    assert hf.generate(**enc, do_sample=False, max_new_tokens=n, forced_eos_token_id=None)[0].tolist()[1:] == free[:n]
+
+    family = open_family(ModelSpec(name=str(folder), backend="transformers"))
+    model, prepared = family.load("float32", "cpu"), family.preprocessor()(im)
+    for limit, cut in ((n, False), (n - 1, True)):
+        engine = EngineSpec(max_new_tokens=limit, max_batch_size=1)
+        (_, (raw,)), = model.labeler(family.sequences([CaptionTask(caption={"length": "short"})], engine),
+                                     engine).label([WorkItem(0, prepared, "k")])
+        assert (raw.cut, raw.tokens) == (cut, free[: limit - 1]), limit

@@ -65,7 +65,7 @@ class Labeler:
         self.schema = pa.schema([f for f in full if f.name not in IDENTITY])
 
     def __call__(self, batch: Any) -> pa.Table:
-        from ..engine.labeler import WorkItem
+        from ..models.family import WorkItem
 
         table = _to_arrow(batch)
         if self.input.image_column not in table.column_names:

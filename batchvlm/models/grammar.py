@@ -199,11 +199,16 @@ class RowGrammars:
 
 
 def apply_mask(logits_BV: torch.Tensor, mask_BW: torch.Tensor) -> torch.Tensor:
-    """Disallowed tokens -> -inf, on the device, in fixed shapes (no host sync; graph-safe)."""
+    """Disallowed tokens -> -inf, on the device, in fixed shapes (no host sync; graph-safe).
+
+    The one temporary is [B, 32 W] bytes: the mask's words read as bytes (little-endian, as on
+    every device torch runs on: bit j of byte k of word w is token 32 w + 8 k + j), each byte's
+    bits shifted out in place into a 0/1 "refused" byte, which is a valid bool."""
     V = logits_BV.shape[-1]
-    bit_32 = torch.arange(32, device=mask_BW.device, dtype=torch.int32)
-    allowed_BV = ((mask_BW.unsqueeze(-1) >> bit_32) & 1).flatten(1)[:, :V].bool()
-    return logits_BV.masked_fill(~allowed_BV, float("-inf"))
+    shift_8 = torch.arange(8, device=mask_BW.device, dtype=torch.uint8)
+    refused_BW48 = mask_BW.contiguous().view(torch.uint8).unsqueeze(-1) >> shift_8
+    refused_BW48.bitwise_and_(1).bitwise_xor_(1)
+    return logits_BV.masked_fill(refused_BW48.view(torch.bool).flatten(1)[:, :V], float("-inf"))
 
 
 class Grammars:

@@ -142,6 +142,13 @@ def empty_on(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return model
 
 
+def embedding_table(n: int, dim: int) -> torch.nn.Embedding:
+    """An `nn.Embedding` without its random init, for a model whose weights are loaded next:
+    `normal_` on the meta device runs through torch's Python references, which import
+    torch._dynamo and sympy (about a second of start-up per process; see `empty_on`)."""
+    return torch.nn.Embedding(n, dim, _weight=torch.empty(n, dim))
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

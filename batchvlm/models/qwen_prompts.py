@@ -6,7 +6,8 @@ in-pipeline reference for the native ones).
 Every task is one user turn [image, words] in the checkpoint's chat template with the
 generation prompt, rendered with TEMPLATE_VARIABLES: Qwen3 / Qwen3.5 templates switch thinking
 off with `enable_thinking` (labels are answers, not reasoning); a template without the switch
-ignores it. An answer (caption, query, and the JSON of a detect / point sequence, which is also
+ignores it, and one that still opens a thinking block (a thinking-only checkpoint such as
+Qwen3-VL-*-Thinking: its generation prompt ends in `<think>`) is refused. An answer (caption, query, and the JSON of a detect / point sequence, which is also
 `<name>_raw`) is the generated text decoded without special tokens, stripped: `answer_text`.
 """
 
@@ -16,7 +17,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .family import ModelLoadError
+
 TEMPLATE_VARIABLES = {"enable_thinking": False}
+
+
+def refuse_thinking_only(turn: str, model_name: str) -> None:
+    """`turn`: one user turn with the generation prompt, rendered with TEMPLATE_VARIABLES. Raises
+    where it leaves the answer inside a `<think>` block (a thinking block closed empty, as
+    Qwen3.5's template writes it with thinking off, is fine)."""
+    if turn.rfind("<think>") > turn.rfind("</think>"):
+        raise ModelLoadError(f"model.name: {model_name!r} is a thinking-only checkpoint (its chat template opens "
+                             "a <think> block after every question, whatever enable_thinking says); batchvlm "
+                             "labels with answers, not reasoning: use the model's Instruct variant")
 
 
 @dataclass(frozen=True)

@@ -53,10 +53,6 @@ class Qwen35Config(QwenVLConfig):
     deepstack = False
     default_ids = (248056, 248053, 248054)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.text.vocab_size
-
     @classmethod
     def text_config(cls, raw: dict[str, Any], moe: bool) -> TextConfig:
         t = raw["text_config"]

@@ -25,10 +25,6 @@ class Qwen3VLConfig(QwenVLConfig):
     deepstack = True
     default_ids = (151655, 151652, 151653)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.text.vocab_size
-
     @classmethod
     def text_config(cls, raw: dict[str, Any], moe: bool) -> TextConfig:
         fields = shared.text_fields(raw, 1.0, (24, 20, 20), moe, shared_expert=False)

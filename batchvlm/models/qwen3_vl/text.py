@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..hub import embedding_table
 from ..qwen_vl.attend import Attend
 from ..qwen_vl.moe import layer_mlp
 from ..qwen_vl.rotary import TextRotary, apply_rotary
@@ -61,7 +62,7 @@ class TextModel(nn.Module):
     def __init__(self, c: TextConfig):
         super().__init__()
         self.config = c
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.dim)
+        self.embed_tokens = embedding_table(c.vocab_size, c.dim)
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.rms_eps)
         self.rotary = TextRotary(c.rotary_dim, c.rope_theta, c.mrope_section)

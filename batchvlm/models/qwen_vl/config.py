@@ -185,6 +185,10 @@ class QwenVLConfig:
     def max_context(self) -> int:
         return self.text.max_context
 
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
     @classmethod
     def text_config(cls, raw: dict[str, Any], moe: bool) -> Any:
         raise NotImplementedError

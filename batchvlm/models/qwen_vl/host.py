@@ -24,7 +24,7 @@ from ..columns import task_columns
 from ..decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
 from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence, check_kinds
 from ..hub import TokenizerAdapter, load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
-from ..qwen_prompts import QWEN3
+from ..qwen_prompts import QWEN3, refuse_thinking_only
 from .chat import ChatTemplate, read_template, special_tokens
 from .config import ConfigError, QwenVLConfig, VisionConfig
 from ..grammar import Grammars
@@ -96,6 +96,7 @@ class QwenVLHost:
         self.template = ChatTemplate(read_template(folder), special_tokens(folder),
                                      _token(self.tokenizer, config.image_token_id),
                                      _token(self.tokenizer, config.vision_end_id))
+        refuse_thinking_only(self.template.render("a"), model_name)
         self.head = self.tokenizer.encode(self.template.head())
         self.stop_ids = stop_ids(folder, self.tokenizer)
         self.pre = Preprocessor.create(config.vision, settings, len(self.head), min_pixels, max_pixels)

@@ -28,13 +28,15 @@ def apply_rotary(x_NHD: torch.Tensor, cos_NR: torch.Tensor, sin_NR: torch.Tensor
 
 
 def inverse_frequencies(dim: int, theta: float) -> torch.Tensor:
-    """[dim / 2] float32: theta^(-2i / dim)."""
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    """[dim / 2] float32 on the CPU (also inside a meta-device build, where arange would import
+    torch._dynamo: hub.empty_on): theta^(-2i / dim)."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
 
 
 def mrope_axes(rotary_dim: int, section: tuple[int, int, int]) -> torch.Tensor:
-    """[rotary_dim / 2] long: which of (t, h, w) drives each frequency (see the module docstring)."""
-    j = torch.arange(rotary_dim // 2)
+    """[rotary_dim / 2] long on the CPU: which of (t, h, w) drives each frequency (see the module
+    docstring)."""
+    j = torch.arange(rotary_dim // 2, device="cpu")
     axes = torch.zeros_like(j)
     axes[(j % 3 == 1) & (j < 3 * section[1])] = 1
     axes[(j % 3 == 2) & (j < 3 * section[2])] = 2

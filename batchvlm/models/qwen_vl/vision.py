@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..hub import embedding_table
 from .config import VisionConfig
 from .rotary import apply_rotary, inverse_frequencies, vision_cos_sin
 
@@ -145,7 +146,7 @@ class VisionTower(nn.Module):
         super().__init__()
         self.config = c
         self.patch_embed = PatchEmbed(c)
-        self.pos_embed = nn.Embedding(c.n_pos_embeddings, c.dim)
+        self.pos_embed = embedding_table(c.n_pos_embeddings, c.dim)
         self.blocks = nn.ModuleList(VisionBlock(c) for _ in range(c.depth))
         self.merger = PatchMerger(c, norm_after_concat=False)
         self.deepstack_merger_list = nn.ModuleList(PatchMerger(c, norm_after_concat=True)

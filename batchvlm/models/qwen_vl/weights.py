@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from ..family import ModelLoadError
-from ..hub import load_strict, read_json
+from ..hub import empty_on, load_strict, read_json
 from .config import ConfigError, QwenVLConfig
 from .model import QwenVLModel
 from .moe import SparseMoE, path_for, set_path
@@ -84,11 +84,12 @@ def load_weights(model: QwenVLModel, files: list[Path], skip_prefixes: tuple[str
 
 def build_model(make: Callable[[object], M], config, lut: torch.Tensor, device: torch.device,
                 dtype: torch.dtype) -> M:
-    """Allocate in the target dtype without initializing (weights are loaded next); MoE layers
-    run their experts the way that suits the device (moe.py)."""
+    """Allocate in the target dtype without initializing (weights are loaded next; the cast
+    happens on the meta device, so no float32 copy of the model ever exists); MoE layers run
+    their experts the way that suits the device (moe.py)."""
     with torch.device("meta"):
         model = make(config).to(dtype)
-    model = model.to_empty(device=device)
+    model = empty_on(model, device)
     model.reset_buffers(lut)
     set_path(model, path_for(model, device, dtype))
     return model.eval().requires_grad_(False)

@@ -17,6 +17,7 @@ from ..columns import task_columns
 from ..decoding import RawOutput
 from ..family import ModelInfo, TaskSequence, refuse_constrain
 from ..hub import resolve_device, resolve_dtype, weight_files, weights_sha256
+from ..qwen_prompts import refuse_thinking_only
 from . import architectures
 from .columns import task_values
 from .generation import StaticLabeler
@@ -43,8 +44,10 @@ class TransformersFamily:
 
     def sequences(self, tasks: list[Task], engine: EngineSpec, constrain: bool = False) -> list[TaskSequence]:
         refuse_constrain(tasks, constrain, "the transformers backend")
-        prompts = prompts_for(tasks, architectures.style(self.name), self.format, chat_renderer(self.host.processor),
-                              self.name, engine.max_new_tokens, engine.max_objects)
+        style, render = architectures.style(self.name), chat_renderer(self.host.processor)
+        if style == "chat" and render is not None:
+            refuse_thinking_only(render("a"), self.model_name)
+        prompts = prompts_for(tasks, style, self.format, render, self.name, engine.max_new_tokens, engine.max_objects)
         return with_choices(prompts, tasks, self.host.processor.tokenizer)
 
     def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput],

@@ -50,8 +50,11 @@ class StaticLabeler:
         else:
             self.config.do_sample, self.config.temperature, self.config.top_p, self.config.top_k = False, None, None, None
         self.stop = _stop_ids(self.config)
-        # forced_eos_token_id (Florence-2) makes generate write that token as the last one allowed:
-        # a stop there is max_new_tokens cutting the answer, not the model ending it.
+        # forced_eos_token_id (Florence-2) makes generate write that token as the last one allowed,
+        # which hides whether the model stopped there itself. generate runs unforced instead (the
+        # keyword: a None in the config would be filled from the model's) and the forced end is
+        # applied to what it wrote: the last allowed token is dropped (the answer cut) unless it is
+        # the model's own stop.
         self.forced_stop = self.config.forced_eos_token_id is not None
         bos = processor.tokenizer.bos_token
         # A template that writes BOS itself must not get a second one from the tokenizer (what
@@ -104,12 +107,13 @@ class StaticLabeler:
         grammar = self.grammars[s]
         extra = {"logits_processor": [GrammarLogits(self.vocab, grammar, len(images), enc["input_ids"].shape[1])]} \
             if grammar is not None else {}
-        out = self.model.generate(**enc, generation_config=self.config, max_new_tokens=prompt.max_new_tokens, **extra)
+        out = self.model.generate(**enc, generation_config=self.config, max_new_tokens=prompt.max_new_tokens,
+                                  forced_eos_token_id=None, **extra)
         # Decoder-only models return the prompt too; encoder-decoders start with the decoder's start token.
         new = out[:, 1:] if self.model.config.is_encoder_decoder else out[:, enc["input_ids"].shape[1]:]
+        kept = prompt.max_new_tokens - 1 if self.forced_stop else prompt.max_new_tokens  # tokens a cut answer keeps
         results = []
         for row in new.tolist():
-            cut = next((k for k, t in enumerate(row) if t in self.stop), None)
-            ended = cut is not None and not (self.forced_stop and cut == prompt.max_new_tokens - 1)
-            results.append(RawOutput(row[:cut], cut=not ended))
+            stop = next((k for k, t in enumerate(row) if t in self.stop), None)
+            results.append(RawOutput(row[:kept], cut=True) if stop is None else RawOutput(row[:stop], cut=False))
         return results
