@@ -9,6 +9,8 @@
 Both greedy, same random-weight checkpoint (written by transformers itself), float32; the
 labels (token ids) of both must be identical (checked). The runners alternate (a b a b ...)
 and the ratio is taken pair by pair, so a machine whose speed drifts still gives a fair ratio.
+Each run's process CPU time is reported beside its wall time: on a machine shared with other
+jobs (more runnable threads than cores) wall time also counts the waits for a core, CPU time not.
 Workload: 4 tasks per image (short caption, query, detect one object, OCR).
 
     python scripts/bench_florence2.py                      # CPU, the mid-size config
@@ -116,20 +118,28 @@ def main() -> int:
           f"max_new_tokens={args.max_new_tokens} hf images/call={args.hf_batch} native sequences/batch="
           f"{native_engine.max_batch_size} pairs={args.pairs}")
     times: dict[str, list[float]] = {"transformers": [], "native": []}
+    cpu: dict[str, list[float]] = {"transformers": [], "native": []}
     outputs = {}
     with torch.inference_mode():
         for _ in range(args.pairs):
             for label, fn in (("transformers", hf), ("native", native)):
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 outputs[label] = fn()
                 times[label].append(time.perf_counter() - t)
-                print(json.dumps({label: round(times[label][-1], 3)}), file=sys.stderr, flush=True)
+                cpu[label].append(time.process_time() - c)
+                print(json.dumps({label: round(times[label][-1], 3), "cpu_s": round(cpu[label][-1], 3)}),
+                      file=sys.stderr, flush=True)
     same = outputs["transformers"] == outputs["native"]
     ratios = [a / b for a, b in zip(times["transformers"], times["native"])]
+    cpu_ratios = [a / b for a, b in zip(cpu["transformers"], cpu["native"])]
     result = {"config": args.config, "images": args.images, "sequences_per_image": n_seqs,
               "transformers_s": [round(t, 3) for t in times["transformers"]],
               "native_s": [round(t, 3) for t in times["native"]],
               "speedup_median": round(statistics.median(ratios), 2), "speedups": [round(r, 2) for r in ratios],
+              "transformers_cpu_s": [round(t, 3) for t in cpu["transformers"]],
+              "native_cpu_s": [round(t, 3) for t in cpu["native"]],
+              "cpu_speedup_median": round(statistics.median(cpu_ratios), 2),
+              "cpu_speedups": [round(r, 2) for r in cpu_ratios],
               "labels_identical": same,
               "tokens": sum(len(t) for img in outputs["native"] for t in img)}
     print(json.dumps(result))

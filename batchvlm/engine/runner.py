@@ -28,7 +28,7 @@ import torch
 
 from ..cache.spans import StateSpans
 from ..cache.tensors import EngineCache
-from ..models.attention import AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
+from ..models.attention import AttentionBatch, PrefixGroup, PrefixView, SharedPrefix, TaskGroup, slot_of
 from ..models.decoding import MODE_SCORE, Decision, PromptRows, RowState
 from ..models.family import EngineModel, Prepared
 from .graphs import DecodeGraphs
@@ -86,6 +86,9 @@ class Runner:
         self.vision_stream = torch.cuda.Stream(dev) if cuda else None
         self.vision_events: list[torch.cuda.Event | HostEvent | None] = [None] * n_feature_slots
         self.graph_steps = 0  # steps that replayed a graph (or ran its fixed-shape body)
+        # The decode group's PrefixView and the (tables, lengths) of the prefixes it copies.
+        self._view: PrefixView | None = None
+        self._view_of: tuple[tuple[int, ...], bytes, bytes] | None = None
         self.graphs = DecodeGraphs(self, nbp, max_own_blocks, seqs_per_image) \
             if (cuda and cuda_graphs) else None
 
@@ -239,7 +242,7 @@ class Runner:
         first_decode = layout.n_pre + layout.n_prompt
         if D:
             self.decode_group(x.decode, first_decode, embeds, own_pos, write_slots, groups,
-                              _extent(plan.decode_image_lens))
+                              _extent(plan.decode_image_lens), self._prefix_view(plan))
         positions = m.own_positions(torch.cat(own_pos)) if own_pos else None
         if prefix is not None:
             positions = prefix.positions if positions is None else torch.cat([prefix.positions, positions], dim=-1)
@@ -255,17 +258,34 @@ class Runner:
             prompt = PromptRows(hidden[x.score_rows], x.score_pick, x.score_target, x.score_seq, only)
         return self.decide(torch.cat([x.new_rows, x.decode.rows]), hidden[x.last], x.heads, prompt)
 
+    def _prefix_view(self, plan: StepPlan) -> PrefixView | None:
+        """The decode group's PrefixView (models/attention.py): the previous step's when this
+        step decodes against the same prefixes (tables and lengths, host arrays) and no prefix has
+        been written since that view was made, else a new one. Prefix K/V are written only by
+        steps that prefill prefixes, and a block listed in both steps' tables is held by its
+        prefix throughout (freed blocks are reused only by a later prefill). A step that prefills
+        gets no view (it gathers) and ends the current one. Steps run in plan order, so the
+        previous step here is the one before on the device too."""
+        if len(plan.prefix_features):
+            self._view = self._view_of = None
+            return None
+        key = (plan.decode_image_tables.shape, plan.decode_image_tables.tobytes(), plan.decode_image_lens.tobytes())
+        if key != self._view_of:
+            self._view, self._view_of = PrefixView(), key
+        return self._view
+
     def decode_group(self, d: DecodeInputs, first_row: int, embeds, own_pos, write_slots, groups,
-                     extent: tuple[int | None, bool] = (None, False)) -> None:
+                     extent: tuple[int | None, bool] = (None, False), view: PrefixView | None = None) -> None:
         """Append the decode tokens (inputs read from the device buffers) at flat rows first_row...
-        `extent`: the host's (longest prefix, all prefixes that long), when it knows them."""
+        `extent`: the host's (longest prefix, all prefixes that long), when it knows them; `view`:
+        the prefixes' PrefixView, if the step may reuse one."""
         rows = d.rows
         embeds.append(self.model.embed_inputs(self.next_kind[rows], self.next_token[rows], self.next_value[rows]))
         own_pos.append(d.pos)
         write_slots.append(slot_of(d.tables, d.own, self.bs))
         flat = torch.arange(first_row, first_row + rows.shape[0], device=self.device)
         groups.append(TaskGroup(flat[:, None], d.own[:, None], d.tables, d.own + 1,
-                                SharedPrefix(d.image_tables, d.image_lens, d.by_image, d.slot, *extent)))
+                                SharedPrefix(d.image_tables, d.image_lens, d.by_image, d.slot, *extent, view)))
 
     def _init_rows(self, rows: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor) -> None:
         self.state_int["mode"][rows] = ints[:, 0]

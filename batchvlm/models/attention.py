@@ -34,8 +34,10 @@ What a call reads and writes (`reads`, a family's choice per layer):
                   step's prefix rows only ([n_prefix, ...], what the family computed from its
                   encoder output); they are written into the prefix's blocks.
 
-Backends. This file is the plain reference (gathers, float32 softmax): CPU and tests. CUDA uses
-the fused kernels of models/fused_attention.py, which read the cache in place. The backend is
+Backends. This file is the plain reference (gathers, float32 softmax): CPU and tests. A decode
+group's prefix K/V, read-only while it decodes, are gathered once into a PrefixView that later
+steps on the same prefixes reuse (the engine decides when; see PrefixView). CUDA uses the fused
+kernels of models/fused_attention.py, which read the cache in place. The backend is
 picked once per device (`KVCache.backend`, set on first use when the allocator left it None); a
 family calls `plan_groups(batch, kv)` once per forward and `attend(...)` per layer, whatever the
 backend.
@@ -47,6 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 import functools
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -93,6 +96,30 @@ class SharedPrefix:
     # read) and whether every image's prefix is that long (then no mask is needed at all).
     max_len: int | None = None
     all_full: bool = False
+    # Dense copies of these prefixes' K/V that later steps may reuse (PrefixView); None: gather.
+    view: PrefixView | None = None
+
+
+class PrefixView:
+    """Dense copies of a decode group's prefix K/V, [I, H, Lp, D] per (reads, layer), made on the
+    first read of a layer and reused by later steps that decode against the same prefixes, so a
+    read-only prefix (cross-attention K/V above all) is not gathered from its blocks every step.
+
+    Correct by construction, not by lookup: the engine (engine/runner.py) owns the view and hands
+    a step the previous step's view only when no prefix has been written since the view was made
+    and the step's prefix tables and lengths (host arrays of its plan) are the previous step's.
+    Prefix K/V are written only when a prefix is prefilled, so the copies are then exactly what
+    a gather would read. Keyed by (reads, layer): a family reads prefixes of one paged kind per
+    (reads, layer). The fused backend reads the cache in place and never fills a view."""
+
+    def __init__(self) -> None:
+        self._kv: dict[tuple[Reads, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def read(self, key: tuple[Reads, int], gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        if key not in self._kv:
+            self._kv[key] = gather()
+        return self._kv[key]
 
 
 @dataclass
@@ -200,7 +227,9 @@ def _attend_reference(
     batch: AttentionBatch,
     plans: list[GroupPlan],
     reads: Reads = Reads.PREFIX_AND_OWN,
+    layer: int | None = None,
 ) -> torch.Tensor:
+    """`layer`: the call's layer, which lets a decode group reuse its prefixes' PrefixView."""
     write_kv(k_NHD, v_NHD, k_cache, v_cache, batch, reads)
     N, H, D = q_NHD.shape
     q_pad = torch.cat([q_NHD, q_NHD.new_zeros(1, H, D)])
@@ -210,7 +239,7 @@ def _attend_reference(
         if isinstance(g, PrefixGroup) and reads is not Reads.PREFIX_AND_OWN:
             continue
         if isinstance(g, TaskGroup) and reads is Reads.PREFIX:  # cross-attention: no own part
-            out[g.q_rows] = _prefix_part(q_pad, k_cache, v_cache, plan, lse=False)[0].to(out.dtype)
+            out[g.q_rows] = _prefix_part(q_pad, k_cache, v_cache, plan, reads, layer, lse=False)[0].to(out.dtype)
             continue
         q_BHTD = q_pad[g.q_rows].transpose(1, 2)
         k_BHLD = k_cache[plan.k_slots].transpose(1, 2).to(q_NHD.dtype)
@@ -225,7 +254,7 @@ def _attend_reference(
             out[g.q_rows] = _attend_plain(q_BHTD, k_BHLD, v_BHLD, plan.mask).transpose(1, 2).to(out.dtype)
             continue
         own, own_lse = _attend_lse(q_BHTD, k_BHLD, v_BHLD, plan.mask)  # [B, H, Tq, D], [B, H, Tq]
-        o2, l2 = _prefix_part(q_pad, k_cache, v_cache, plan)
+        o2, l2 = _prefix_part(q_pad, k_cache, v_cache, plan, reads, layer)
         o1, l1 = own.transpose(1, 2), own_lse.transpose(1, 2)
         m = torch.maximum(l1, l2)
         w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
@@ -242,15 +271,21 @@ def _attend_plain(q_BHTD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tens
     return o.nan_to_num_(0.0)
 
 
-def _prefix_part(q_pad: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: GroupPlan,
-                 lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _prefix_part(q_pad: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: GroupPlan, reads: Reads,
+                 layer: int | None, lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A task group's attention to its prefixes, each image's queries together, brought to the
     group's [B, Tq] layout (padding reads a zero slot). -> [B, Tq, H, D], LSE [B, Tq, H] (None
-    without `lse`: a prefix-only read)."""
+    without `lse`: a prefix-only read). The prefix K/V come from the group's PrefixView when it
+    has one and the call names its layer, else from a gather."""
     p = plan.group.prefix
     H, D = q_pad.shape[1:]
     q_IHMD = q_pad[p.q_rows].transpose(1, 2)
-    k_IHLD, v_IHLD = k_cache[plan.prefix_slots].transpose(1, 2), v_cache[plan.prefix_slots].transpose(1, 2)
+
+    def gather() -> tuple[torch.Tensor, torch.Tensor]:
+        return (k_cache[plan.prefix_slots].transpose(1, 2).contiguous(),
+                v_cache[plan.prefix_slots].transpose(1, 2).contiguous())
+
+    k_IHLD, v_IHLD = gather() if p.view is None or layer is None else p.view.read((reads, layer), gather)
     if lse:
         pre, pre_lse = _attend_lse(q_IHMD, k_IHLD, v_IHLD, plan.prefix_mask, p.max_len == 0 or not p.all_full)
     else:
@@ -269,8 +304,9 @@ class AttentionBackend(Protocol):
 
     def attend(self, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, batch: AttentionBatch, plans: Any,
-               reads: Reads = Reads.PREFIX_AND_OWN) -> torch.Tensor:
-        """Write this step's keys/values into their slots, then attend every group. -> [N, H, D]."""
+               reads: Reads = Reads.PREFIX_AND_OWN, layer: int | None = None) -> torch.Tensor:
+        """Write this step's keys/values into their slots, then attend every group. -> [N, H, D].
+        `layer`: the call's layer, named by families whose prefix reads may use a PrefixView."""
 
 
 def write_kv(k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -290,8 +326,8 @@ class ReferenceAttention:
         return _plan_reference(batch)
 
     def attend(self, q_NHD, k_NHD, v_NHD, k_cache, v_cache, batch, plans,
-               reads: Reads = Reads.PREFIX_AND_OWN) -> torch.Tensor:
-        return _attend_reference(q_NHD, k_NHD, v_NHD, k_cache, v_cache, batch, plans, reads)
+               reads: Reads = Reads.PREFIX_AND_OWN, layer: int | None = None) -> torch.Tensor:
+        return _attend_reference(q_NHD, k_NHD, v_NHD, k_cache, v_cache, batch, plans, reads, layer)
 
 
 @functools.cache
@@ -319,8 +355,12 @@ def plan_groups(batch: AttentionBatch, kv: KVCache) -> Plans:
 
 def attend(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cache: torch.Tensor,
            v_cache: torch.Tensor, batch: AttentionBatch, plans: Plans,
-           reads: Reads = Reads.PREFIX_AND_OWN) -> torch.Tensor:
-    """Write this step's keys/values into their slots, then attend every group. -> [N, H, D]."""
+           reads: Reads = Reads.PREFIX_AND_OWN, layer: int | None = None) -> torch.Tensor:
+    """Write this step's keys/values into their slots, then attend every group. -> [N, H, D].
+    `layer`: this call's layer index, which lets a decode group's prefix reads reuse its
+    PrefixView (None: always gather)."""
+    if layer is not None:
+        return plans.backend.attend(q_NHD, k_NHD, v_NHD, k_cache, v_cache, batch, plans.groups, reads, layer)
     if reads is Reads.PREFIX_AND_OWN:  # keeps backends that predate `reads` working
         return plans.backend.attend(q_NHD, k_NHD, v_NHD, k_cache, v_cache, batch, plans.groups)
     return plans.backend.attend(q_NHD, k_NHD, v_NHD, k_cache, v_cache, batch, plans.groups, reads)

@@ -297,7 +297,8 @@ class FusedAttention:
 
     def attend(self, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, batch: AttentionBatch, plans: list[FusedPlan],
-               reads: Reads = Reads.PREFIX_AND_OWN) -> torch.Tensor:
+               reads: Reads = Reads.PREFIX_AND_OWN, layer: int | None = None) -> torch.Tensor:
+        """`layer` is not needed: the kernels read the cache in place (no PrefixView)."""
         write_kv(k_NHD, v_NHD, k_cache, v_cache, batch, reads)
         N, H, D = q_NHD.shape
         Hkv = k_NHD.shape[1]

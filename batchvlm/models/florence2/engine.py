@@ -117,7 +117,7 @@ class Florence2EngineModel:
 
         def cross_attend(i: int, q):
             k, v = cross_kv[i]
-            return attend(full(q), k, v, cross.k[i], cross.v[i], batch, pc, Reads.PREFIX)[P:]
+            return attend(full(q), k, v, cross.k[i], cross.v[i], batch, pc, Reads.PREFIX, layer=i)[P:]
 
         hidden = text.decoder(embeds_NC[P:], positions[P:], self_attend, cross_attend)
         return torch.cat([embeds_NC.new_zeros(P, hidden.shape[1]), hidden]) if P else hidden

@@ -54,15 +54,17 @@ class WindowAttention(nn.Module):
     def forward(self, x_BHWC: torch.Tensor) -> torch.Tensor:
         B, H, W, C = x_BHWC.shape
         w = self.window
+        pad_h, pad_w = (w - H % w) % w, (w - W % w) % w
         # pad right / bottom to whole windows; padded cells are keys too (zeros), as upstream
-        x = F.pad(x_BHWC, (0, 0, 0, (w - W % w) % w, 0, (w - H % w) % w))
-        Hp, Wp = x.shape[1], x.shape[2]
+        x = F.pad(x_BHWC, (0, 0, 0, pad_w, 0, pad_h)) if pad_h or pad_w else x_BHWC
+        Hp, Wp = H + pad_h, W + pad_w
         win_NTC = x.view(B, Hp // w, w, Wp // w, w, C).permute(0, 1, 3, 2, 4, 5).reshape(-1, w * w, C)
         N, T = win_NTC.shape[:2]
         q, k, v = self.qkv(win_NTC).view(N, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
         out_NTC = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(N, T, C)
         out = self.proj(out_NTC).view(B, Hp // w, Wp // w, w, w, C).permute(0, 1, 3, 2, 4, 5)
-        return out.reshape(B, Hp, Wp, C)[:, :H, :W].reshape(B, H * W, C)
+        out = out.reshape(B, Hp, Wp, C)
+        return (out[:, :H, :W] if pad_h or pad_w else out).reshape(B, H * W, C)
 
 
 class ChannelAttention(nn.Module):
