@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -144,3 +145,18 @@ def heavy_imports_of_loading(folder: Path) -> str:
     imports while it opens and loads the checkpoint `folder` on the CPU: "" for none."""
     r = subprocess.run([sys.executable, "-c", LOAD_AND_LIST, str(folder)], capture_output=True, text=True, check=True)
     return r.stdout.strip()
+
+
+def inproc(cwd: Path, *args) -> tuple[int, str]:
+    """The CLI app in this process (commands that load no model): (exit code, stdout + stderr)."""
+    from typer.testing import CliRunner
+
+    from batchvlm.cli import app
+
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        r = CliRunner().invoke(app, [str(a) for a in args])
+    finally:
+        os.chdir(old)
+    return r.exit_code, r.output

@@ -42,3 +42,30 @@ def assert_finished_answers_validate(columns: list[dict]) -> None:
         for text in finished:
             jsonschema.validate(json.loads(text), schema)
             assert text == json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)  # compact
+
+
+# The classify cases the native parity tests share: choices with shared leading tokens, a single
+# choice, fifty choices.
+SHARED = ["red", "red car", "reddish", "blue"]  # choices that share leading tokens
+FIFTY = [f"option {i}" for i in range(50)]
+CASES = [("What is it?", SHARED), ("Is it?", ["yes"]), ("Which option?", FIFTY)]
+
+
+def assert_classify_columns(rows: list[dict], expected: list[list[tuple[str, list[dict]]]]) -> None:
+    """Each image's CASES columns (tasks named c0, c1, c2) equal the reference (label, scores) per
+    case within 2e-5 (float32: fifty rows through a MoE's linear-attention layers have come to
+    1.03e-5 from transformers 5.24); the single choice has probability 1; fifty choices are not
+    one flat distribution, and differ between images."""
+    import pytest
+
+    fifty = []
+    for row, want in zip(rows, expected):
+        for t, (label, scores) in enumerate(want):
+            got = row[f"c{t}_scores"]
+            assert [s["label"] for s in got] == CASES[t][1]
+            assert [s["prob"] for s in got] == pytest.approx([s["prob"] for s in scores], abs=2e-5, rel=0)
+            assert row[f"c{t}"] == label
+        assert row["c1_scores"] == [{"label": "yes", "prob": 1.0}]
+        fifty.append([s["prob"] for s in row["c2_scores"]])
+    assert max(fifty[0]) > 1.5 / 50  # random weights, yet not one flat distribution
+    assert len(rows) == 1 or fifty[0] != fifty[1]  # and the image matters

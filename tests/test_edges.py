@@ -22,11 +22,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from helpers import encode_image, write_tar
+from helpers import encode_image, inproc, write_tar
 from PIL import Image
-from typer.testing import CliRunner
 
-from batchvlm.cli import app
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "batchvlm" / "models" / "demo"
@@ -35,17 +33,6 @@ DEMO = REPO / "batchvlm" / "models" / "demo"
 def cli(*args, cwd: Path):
     return subprocess.run([sys.executable, "-m", "batchvlm.cli", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd)
-
-
-def inproc(cwd: Path, *args) -> tuple[int, str]:
-    """The CLI app in this process (commands that load no model): (exit code, stdout + stderr)."""
-    old = os.getcwd()
-    os.chdir(cwd)
-    try:
-        r = CliRunner().invoke(app, [str(a) for a in args])
-    finally:
-        os.chdir(old)
-    return r.exit_code, r.output
 
 
 def png(colour, size=(24, 16)) -> bytes:

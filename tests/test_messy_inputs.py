@@ -21,11 +21,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from helpers import encode_image, png_header_only
+from helpers import encode_image, inproc, png_header_only
 from PIL import Image, features
-from typer.testing import CliRunner
 
-from batchvlm.cli import app
 from batchvlm.data.sources import read_shard
 from batchvlm.job import InputSpec
 from batchvlm.output.shardlist import plan
@@ -39,17 +37,6 @@ LFS = b"version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 12345\
 def cli(*args, cwd: Path, **kw):
     return subprocess.run([sys.executable, "-m", "batchvlm.cli", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, timeout=300, **kw)
-
-
-def inproc(cwd: Path, *args) -> tuple[int, str]:
-    """The CLI app in this process (commands that load no model): (exit code, stdout + stderr)."""
-    old = os.getcwd()
-    os.chdir(cwd)
-    try:
-        r = CliRunner().invoke(app, [str(a) for a in args])
-    finally:
-        os.chdir(old)
-    return r.exit_code, r.output
 
 
 def png(colour=(200, 30, 30), size=(24, 16)) -> bytes:

@@ -77,6 +77,19 @@ def unaudited_flex(monkeypatch):
     monkeypatch.setattr(attention, "backend_for", backend)
 
 
+def audit_graph_body_run(family, model, seqs, settings: EngineSpec, prepared: list) -> None:
+    """Two images through eager steps and the graph decode body (uncaptured: the same code a
+    CUDA graph records), under the audit: no sync found, and the graph body ran."""
+    with SyncAudit() as audit:
+        engine = Engine(model, seqs, settings, family.max_prefix_len())
+        r = engine.runner
+        r.graphs = DecodeGraphs(r, -(-engine.max_prefix_len // r.bs), max(engine.own_blocks),
+                                engine.seqs_per_prefix, capture=False)
+        done = list(engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared)))
+    assert len(done) == len(prepared) and r.graph_steps > 0
+    assert audit.found == [], "\n".join(dict.fromkeys(audit.found))
+
+
 def test_the_audit_sees_each_kind_of_sync():
     x = torch.arange(5)
     with SyncAudit() as audit:
@@ -180,14 +193,7 @@ def test_florence2_hot_path_has_no_host_sync(tmp_path, monkeypatch, constrained)
     model = family.load("float32", "cpu")
     pre = family.preprocessor()
     prepared = [pre(im) for im in random_images(2)]
-    with SyncAudit() as audit:
-        engine = Engine(model, seqs, settings, family.max_prefix_len())
-        r = engine.runner
-        r.graphs = DecodeGraphs(r, -(-engine.max_prefix_len // r.bs), max(engine.own_blocks),
-                                engine.seqs_per_prefix, capture=False)
-        done = list(engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared)))
-    assert len(done) == 2 and r.graph_steps > 0
-    assert audit.found == [], "\n".join(dict.fromkeys(audit.found))
+    audit_graph_body_run(family, model, seqs, settings, prepared)
 
 
 def test_qwen3_5_hot_path_has_no_host_sync(tmp_path, monkeypatch):
@@ -213,11 +219,4 @@ def test_qwen3_5_hot_path_has_no_host_sync(tmp_path, monkeypatch):
     pre = family.preprocessor()
     prepared = [pre(d.image, d.width, d.height) for d in (decode(encode_image(im, "PNG"), 10**8)
                                                           for im in images()[:2])]
-    with SyncAudit() as audit:
-        engine = Engine(model, seqs, settings, family.max_prefix_len())
-        r = engine.runner
-        r.graphs = DecodeGraphs(r, -(-engine.max_prefix_len // r.bs), max(engine.own_blocks),
-                                engine.seqs_per_prefix, capture=False)
-        done = list(engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared)))
-    assert len(done) == 2 and r.graph_steps > 0
-    assert audit.found == [], "\n".join(dict.fromkeys(audit.found))
+    audit_graph_body_run(family, model, seqs, settings, prepared)
