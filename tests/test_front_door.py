@@ -4,6 +4,7 @@ progress and the final summary tell the truth."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -229,6 +230,14 @@ def test_help_version_and_unexpected_errors(tmp_path):
     (tmp_path / "out" / "__batchvlm__").mkdir(parents=True)
     (tmp_path / "out" / "__batchvlm__" / "job.json").write_text('{"job_spec": {"name": 3}}')
     one_line_error(cli("status", tmp_path / "out"), "not a batchvlm output folder")
+    # commands that load no model start without torch (most of a run's start-up), a refused job file too
+    bad_job = tmp_path / "bad.yaml"
+    bad_job.write_text("name: x\n")
+    for args in (["--version"], ["run", "--help"], ["status", tmp_path / "out"], ["run", bad_job]):
+        r = subprocess.run([sys.executable, "-X", "importtime", "-m", "batchvlm.cli", *map(str, args)],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode in (0, 2) and "Traceback" not in r.stderr, r.stderr
+        assert not re.search(r"\| +torch$", r.stderr, re.M), args
 
 
 def test_export_names_follow_the_inputs(tmp_path):
