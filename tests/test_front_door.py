@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from helpers import encode_image, inproc, write_job, write_tar
+from helpers import cli_app as app, encode_image, write_job, write_tar
 from PIL import Image
 
 
@@ -25,15 +25,6 @@ def cli(*args, check=False, **kw):
     if check and r.returncode != 0:
         raise AssertionError(f"exit {r.returncode}\n{r.stderr}")
     return r
-
-
-def app(cwd: Path, *args, check=False) -> subprocess.CompletedProcess:
-    """A command that loads no model through the CLI app in this process (helpers.inproc): its
-    exit code, and its output as both streams."""
-    code, out = inproc(cwd, *args)
-    if check and code != 0:
-        raise AssertionError(f"exit {code}\n{out}")
-    return subprocess.CompletedProcess(args, code, out, out)
 
 
 def one_line_error(r, *fragments, code=2) -> str:
