@@ -135,7 +135,7 @@ def test_two_runs_of_one_job_do_not_both_label(tmp_path):
     finally:
         first.stderr.read()
         assert first.wait(timeout=300) == 0
-    assert "0 shard(s) written, 2 already done" in cli("run", job, check=True).stderr
+    assert "0 shard(s) written, 2 already done" in app(tmp_path, "run", job, check=True).stderr
 
 
 def test_auto_dtype_is_the_devices_precision_a_mismatch_names_it_and_overwrite_spares_foreign_stats(tmp_path):
@@ -143,12 +143,12 @@ def test_auto_dtype_is_the_devices_precision_a_mismatch_names_it_and_overwrite_s
     cli("run", job, check=True)  # dtype auto on this CPU: float32
     # the same inputs (rewriting them would change their mtime: issue 14 relabels changed inputs)
     same = write_job(tmp_path / "job.yaml", "in-*.tar", **(CHEAP | {"model": {"name": "demo", "dtype": "float32"}}))
-    assert "1 already done" in cli("run", same, check=True).stderr
+    assert "1 already done" in app(tmp_path, "run", same, check=True).stderr
     other = write_job(tmp_path / "job.yaml", "in-*.tar", **(CHEAP | {"model": {"name": "demo", "dtype": "bfloat16"}}))
     one_line_error(app(tmp_path, "run", other, "--dry-run"), 'model.dtype was "float32", is now "bfloat16"', "--overwrite")
     mine = tmp_path / "out" / "my-notes.stats.json"
     mine.write_text('{"accuracy": 0.9}')
-    cli("run", other, "--overwrite", check=True)
+    app(tmp_path, "run", other, "--overwrite", check=True)
     assert mine.read_text() == '{"accuracy": 0.9}'
 
 
