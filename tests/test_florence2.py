@@ -151,8 +151,8 @@ def test_pixels_encoder_and_logits_match_transformers(checkpoints, refs, name):
 
 @pytest.mark.parametrize("name", ["a", "b"])
 def test_vision_in_chunks_matches_transformers(checkpoints, refs, name, monkeypatch):
-    """On the CPU the vision tower's attention and MLP run in chunks of cells (vision.py); the
-    tiny configs fit in one, so here a chunk is 64 cells: several slices of bands, images and
+    """On the CPU the vision tower's attention and MLP run in chunks (vision.py); the tiny configs
+    fit in one, so here a chunk is 1024 values (32-64 cells): several slices of bands, images and
     rows, an uneven last one in (b). Three images in one batch, as the engine encodes them."""
     from batchvlm.models.florence2 import vision
 
@@ -162,7 +162,7 @@ def test_vision_in_chunks_matches_transformers(checkpoints, refs, name, monkeypa
     with torch.inference_mode():
         pixels = model.pixel_values(torch.stack([pre(im).pixels for im in images]))
         want = refs[name].model.model.get_image_features(pixels).pooler_output
-        monkeypatch.setattr(vision, "CHUNK_ROWS", 64)
+        monkeypatch.setattr(vision, "CHUNK_VALUES", 1024)
         torch.testing.assert_close(model.image_tokens(pixels), want, rtol=1e-5, atol=1e-5)
 
 

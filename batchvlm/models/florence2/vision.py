@@ -16,19 +16,20 @@ import torch.nn.functional as F
 
 from .config import VisionConfig
 
-CHUNK_ROWS = 4096  # cells of attention / MLP work at once on the CPU
+CHUNK_VALUES = 1 << 18  # attention / MLP input values at once on the CPU: 1 MiB of float32
 
 
-def chunks(n: int, rows_each: int, device: torch.device) -> list[slice]:
-    """Slices of n items (windows' bands, images, cells) of rows_each cells each, about
-    CHUNK_ROWS cells a slice (a last slice under half that joins the one before), at least one
+def chunks(n: int, values_each: int, device: torch.device) -> list[slice]:
+    """Slices of n items (windows' bands, images, cells) of values_each input values each, about
+    CHUNK_VALUES values a slice (a last slice under half that joins the one before), at least one
     item. On the CPU the attention and the MLP run a slice at a time, so their temporaries (qkv,
     the MLP's 4x hidden) are small enough for the allocator to reuse rather than fresh pages
     each call (every fresh page is a fault) and stay in cache. Each op is per window, image or
     cell, so the values are the whole batch's up to float32 rounding; bit for bit on one CPU
-    thread (and on two with slices of 64 cells or more), as MKL takes another path for GEMMs of
-    1 to 3 rows, hence no short last slice. Elsewhere one slice."""
-    per = max(1, CHUNK_ROWS // rows_each) if device.type == "cpu" else n
+    thread (and on two with slices of 64 cells or more; CHUNK_VALUES gives 128 or more up to
+    width 2048), as MKL takes another path for GEMMs of 1 to 3 rows, hence no short last slice.
+    Elsewhere one slice."""
+    per = max(1, CHUNK_VALUES // values_each) if device.type == "cpu" else n
     starts = list(range(0, n, per))
     if len(starts) > 1 and 2 * (n - starts[-1]) < per:
         starts.pop()
@@ -79,7 +80,7 @@ class WindowAttention(nn.Module):
         # a band: w rows of cells, Wp / w windows side by side
         bands = x.view(B * Hp // w, w, Wp // w, w, C)
         out = torch.empty_like(bands)
-        for sl in chunks(bands.shape[0], w * Wp, x.device):
+        for sl in chunks(bands.shape[0], w * Wp * C, x.device):
             win_NTC = bands[sl].permute(0, 2, 1, 3, 4).reshape(-1, w * w, C)
             N, T = win_NTC.shape[:2]
             q, k, v = self.qkv(win_NTC).view(N, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
@@ -99,7 +100,7 @@ class ChannelAttention(nn.Module):
     def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
         B, T, C = x_BTC.shape
         out_BTC = x_BTC.new_empty(B, T, C)
-        for sl in chunks(B, T, x_BTC.device):
+        for sl in chunks(B, T * C, x_BTC.device):
             x = x_BTC[sl]
             # [3, b, groups, C / groups, T]: each channel is a query over the T cells
             q, k, v = self.qkv(x).view(x.shape[0], T, 3, self.groups, C // self.groups).permute(2, 0, 3, 4, 1)
@@ -132,7 +133,7 @@ class HalfBlock(nn.Module):
         x_BCHW = h.add_(x_BTC).transpose(1, 2).reshape(B, C, H, W)
         x_BTC = self.conv2(x_BCHW).add_(x_BCHW).flatten(2).transpose(1, 2)
         x_MC = x_BTC.flatten(0, 1)  # [B * cells, C], a view when x_BTC is contiguous or B is 1
-        for sl in chunks(x_MC.shape[0], 1, x_MC.device):
+        for sl in chunks(x_MC.shape[0], C, x_MC.device):
             x_MC[sl] += self.ffn(self.norm2(x_MC[sl]))
         return x_MC.view(B, H * W, C).transpose(1, 2).reshape(B, C, H, W)
 
