@@ -53,7 +53,10 @@ class Vocabulary:
 
         xgr = _xgrammar()
         hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
-        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_ids)
+        detected = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_ids)
+        self.info = xgr.TokenizerInfo(text_vocab(tokenizer, vocab_size, stop_ids), detected.vocab_type,
+                                      vocab_size=vocab_size, stop_token_ids=stop_ids,
+                                      add_prefix_space=detected.add_prefix_space)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.vocab_size = vocab_size
         next_VS, self.utf8_masks_SW = utf8_tables(self.info.decoded_vocab, vocab_size)
@@ -62,6 +65,19 @@ class Vocabulary:
     def compile(self, schema: dict[str, Any]) -> JsonGrammar:
         return JsonGrammar(self.compiler.compile_json_schema(
             json.dumps(schema), any_whitespace=False, separators=(",", ":"), strict_mode=False), self)
+
+
+def text_vocab(tokenizer, vocab_size: int, stop_ids: list[int]) -> list[str]:
+    """Each token id's text as xgrammar reads it (the tokenizer's encoded form), "" for the ids no
+    answer may write: the added tokens (control tokens such as <|image_pad|>, <think>, Florence-2's
+    <loc_N>), but for the stop tokens, and the ids past the tokenizer. xgrammar never allows an
+    empty token; it allows a stop token only where the grammar may end."""
+    text = [""] * vocab_size
+    refused = set(tokenizer.get_added_tokens_decoder()) - set(stop_ids)
+    for token, i in tokenizer.get_vocab(with_added_tokens=True).items():
+        if i < vocab_size and i not in refused:
+            text[i] = token
+    return text
 
 
 # UTF-8 decoder states between tokens: what the bytes so far still need to be valid UTF-8.
