@@ -1,7 +1,7 @@
 """Grammar-constrained decoding for `json` tasks (and output.constrain): a schema compiled once per
 job, one answer's matcher on the host (`Answer`, fed the tokens the answer emits), masks of many
 answers filled at once (`fill_masks`), and the mask step applied on the device before the
-(batch-invariant) sampler (`apply_mask`). The native engine computes masks one step behind,
+(batch-invariant) sampler (`apply_mask_`). The native engine computes masks one step behind,
 never while a launch waits (engine/scheduler.py); the transformers backend inside `generate`.
 
 The library is xgrammar (`pip install 'batchvlm[structured]'`), chosen by measurement against
@@ -214,8 +214,9 @@ class RowGrammars:
             out_BW[held] = part
 
 
-def apply_mask(logits_BV: torch.Tensor, mask_BW: torch.Tensor) -> torch.Tensor:
-    """Disallowed tokens -> -inf, on the device, in fixed shapes (no host sync; graph-safe).
+def apply_mask_(logits_BV: torch.Tensor, mask_BW: torch.Tensor) -> torch.Tensor:
+    """Disallowed tokens -> -inf, in place (the step's own logits: no [B, V] copy), on the device,
+    in fixed shapes (no host sync; graph-safe); returns `logits_BV`.
 
     The one temporary is [B, 32 W] bytes: the mask's words read as bytes (little-endian, as on
     every device torch runs on: bit j of byte k of word w is token 32 w + 8 k + j), each byte's
@@ -224,7 +225,7 @@ def apply_mask(logits_BV: torch.Tensor, mask_BW: torch.Tensor) -> torch.Tensor:
     shift_8 = torch.arange(8, device=mask_BW.device, dtype=torch.uint8)
     refused_BW48 = mask_BW.contiguous().view(torch.uint8).unsqueeze(-1) >> shift_8
     refused_BW48.bitwise_and_(1).bitwise_xor_(1)
-    return logits_BV.masked_fill(refused_BW48.view(torch.bool).flatten(1)[:, :V], float("-inf"))
+    return logits_BV.masked_fill_(refused_BW48.view(torch.bool).flatten(1)[:, :V], float("-inf"))
 
 
 class Grammars:
