@@ -15,7 +15,8 @@ A mask is a bitmask of `W = ceil(V / 32)` int32 words per row: bit `v % 32` of w
 = token v allowed. Rows without a grammar get all bits set (nothing masked), so one mask step
 serves a batch that mixes constrained and free rows. Answers are compact JSON (no whitespace
 outside strings), properties in schema order; `additionalProperties` absent allows others, as
-JSON Schema says (xgrammar's strict mode would forbid them).
+JSON Schema says (xgrammar's strict mode would forbid them). No answer holds a special or added
+token of the tokenizer; a stop token only ends one (`text_vocab`).
 """
 
 from __future__ import annotations
