@@ -149,6 +149,23 @@ def test_pixels_encoder_and_logits_match_transformers(checkpoints, refs, name):
             torch.testing.assert_close(model.dense_logits(decoded, out), want.logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["a", "b"])
+def test_vision_in_chunks_matches_transformers(checkpoints, refs, name, monkeypatch):
+    """On the CPU the vision tower's attention and MLP run in chunks (vision.py); the tiny configs
+    fit in one, so here a chunk is 1024 values (32-64 cells): several slices of bands, images and
+    rows, an uneven last one in (b). Three images in one batch, as the engine encodes them."""
+    from batchvlm.models.florence2 import vision
+
+    family = open_family(ModelSpec(name=str(checkpoints[name])))
+    model, pre = family.load("float32", "cpu").model, family.preprocessor()
+    images = random_images(3, seed=5)
+    with torch.inference_mode():
+        pixels = model.pixel_values(torch.stack([pre(im).pixels for im in images]))
+        want = refs[name].model.model.get_image_features(pixels).pooler_output
+        monkeypatch.setattr(vision, "CHUNK_VALUES", 1024)
+        torch.testing.assert_close(model.image_tokens(pixels), want, rtol=1e-5, atol=1e-5)
+
+
 N_IMAGES = 8  # more sequences than the largest batch's rows: rows are reused, images queue
 
 
