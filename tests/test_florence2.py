@@ -246,3 +246,40 @@ def test_cli_native_labels_equal_the_transformers_backend(tmp_path, checkpoints)
     assert [row["status"] for row in native] == ["ok"] * 3
     assert native == hf
     assert any(row["regions"] or row["detect"] for row in native)  # boxes were written and compared
+
+
+def spy_launches(engine: Engine, after) -> None:
+    """Call `after(plan)` after each step the engine launches (the step itself is untouched)."""
+    launch = engine.runner.launch
+
+    def spied(plan):
+        inflight = launch(plan)
+        after(plan)
+        return inflight
+
+    engine.runner.launch = spied
+
+
+def test_a_prefill_step_ends_the_prefix_view(greedy):
+    """One row: each image's caption prefix is prefilled (a step with no decode row) into the
+    block the last image's prefix held, so its decode steps' prefix tables and lengths are
+    byte-equal to the last image's. Only the prefill ending the view (runner.py `_prefix_view`)
+    keeps the last image's cross-attention K/V copies from being read again; before it did so
+    in steps without decode rows, the second image's caption came out wrong."""
+    family, model, prepared, want = greedy["a"]
+    n = 3
+    assert len({want[i][0] for i in range(n)}) == n  # the captions differ by image
+    settings = EngineSpec(max_new_tokens=NEW_TOKENS, max_batch_size=1, block_size=128)  # one-block prefixes
+    engine = Engine(model, family.sequences(tasks_of(TASKS[:1]), settings), settings, family.max_prefix_len())
+    assert engine.max_prefix_len <= settings.block_size
+    steps: list[tuple[bool, bytes]] = []  # (prefills, the decode group's prefix tables and lengths)
+    spy_launches(engine, lambda p: steps.append((len(p.prefix_features) > 0, p.decode_image_tables.tobytes()
+                                                 + p.decode_image_lens.tobytes())))
+    got = {im.ticket: im.seqs[0].output.tokens for im in engine.run(WorkItem(i, p, f"k{i}")
+                                                                     for i, p in enumerate(prepared[:n]))}
+    assert [tuple(got[i]) for i in range(n)] == [want[i][0] for i in range(n)]
+    prefills = [i for i, (pre, _) in enumerate(steps) if pre]
+    assert len(prefills) == n and all(not steps[i][1] for i in prefills)  # prefill-only steps
+    decode_keys = {key for pre, key in steps if not pre}
+    assert len(decode_keys) == 1  # every image's decode steps read the same blocks
+
