@@ -23,6 +23,7 @@ import yaml
 from PIL import Image
 from pydantic import TypeAdapter
 
+from batchvlm.engine import memory
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs
 from batchvlm.job import EngineSpec, ModelSpec
@@ -283,3 +284,29 @@ def test_a_prefill_step_ends_the_prefix_view(greedy):
     decode_keys = {key for pre, key in steps if not pre}
     assert len(decode_keys) == 1  # every image's decode steps read the same blocks
 
+
+def test_cpu_kv_sizing_reserves_the_largest_prefix_view(greedy, tmp_path, monkeypatch):
+    """On CPU (the reference attention) the KV cache is sized from available memory less the most
+    the decode group's PrefixView can hold (engine.py `_prefix_view_bytes`), outside the cache:
+    what it holds once every row decodes, each on its own prefix of the longest length."""
+    family, model, prepared, want = greedy["a"]
+    n = 4
+    settings = EngineSpec(max_new_tokens=NEW_TOKENS, max_batch_size=n)
+    engine = Engine(model, family.sequences(tasks_of(TASKS[:1]), settings), settings, family.max_prefix_len())
+    held: list[int] = []  # the view's bytes after each step
+    spy_launches(engine, lambda p: held.append(engine.runner._view.nbytes if engine.runner._view else 0))
+    got = {im.ticket: im.seqs[0].output.tokens for im in engine.run(WorkItem(i, p, f"k{i}")
+                                                                     for i, p in enumerate(prepared[:n]))}
+    assert [tuple(got[i]) for i in range(n)] == [want[i][0] for i in range(n)]
+    assert engine.stats["rows"] == n and held[0] == 0  # the first step prefills all four images
+    assert held[1] == max(held) == engine.stats["prefix_view_bytes"] > 0
+    # A host with little memory left (a container's cgroup limit, read as memory.py reads it):
+    # the cache gets what is left after the view's bytes, not all of it.
+    per_block = sum(kv.k.nbytes + kv.v.nbytes for kv in engine.runner.cache.paged.values()) // engine.stats["kv_blocks"]
+    free = held[1] + 12 * per_block
+    (tmp_path / "memory.max").write_text(str(free))
+    (tmp_path / "memory.current").write_text("0")
+    monkeypatch.setattr(memory, "CGROUP", tmp_path)
+    tight = settings.model_copy(update={"kv_memory_fraction": 0.98})
+    sized = Engine(model, family.sequences(tasks_of(TASKS[:1]), tight), tight, family.max_prefix_len())
+    assert sized.stats["kv_blocks"] == int((free - held[1]) * 0.98) // per_block < int(free * 0.98) // per_block
