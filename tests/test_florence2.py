@@ -288,7 +288,8 @@ def test_a_prefill_step_ends_the_prefix_view(greedy):
 def test_cpu_kv_sizing_reserves_the_largest_prefix_view(greedy, tmp_path, monkeypatch):
     """On CPU (the reference attention) the KV cache is sized from available memory less the most
     the decode group's PrefixView can hold (engine.py `_prefix_view_bytes`), outside the cache:
-    what it holds once every row decodes, each on its own prefix of the longest length."""
+    what it holds once every row decodes, each on its own prefix of the longest length. When not
+    even one image's cache fits beside the rows' copies, the rows halve."""
     family, model, prepared, want = greedy["a"]
     n = 4
     settings = EngineSpec(max_new_tokens=NEW_TOKENS, max_batch_size=n)
@@ -310,3 +311,14 @@ def test_cpu_kv_sizing_reserves_the_largest_prefix_view(greedy, tmp_path, monkey
     tight = settings.model_copy(update={"kv_memory_fraction": 0.98})
     sized = Engine(model, family.sequences(tasks_of(TASKS[:1]), tight), tight, family.max_prefix_len())
     assert sized.stats["kv_blocks"] == int((free - held[1]) * 0.98) // per_block < int(free * 0.98) // per_block
+    # Too little beside four rows' copies for one image's cache: the rows halve, and the log says so.
+    per_row = held[1] // n
+    free = n * per_row + 5 * per_block
+    (tmp_path / "memory.max").write_text(str(free))
+    said: list[str] = []
+    halved = Engine(model, family.sequences(tasks_of(TASKS[:1]), tight), tight, family.max_prefix_len(),
+                    log=said.append)
+    assert halved.stats["rows"] == 2 and halved.stats["prefix_view_bytes"] == 2 * per_row
+    assert halved.stats["kv_blocks"] == int((free - 2 * per_row) * 0.98) // per_block
+    assert said == ["batchvlm: the attention's prefix copies for every row leave no cpu memory for one image's KV "
+                    "cache; trying 2 rows (engine.max_batch_size=4)"]

@@ -134,25 +134,32 @@ class Engine:
         twice the images that needs, at their largest), and no more than free memory allows:
         accelerator memory after a warm-up of the largest step on CUDA (rows halve until that
         step fits), available host memory on CPU; either less the largest PrefixView the rows
-        can hold."""
+        can hold (rows halve until one image's cache fits beside it)."""
         model = self.model
         reserve = 0
         if model.device.type == "cuda":
             reserve, n_rows = self._warmup_peak_bytes(n_rows)
-        view_bytes = self._prefix_view_bytes(n_rows)
-        reserve += view_bytes
-        images_to_fill = math.ceil(n_rows / len(self.seqs))
-        wanted = 1 + 2 * images_to_fill * n_prefix + n_rows * max_own + sum(self.own_blocks)
+        available = available_bytes(model.device)
         per_block = bytes_per_slot(self.specs) * bs
-        room = int((available_bytes(model.device) - reserve) * self.settings.kv_memory_fraction)
-        room -= bytes_per_state(self.specs) * (n_rows + 1 + self.n_snapshots)  # recurrent kinds: fixed
-        fits = room // per_block
         one_image = 1 + n_prefix + max_own
+        while True:
+            view_bytes = self._prefix_view_bytes(n_rows)
+            room = int((available - reserve - view_bytes) * self.settings.kv_memory_fraction)
+            room -= bytes_per_state(self.specs) * (n_rows + 1 + self.n_snapshots)  # recurrent kinds: fixed
+            fits = room // per_block
+            if fits >= one_image or n_rows == 1 or not view_bytes:
+                break
+            n_rows //= 2
+            self.log(f"batchvlm: the attention's prefix copies for every row leave no {model.device.type} memory "
+                     f"for one image's KV cache; trying {n_rows} rows "
+                     f"(engine.max_batch_size={self.settings.max_batch_size})")
         if fits < one_image:
             raise RuntimeError(
                 f"not enough {model.device.type} memory for one image's KV cache: it needs "
                 f"{one_image * per_block / 2**20:.0f} MiB, {max(room, 0) / 2**20:.0f} MiB is free for it "
                 f"(engine.kv_memory_fraction={self.settings.kv_memory_fraction})")
+        images_to_fill = math.ceil(n_rows / len(self.seqs))
+        wanted = 1 + 2 * images_to_fill * n_prefix + n_rows * max_own + sum(self.own_blocks)
         return max(2, min(wanted, fits)), n_rows, view_bytes
 
     def _prefix_view_bytes(self, n_rows: int) -> int:
