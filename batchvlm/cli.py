@@ -18,7 +18,7 @@ from pathlib import Path
 import typer
 
 from . import __version__
-from .data.sources import SourceError, check_first_parquet, count_samples, list_files
+from .data.sources import SourceError, check_first_parquet, count_samples, list_files, no_images_message
 from .exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_JOB_ERROR, EXIT_STOPPED
 from .job import Job, JobError, load_job
 from .output import manifest
@@ -118,9 +118,13 @@ def run(
         stop = StopFlag()
         stop.install()
         summary = run_job(job, limit=limit, overwrite=clear, rank=rank, stop=stop)
-    except KeyboardInterrupt:  # the second Ctrl-C (StopFlag): no summary to wait for
+    except KeyboardInterrupt as e:  # the second Ctrl-C (StopFlag): no summary to wait for
+        left, busy = getattr(e, "unwritten", []), getattr(e, "busy", None)  # run.Interrupted: a third Ctrl-C
+        lost = (f"; {len(left)} finished shard(s) were not written ({', '.join(left[:3])}"
+                f"{', ...' if len(left) > 3 else ''}): the next run labels them again" if left else "")
+        lost += f"; {busy} was being written (kept if that finished)" if busy else ""
         typer.echo(f"\nbatchvlm: interrupted: the shards written so far are kept, the unfinished ones are "
-                   f"labelled by the next run (batchvlm status {job_file})", err=True)
+                   f"labelled by the next run{lost} (batchvlm status {job_file})", err=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except RunLockHeld as e:  # not the job's fault: run again once the other run is gone
         fail(str(e), EXIT_STOPPED)
@@ -141,6 +145,8 @@ def run(
         raise typer.Exit(EXIT_STOPPED)
     if summary.shards_failed or (summary.shards_damaged and not job.input.allow_damaged):
         raise typer.Exit(EXIT_FAILED)
+    if summary.no_images:  # as for an empty folder: the input, not the run, is wrong
+        fail(no_images_message(job.input, summary.shards_total))
 
 
 def _check(job: Job, layout: Layout | None = None) -> tuple[Job, ShardList]:
@@ -234,6 +240,10 @@ def status(
         typer.echo(f"  inputs not found ({report['inputs_missing']}): pending shards unknown")
     for line in report["damaged_shards"][:10]:
         typer.echo(f"  damaged: {line}")
+    if report["no_images"]:
+        typer.echo(f"  {no_images_message(job.input, report['shards'])}")
+    elif names := report["no_image_shards"]:
+        typer.echo(f"  holding no image: {', '.join(names[:10])}{', ...' if len(names) > 10 else ''}")
     for name in report["partial_shards"][:10]:
         typer.echo(f"  partial: {name}")
     for line in report["failed_shards"][:10]:

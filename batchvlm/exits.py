@@ -8,7 +8,8 @@ Kubernetes podFailurePolicy, Ray's driver):
         the same launch fails the same way, so do not retry (podFailurePolicy FailIndex)
     75  stopped before the end and nothing is wrong (SIGTERM / SIGUSR1: preemption, a drain,
         a time limit; or another live run holds this rank): run again to continue (EX_TEMPFAIL)
-    130 interrupted at once by a second Ctrl-C (SIGINT): the shards in flight are dropped
+    130 interrupted at once by a second Ctrl-C (SIGINT): the unfinished shards are dropped (finished
+        ones are written first, unless a third Ctrl-C comes)
 
 Finished shards are kept whatever the code; the next run labels only what is left.
 """

@@ -57,7 +57,9 @@ class InputSpec(Strict):
     image_column: NonEmpty = Field("image", description="Parquet: column with image bytes or a path to the image.")
     key_column: NonEmpty | None = Field(None, description="Parquet: column with a sample key (default: row number).")
     image_keys: list[NonEmpty] = Field(["jpg", "jpeg", "png", "webp"], min_length=1,
-                                       description="Webdataset: file extensions that hold the image, by priority "
+                                       description="Webdataset: the extensions of the members to label (any case). Every "
+                                                   "member whose extension, or last extension (img.v1.jpg), is one "
+                                                   "of these is an image and its own row; the others are sidecars "
                                                    "(a folder reads every common image type).")
     shard_size: int = Field(10_000, ge=1, le=100_000_000,
                             description="Folder and Parquet input: images per shard (the unit of "

@@ -13,7 +13,8 @@
 
 A stop request (SIGTERM / SIGUSR1 / SIGINT, e.g. preemption) stops taking images; images in
 flight are finished, completed shards are written, and unfinished shards are dropped whole
-(never written, never marked done) for the next run.
+(never written, never marked done) for the next run. A second SIGINT ends the run at once, once
+the shards whose rows are all in are written (Labelling.interrupted).
 
 A run that is refused (other settings, other weights) changes nothing in the folder: the shard
 list is frozen only after the weights were checked.
@@ -96,8 +97,10 @@ class RunSummary:
     shards_partial: list[str] = field(default_factory=list)  # cut short by --limit: redone next run
     shards_failed: list[str] = field(default_factory=list)
     shards_damaged: list[str] = field(default_factory=list)  # "<stem>: N samples kept", done now or before
-    shards_empty: list[str] = field(default_factory=list)  # written now, holding no samples (an empty tar)
+    shards_no_images: list[str] = field(default_factory=list)  # written now, holding no image (an empty tar)
     images: int = 0  # rows of the shards handed to the writer
+    found: int = 0  # rows from an image (not a sample that held none) in this rank's shards written now or before
+    no_images: bool = False  # every shard of the job is done and none holds an image: the input has none to label
     dropped: int = 0  # images labelled in shards left unfinished (stop) or failed: not kept, labelled again
     errors: int = 0
     seconds: float = 0.0
@@ -118,13 +121,22 @@ class RunSummary:
             parts.append(f"{len(self.shards_failed)} FAILED ({', '.join(self.shards_failed[:3])})")
         if self.shards_damaged:
             parts.append(f"{len(self.shards_damaged)} DAMAGED ({', '.join(sorted(self.shards_damaged)[:3])})")
-        if self.shards_empty:
-            parts.append(f"{len(self.shards_empty)} with no samples ({', '.join(self.shards_empty[:3])})")
+        if self.shards_no_images:
+            parts.append(f"{len(self.shards_no_images)} with no images ({', '.join(self.shards_no_images[:3])})")
         if self.stopped_by_signal:
             parts.append("stopped by signal: unfinished shards left for the next run")
         if self.skipped:
             parts.append(self.skipped)
         return f"batchvlm: {', '.join(parts)} -> {out_dir}"
+
+
+class Interrupted(KeyboardInterrupt):
+    """A second Ctrl-C ended the run once the finished shards were written; `unwritten`: those a
+    third one left, `busy`: the one being written then (kept if its write finished)."""
+
+    def __init__(self, unwritten: list[str], busy: str | None):
+        super().__init__()
+        self.unwritten, self.busy = unwritten, busy
 
 
 class StopFlag:
@@ -144,7 +156,8 @@ class StopFlag:
         first = not self.event.is_set()
         self.event.set()  # before the message: a second signal may run its handler inside this one
         if first:  # say so at once: the images in flight may take a while
-            again = "; Ctrl-C again stops at once, dropping them" if signum == signal.SIGINT else ""
+            again = ("; Ctrl-C again stops at once, dropping them (finished shards are still written)"
+                     if signum == signal.SIGINT else "")
             log(f"\nbatchvlm: {signal.Signals(signum).name}: stopping after the images in flight{again}")
 
 
@@ -212,6 +225,7 @@ def _run(job: Job, layout: Layout, limit: int | None, clear: bool, rank: Rank, p
     pending = _skip_done(layout, mine, summary)
     if not pending:
         plan(job.input, layout, freeze=True)
+        summary.no_images = _no_images(layout, shards, summary)
         summary.seconds = time.time() - t0
         return summary
 
@@ -242,6 +256,7 @@ def _run(job: Job, layout: Layout, limit: int | None, clear: bool, rank: Rank, p
         if claims and not stop.event.is_set() and limit is None:
             _report_held(layout, pending, writer.written, summary, claims)
         summary.stopped_by_signal = stop.event.is_set()
+        summary.no_images = _no_images(layout, shards, summary)
         summary.seconds = time.time() - t0
         return summary
     finally:
@@ -274,9 +289,17 @@ def _skip_done(layout: Layout, mine: list[ShardRef], summary: RunSummary) -> lis
             pending.append(s)
             continue
         summary.shards_done_before += 1
+        summary.found += manifest.images_in(stats)
         if stats.get("damaged"):  # reported by every run until the input is replaced
             summary.shards_damaged.append(manifest.damaged_note(s.stem, stats.get("rows", 0)))
     return pending
+
+
+def _no_images(layout: Layout, shards: list[ShardRef], summary: RunSummary) -> bool:
+    """Every shard of the job is done and none holds an image. Read from the done markers (other
+    ranks' shards too) only where this rank's hold none."""
+    return summary.found == 0 and all((stats := manifest.done_stats(layout, s)) is not None
+                                      and manifest.images_in(stats) == 0 for s in shards)
 
 
 def _freeze(job: Job, layout: Layout, pending: list[ShardRef]) -> None:
@@ -341,28 +364,55 @@ class Labelling:
         self.claimed: set[str] = set()  # stems this rank holds claims on (work stealing)
         self.beat_stop = threading.Event()
         self.taken = 0
+        self.abandoned = False  # a third Ctrl-C: the finished shards not written yet are left
 
     def run(self, stream, labeler, family: Family, job: Job, seqs: list[TaskSequence]) -> None:
         if self.claims:
             self.claims.keep_alive(self.claimed, self.beat_stop)
         try:
-            for ticket, raws in labeler.label(self.items(stream)):
-                columns = family.columns(job.tasks, seqs, raws, ticket.seen)
-                self.add_row(ticket.shard, ticket.index, row_for(self.assemblies[ticket.shard].ref, ticket, columns, None))
-            if self.limit is not None and not self.stop.event.is_set():
-                # --limit: keep what was labelled, marked incomplete so the next run redoes it whole.
-                for i, a in list(self.assemblies.items()):
-                    if a.rows and not a.failed:
-                        self.hand_over(i, complete=False)
-                        self.summary.shards_partial.append(a.ref.stem)
-            self.summary.dropped = sum(len(a.rows) for a in self.assemblies.values())
+            self.label(stream, labeler, family, job, seqs)
+            self.writer.close()  # the last shards are written (a second Ctrl-C may come meanwhile)
+        except KeyboardInterrupt:
+            raise self.interrupted() from None
         finally:
             self.close()
         self.summary.shards_written = [s for s in self.writer.written if s not in self.summary.shards_partial]
 
+    def label(self, stream, labeler, family: Family, job: Job, seqs: list[TaskSequence]) -> None:
+        for ticket, raws in labeler.label(self.items(stream)):
+            columns = family.columns(job.tasks, seqs, raws, ticket.seen)
+            self.add_row(ticket.shard, ticket.index, row_for(self.assemblies[ticket.shard].ref, ticket, columns, None))
+        if self.limit is not None and not self.stop.event.is_set():
+            # --limit: keep what was labelled, marked incomplete so the next run redoes it whole.
+            for i, a in list(self.assemblies.items()):
+                if a.rows and not a.failed:
+                    self.hand_over(i, complete=False)
+                    self.summary.shards_partial.append(a.ref.stem)
+        self.summary.dropped = sum(len(a.rows) for a in self.assemblies.values())
+
+    def interrupted(self) -> Interrupted:
+        """The second Ctrl-C: the shards whose rows are all in are written before the run ends (a
+        few atomic writes), those the writer holds and any not handed over yet; a third Ctrl-C
+        leaves them. -> the exception that names those left unwritten."""
+        finished = [a for a in self.assemblies.values() if a.complete and not self.writer.holds(a.ref.stem)]
+        waiting = self.writer.unwritten + [a.ref.stem for a in finished]
+        try:
+            if waiting:
+                log(f"\nbatchvlm: interrupted: writing {len(waiting)} finished shard(s) first ({', '.join(waiting[:3])}"
+                    f"{', ...' if len(waiting) > 3 else ''}); Ctrl-C again leaves them")
+            for a in finished:
+                self.writer.put(a.output(complete=True))
+            self.writer.close()
+        except KeyboardInterrupt:
+            self.abandoned = True
+            busy = self.writer.abandon()
+            return Interrupted([s for s in waiting if s not in self.writer.written and s != busy], busy)
+        return Interrupted([], None)
+
     def close(self) -> None:
         try:
-            self.writer.close()
+            if not self.abandoned:
+                self.writer.close()
         finally:  # the bar's last line is the true final state, also after a failed write
             self.bar.close(len(self.writer.written) - len(self.summary.shards_partial))
             self.beat_stop.set()
@@ -370,22 +420,25 @@ class Labelling:
                 for stem in self.claimed - set(self.writer.written):
                     self.claims.release(stem)
 
-    def hand_over(self, i: int, complete: bool) -> None:
-        """Shard `i` to the writer; what stays in `assemblies` is never written."""
-        a = self.assemblies.pop(i)
-        self.summary.images += len(a.rows)
-        self.summary.errors += sum(r["status"] == "error" for r in a.rows.values())
-        self.writer.put(a.output(complete=complete))
+    def hand_over(self, i: int, complete: bool) -> ShardOutput:
+        """Shard `i` to the writer; what stays in `assemblies` is never written (but by interrupted())."""
+        a = self.assemblies[i]
+        out = a.output(complete=complete)
+        self.summary.images += out.stats["rows"]
+        self.summary.errors += out.stats["errors"]
+        self.summary.found += manifest.images_in(out.stats)
+        self.writer.put(out)  # a second Ctrl-C in its wait: the writer holds the shard already
+        del self.assemblies[i]
+        return out
 
     def finish(self, i: int) -> None:
         a = self.assemblies[i]
         if a.damaged:
             log(f"batchvlm: shard {a.ref.stem} is damaged ({a.damaged}); {len(a.rows)} sample(s) kept")
             self.summary.shards_damaged.append(manifest.damaged_note(a.ref.stem, len(a.rows)))
-        elif not a.rows:
-            self.summary.shards_empty.append(a.ref.stem)
         self.bar.shard_size(i, len(a.rows))
-        self.hand_over(i, complete=True)
+        if not manifest.images_in(self.hand_over(i, complete=True).stats) and not a.damaged:
+            self.summary.shards_no_images.append(a.ref.stem)
 
     def add_row(self, i: int, index: int, row: dict[str, Any]) -> None:
         a = self.assemblies[i]

@@ -13,12 +13,13 @@ from .output.shardlist import plan
 from .data.sources import SourceError
 from .job import Job
 from .output.layout import Layout
-from .output.manifest import damaged_note, done_stats, has_output, is_our_stats, read_stats
+from .output.manifest import damaged_note, done_stats, has_output, images_in, is_our_stats, read_stats
 
 
 def collect(job: Job) -> dict[str, Any]:
     """Shards done / partial (cut short by --limit or a stop) / failed (unreadable) / pending, and
-    which of the done ones are damaged (a tar that broke: the samples before the break were kept).
+    which of the done ones are damaged (a tar that broke: the samples before the break were kept)
+    or hold no image (an empty tar, one of text members only; `no_images`: every shard is such).
     A shard whose input file changed since it was labelled is pending again. Where the inputs
     cannot be found (moved, deleted), the shards are those with stats and `pending` is unknown."""
     layout = Layout(Path(job.output.dir))
@@ -27,13 +28,15 @@ def collect(job: Job) -> dict[str, Any]:
         shards, inputs_missing = plan(job.input, layout), None
     except SourceError as e:
         shards, inputs_missing = None, str(e)
-    done, partial, failed, damaged, rows, errors = [], [], [], [], 0, 0
+    done, partial, failed, damaged, no_images, rows, errors = [], [], [], [], [], 0, 0
 
     def count(stem: str, stats: dict[str, Any]) -> None:
         nonlocal rows, errors
         done.append(stem)
         rows += stats.get("rows", 0)
         errors += stats.get("errors", 0)
+        if images_in(stats) == 0 and not stats.get("damaged"):
+            no_images.append(stem)
         if stats.get("damaged"):
             damaged.append(f"{damaged_note(stem, stats.get('rows', 0))} ({stats['damaged']})")
 
@@ -63,6 +66,8 @@ def collect(job: Job) -> dict[str, Any]:
     return {"job": job.name, "output": str(layout.dir), "shards": None if inputs_missing else len(stems),
             "done": len(done), "partial": len(partial), "failed": len(failed), "pending": pending,
             "damaged": len(damaged), "rows": rows, "errors": errors, "partial_shards": partial,
-            "failed_shards": failed, "damaged_shards": damaged, "inputs_missing": inputs_missing,
+            "failed_shards": failed, "damaged_shards": damaged, "no_image_shards": no_images,
+            "no_images": bool(stems) and pending == 0 and not partial and not failed and len(no_images) == len(done),
+            "inputs_missing": inputs_missing,
             "skipped": shards.skipped_note() if shards is not None else "",
             "skipped_files": shards.skipped if shards is not None else {}}

@@ -153,9 +153,9 @@ class FixedKV(Engine):
 
     blocks: int = 0
 
-    def _kv_blocks(self, n_rows: int, n_prefix: int, max_own: int, bs: int) -> tuple[int, int]:
-        sized, n_rows = super()._kv_blocks(n_rows, n_prefix, max_own, bs)
-        return self.blocks or sized, n_rows
+    def _kv_blocks(self, n_rows: int, n_prefix: int, max_own: int, bs: int) -> tuple[int, int, int]:
+        sized, n_rows, view_bytes = super()._kv_blocks(n_rows, n_prefix, max_own, bs)
+        return self.blocks or sized, n_rows, view_bytes
 
 
 def engine_runner(md, prepared, seqs, batch, pipelined, cuda_graphs, kv_blocks: int = 0) -> tuple[Engine, object]:

@@ -22,6 +22,7 @@ from helpers import cli_app
 from PIL import Image
 from pydantic import TypeAdapter
 
+from batchvlm.engine import memory
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs
 from batchvlm.job import EngineSpec, ModelSpec
@@ -148,6 +149,23 @@ def test_pixels_encoder_and_logits_match_transformers(checkpoints, refs, name):
             torch.testing.assert_close(model.dense_logits(decoded, out), want.logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["a", "b"])
+def test_vision_in_chunks_matches_transformers(checkpoints, refs, name, monkeypatch):
+    """On the CPU the vision tower's attention and MLP run in chunks (vision.py); the tiny configs
+    fit in one, so here a chunk is 1024 values (32-64 cells): several slices of bands, images and
+    rows, an uneven last one in (b). Three images in one batch, as the engine encodes them."""
+    from batchvlm.models.florence2 import vision
+
+    family = open_family(ModelSpec(name=str(checkpoints[name])))
+    model, pre = family.load("float32", "cpu").model, family.preprocessor()
+    images = random_images(3, seed=5)
+    with torch.inference_mode():
+        pixels = model.pixel_values(torch.stack([pre(im).pixels for im in images]))
+        want = refs[name].model.model.get_image_features(pixels).pooler_output
+        monkeypatch.setattr(vision, "CHUNK_VALUES", 1024)
+        torch.testing.assert_close(model.image_tokens(pixels), want, rtol=1e-5, atol=1e-5)
+
+
 N_IMAGES = 8  # more sequences than the largest batch's rows: rows are reused, images queue
 
 
@@ -243,3 +261,78 @@ def test_cli_native_labels_equal_the_transformers_backend(tmp_path, checkpoints)
     assert [row["status"] for row in native] == ["ok"] * 3
     assert native == hf
     assert any(row["regions"] or row["detect"] for row in native)  # boxes were written and compared
+
+
+def spy_launches(engine: Engine, after) -> None:
+    """Call `after(plan)` after each step the engine launches (the step itself is untouched)."""
+    launch = engine.runner.launch
+
+    def spied(plan):
+        inflight = launch(plan)
+        after(plan)
+        return inflight
+
+    engine.runner.launch = spied
+
+
+def test_a_prefill_step_ends_the_prefix_view(greedy):
+    """One row: each image's caption prefix is prefilled (a step with no decode row) into the
+    block the last image's prefix held, so its decode steps' prefix tables and lengths are
+    byte-equal to the last image's. Only the prefill ending the view (runner.py `_prefix_view`)
+    keeps the last image's cross-attention K/V copies from being read again; before it did so
+    in steps without decode rows, the second image's caption came out wrong."""
+    family, model, prepared, want = greedy["a"]
+    n = 3
+    assert len({want[i][0] for i in range(n)}) == n  # the captions differ by image
+    settings = EngineSpec(max_new_tokens=NEW_TOKENS, max_batch_size=1, block_size=128)  # one-block prefixes
+    engine = Engine(model, family.sequences(tasks_of(TASKS[:1]), settings), settings, family.max_prefix_len())
+    assert engine.max_prefix_len <= settings.block_size
+    steps: list[tuple[bool, bytes]] = []  # (prefills, the decode group's prefix tables and lengths)
+    spy_launches(engine, lambda p: steps.append((len(p.prefix_features) > 0, p.decode_image_tables.tobytes()
+                                                 + p.decode_image_lens.tobytes())))
+    got = {im.ticket: im.seqs[0].output.tokens for im in engine.run(WorkItem(i, p, f"k{i}")
+                                                                     for i, p in enumerate(prepared[:n]))}
+    assert [tuple(got[i]) for i in range(n)] == [want[i][0] for i in range(n)]
+    prefills = [i for i, (pre, _) in enumerate(steps) if pre]
+    assert len(prefills) == n and all(not steps[i][1] for i in prefills)  # prefill-only steps
+    decode_keys = {key for pre, key in steps if not pre}
+    assert len(decode_keys) == 1  # every image's decode steps read the same blocks
+
+
+def test_cpu_kv_sizing_reserves_the_largest_prefix_view(greedy, tmp_path, monkeypatch):
+    """On CPU (the reference attention) the KV cache is sized from available memory less the most
+    the decode group's PrefixView can hold (engine.py `_prefix_view_bytes`), outside the cache:
+    what it holds once every row decodes, each on its own prefix of the longest length. When not
+    even one image's cache fits beside the rows' copies, the rows halve."""
+    family, model, prepared, want = greedy["a"]
+    n = 4
+    settings = EngineSpec(max_new_tokens=NEW_TOKENS, max_batch_size=n)
+    engine = Engine(model, family.sequences(tasks_of(TASKS[:1]), settings), settings, family.max_prefix_len())
+    held: list[int] = []  # the view's bytes after each step
+    spy_launches(engine, lambda p: held.append(engine.runner._view.nbytes if engine.runner._view else 0))
+    got = {im.ticket: im.seqs[0].output.tokens for im in engine.run(WorkItem(i, p, f"k{i}")
+                                                                     for i, p in enumerate(prepared[:n]))}
+    assert [tuple(got[i]) for i in range(n)] == [want[i][0] for i in range(n)]
+    assert engine.stats["rows"] == n and held[0] == 0  # the first step prefills all four images
+    assert held[1] == max(held) == engine.stats["prefix_view_bytes"] > 0
+    # A host with little memory left (a container's cgroup limit, read as memory.py reads it):
+    # the cache gets what is left after the view's bytes, not all of it.
+    per_block = sum(kv.k.nbytes + kv.v.nbytes for kv in engine.runner.cache.paged.values()) // engine.stats["kv_blocks"]
+    free = held[1] + 12 * per_block
+    (tmp_path / "memory.max").write_text(str(free))
+    (tmp_path / "memory.current").write_text("0")
+    monkeypatch.setattr(memory, "CGROUP", tmp_path)
+    tight = settings.model_copy(update={"kv_memory_fraction": 0.98})
+    sized = Engine(model, family.sequences(tasks_of(TASKS[:1]), tight), tight, family.max_prefix_len())
+    assert sized.stats["kv_blocks"] == int((free - held[1]) * 0.98) // per_block < int(free * 0.98) // per_block
+    # Too little beside four rows' copies for one image's cache: the rows halve, and the log says so.
+    per_row = held[1] // n
+    free = n * per_row + 5 * per_block
+    (tmp_path / "memory.max").write_text(str(free))
+    said: list[str] = []
+    halved = Engine(model, family.sequences(tasks_of(TASKS[:1]), tight), tight, family.max_prefix_len(),
+                    log=said.append)
+    assert halved.stats["rows"] == 2 and halved.stats["prefix_view_bytes"] == 2 * per_row
+    assert halved.stats["kv_blocks"] == int((free - 2 * per_row) * 0.98) // per_block
+    assert said == ["batchvlm: the attention's prefix copies for every row leave no cpu memory for one image's KV "
+                    "cache; trying 2 rows (engine.max_batch_size=4)"]

@@ -199,11 +199,19 @@ def test_progress_has_a_total_and_an_output_folder_matched_by_its_own_input_patt
 
 
 def test_tar_metadata_members_are_no_samples_and_error_kinds_are_whole(tmp_path):
-    write_tar(tmp_path / "m-0.tar", [("__meta__.json", b"{}"), ("a.png", png()), ("b.txt", b"caption only")])
+    """A tar's two images of one key (c.jpg, c.png) kept one and dropped the other without a trace,
+    and many-dotted names (img.v1.png) were `no image` rows under webdataset's first-dot key: each
+    image is now its own row, keyed back to its member name (README, Input)."""
+    write_tar(tmp_path / "m-0.tar", [("__meta__.json", b"{}"), ("a.png", png()), ("b.txt", b"caption only"),
+                                     ("c.jpg", png(fmt="JPEG")), ("c.png", png()), ("img.v1.png", png()),
+                                     ("img.v2.png", png()), ("photo.2024.01.png", png())])
     job = write_job(tmp_path / "job.yaml", "m-0.tar", **(CHEAP | {"engine": {"max_new_tokens": 4, "max_batch_size": 8}}))
     r = cli("run", job, check=True)
     assert "batch 8" in r.stderr  # the job's own value is kept
-    assert pq.read_table(tmp_path / "out" / "m-0.parquet").column("key").to_pylist() == ["a", "b"]
+    rows = pq.read_table(tmp_path / "out" / "m-0.parquet").select(["key", "status"]).to_pylist()
+    assert [(row["key"], row["status"]) for row in rows] == [
+        ("a", "ok"), ("b", "error"), ("c.jpg", "ok"), ("c.png", "ok"), ("img.v1", "ok"), ("img.v2", "ok"),
+        ("photo.2024.01", "ok")]
     stats = json.loads((tmp_path / "out" / "__batchvlm__" / "m-0.stats.json").read_text())
     assert stats["error_kinds"] == {"no image in sample": 1}
 

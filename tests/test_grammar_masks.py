@@ -1,14 +1,14 @@
-"""The mask step of models/grammar.py: `apply_mask` refuses exactly the tokens whose bit is clear
-in a row's packed mask, and its only temporary is one byte per token. (That the masks hold every
-answer to its schema is checked end to end: test_json_native.py on the native Qwen engine,
-test_json_moondream.py, test_structured_transformers.py on the transformers backend.)"""
+"""The mask step of models/grammar.py: `apply_mask_` refuses exactly the tokens whose bit is clear
+in a row's packed mask, in place, and its only temporary is one byte per token. (That the masks
+hold every answer to its schema is checked end to end: test_json_native.py on the native Qwen
+engine, test_json_moondream.py, test_structured_transformers.py on the transformers backend.)"""
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from batchvlm.models.grammar import apply_mask, mask_words
+from batchvlm.models.grammar import apply_mask_, mask_words
 
 
 class NewBytes(TorchDispatchMode):
@@ -27,15 +27,17 @@ class NewBytes(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("V", [37, 64, 1000])
-def test_apply_mask_refuses_exactly_the_clear_bits_with_one_byte_per_token_of_temporaries(V):
+def test_apply_mask_refuses_exactly_the_clear_bits_in_place_with_one_byte_per_token_of_temporaries(V):
     B, W = 5, mask_words(V)
     mask_BW = torch.randint(-2**31, 2**31 - 1, (B, W), dtype=torch.int32, generator=torch.Generator().manual_seed(V))
     mask_BW[0] = -1  # a free row
     logits_BV = torch.randn(B, V, generator=torch.Generator().manual_seed(1))
+    before_BV = logits_BV.clone()
     with NewBytes() as counted:
-        out_BV = apply_mask(logits_BV, mask_BW)
+        out_BV = apply_mask_(logits_BV, mask_BW)
     words = mask_BW.tolist()
     refused = [[not (words[b][v // 32] >> (v % 32)) & 1 for v in range(V)] for b in range(B)]
     assert out_BV.isinf().tolist() == refused and not any(refused[0])
-    assert torch.equal(out_BV[~out_BV.isinf()], logits_BV[~out_BV.isinf()])
-    assert counted.total - out_BV.nbytes <= B * W * 32 + 8  # the refused bytes and the 8 shifts
+    assert torch.equal(out_BV[~out_BV.isinf()], before_BV[~out_BV.isinf()])
+    assert out_BV.data_ptr() == logits_BV.data_ptr()
+    assert counted.total <= B * W * 32 + 8  # the refused bytes and the 8 shifts: no [B, V] output

@@ -28,11 +28,35 @@ def test_brace_globs_and_urls_list_sorted_unique_shards(tmp_path):
     assert [e.key for e in read_shard(url[0], InputSpec(shards="x"))] == ["k"]
 
 
-def test_image_keys_priority_and_upper_case_extensions(tmp_path):
+def test_every_image_member_is_its_own_sample_keyed_back_to_its_name(tmp_path):
+    """Two images of one key (a.JPG and a.png, a.png and a.PNG) kept only the first and dropped the
+    other without a trace; names with more dots (img.v1.jpg) lost their key to webdataset's
+    first-dot split and were `no image` rows. Now every member whose (last) extension is one of
+    input.image_keys is a row, keyed as webdataset does where that is unique (`b`), else by its
+    name up to the last extension (`img.v1`), else by its whole name (`a.JPG`); sidecars attach to
+    their image (its own `img.v1.json` first, then the sample's `img.json`)."""
     png = encode_image(Image.new("RGB", (8, 8)), "PNG")
-    path = write_tar(tmp_path / "s.tar", [("a.JPG", b"jpeg?"), ("a.png", png), ("b.webp", png)])
-    got = list(read_shard(ShardRef("s", str(path), "tar"), InputSpec(shards="x", image_keys=["png", "jpg", "webp"])))
-    assert [(e.key, e.data) for e in got if isinstance(e, Encoded)] == [("a", png), ("b", png)]
+    path = write_tar(tmp_path / "s.tar", [
+        ("a.JPG", b"jpeg?"), ("a.png", png), ("a.json", b"A"),
+        ("b.webp", png), ("b.txt", b"B"),
+        ("img.v1.jpg", b"v1"), ("img.v1.json", b"V1"), ("img.v2.jpg", b"v2"), ("img.json", b"IMG"),
+        ("photo.2024.01.jpg", b"p"), ("photo.2024.01.txt", b"P"),
+        ("c.png", png), ("c.PNG", b"second"), ("c.seg.png", b"mask"), ("d.txt", b"D")])
+    inp = InputSpec(shards="x", keep=["json", "txt"])
+    got = [(e.key, e.data, e.name, e.meta) for e in read_shard(ShardRef("s", str(path), "tar"), inp)]
+    assert got == [
+        ("a.JPG", b"jpeg?", "a.JPG", {"json": "A", "txt": None}), ("a.png", png, "a.png", {"json": "A", "txt": None}),
+        ("b", png, "b.webp", {"json": None, "txt": "B"}),
+        ("img.v1", b"v1", "img.v1.jpg", {"json": "V1", "txt": None}),
+        ("img.v2", b"v2", "img.v2.jpg", {"json": "IMG", "txt": None}),
+        ("photo.2024.01", b"p", "photo.2024.01.jpg", {"json": None, "txt": "P"}),
+        ("c.png", png, "c.png", {"json": None, "txt": None}), ("c.PNG", b"second", "c.PNG", {"json": None, "txt": None}),
+        ("c.seg", b"mask", "c.seg.png", {"json": None, "txt": None}),
+        ("d", None, None, {"json": None, "txt": "D"})]
+    # image_keys says which members are images: a mask left out is no row, as any other member
+    only_jpg = InputSpec(shards="x", image_keys=["JPG"])
+    assert [e.key for e in read_shard(ShardRef("s", str(path), "tar"), only_jpg)] == [
+        "a", "b", "img.v1", "img.v2", "photo.2024.01", "c", "d"]
 
 
 def test_sixteen_bit_and_transparency_keep_their_content():
@@ -107,13 +131,6 @@ def test_every_way_a_tar_breaks_is_reported(tmp_path):
     with tarfile.open(tmp_path / "z.tar.gz", "w:gz") as tf:
         tf.add(tmp_path / "src" / "k0.png", "k0.png")
     assert _keys(tmp_path / "z.tar.gz") == ["k0"]
-
-
-def test_same_key_different_case_keeps_the_first(tmp_path):
-    one, two = encode_image(Image.new("RGB", (8, 8)), "PNG"), encode_image(Image.new("RGB", (9, 9)), "PNG")
-    write_tar(tmp_path / "d.tar", [("a.png", one), ("a.PNG", two), ("b.png", two)])
-    got = list(read_shard(ShardRef("d", str(tmp_path / "d.tar"), "tar"), InputSpec(shards="x")))
-    assert [(e.key, e.data) for e in got] == [("a", one), ("b", two)]
 
 
 def test_a_broken_link_in_a_folder_is_an_error_row(tmp_path):

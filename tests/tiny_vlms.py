@@ -271,6 +271,16 @@ BUILDERS = {"qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl, "qwen3_vl_moe": qwen
             "paligemma": paligemma, "idefics3": idefics3, "smolvlm": smolvlm, "llava": llava}
 
 
+FLORENCE2_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<image>"]
+
+
+def florence2_tokenizer():
+    """BART's special tokens, then Florence-2's added (not special) ones: the 1000 <loc_N> and the region markers."""
+    added = [f"<loc_{i}>" for i in range(1000)] + ["<od>", "</od>", "<poly>", "</poly>", "<sep>"]
+    return byte_tokenizer(FLORENCE2_SPECIALS, added, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                          unk_token="<unk>", extra_special_tokens={"image_token": "<image>"})
+
+
 def florence2(dest: Path, seed: int = 0, text: dict | None = None, vision: dict | None = None, side: int = 64,
               generation: dict | None = None, shard: str | None = None) -> Path:
     """`text` / `vision` override the tiny BART / DaViT settings; `side`: the square input size;
@@ -278,11 +288,8 @@ def florence2(dest: Path, seed: int = 0, text: dict | None = None, vision: dict 
     from transformers import Florence2Config
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    specials = ["<s>", "<pad>", "</s>", "<unk>", "<image>"]
-    added = [f"<loc_{i}>" for i in range(1000)] + ["<od>", "</od>", "<poly>", "</poly>", "<sep>"]
-    tok = byte_tokenizer(specials, added, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
-                         extra_special_tokens={"image_token": "<image>"})
-    ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
+    tok = florence2_tokenizer()
+    ids = {s: tok.convert_tokens_to_ids(s) for s in FLORENCE2_SPECIALS}
     text = dict(model_type="bart", vocab_size=len(tok), d_model=32, encoder_layers=2, decoder_layers=2,
                 encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
                 max_position_embeddings=256, bos_token_id=ids["<s>"], eos_token_id=ids["</s>"],

@@ -15,7 +15,9 @@ covering a group of its layers; the engine allocates one tensor set per spec (te
                prefilled; decode steps update a row in place.
 
 Memory: paged kinds cost `bytes_per_slot` for every slot of every block; a recurrent kind costs
-`bytes_per_state` for every row (plus a scratch row) and every snapshot slot.
+`bytes_per_state` for every row (plus a scratch row) and every snapshot slot. On the reference
+attention backend a CrossKV kind also costs its PrefixView, outside the cache:
+`prefix_view_bytes`.
 """
 
 from __future__ import annotations
@@ -68,3 +70,11 @@ def bytes_per_state(specs: list[StateSpec]) -> int:
 
 def has_recurrent(specs: list[StateSpec]) -> bool:
     return any(isinstance(s, Recurrent) for s in specs)
+
+
+def prefix_view_bytes(specs: list[StateSpec], n_prefixes: int, prefix_len: int) -> int:
+    """What a decode group's PrefixView (models/attention.py) holds when it reads n_prefixes
+    prefixes of at most prefix_len tokens: every layer's K and V of each CrossKV kind, densely,
+    in the cache's dtype, i.e. their slots' bytes. Only CrossKV kinds are viewed (attention.py
+    `attend`), and only on the reference backend (the fused kernels read the cache in place)."""
+    return n_prefixes * prefix_len * sum(s.bytes_per_slot for s in specs if isinstance(s, CrossKV))

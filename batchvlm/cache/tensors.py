@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .specs import PagedKV, Recurrent, StateSpec
+from .specs import CrossKV, PagedKV, Recurrent, StateSpec
 
 
 @dataclass
@@ -24,13 +24,15 @@ class KVCache:
     v: torch.Tensor
     block_size: int
     backend: Any = None  # models/attention.py's AttentionBackend; None: picked by device on first use
+    prefix_views: bool = False  # a CrossKV kind: decode groups may read its prefixes through a PrefixView
 
     @classmethod
     def allocate(cls, n_layers: int, n_blocks: int, block_size: int, n_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, backend: Any = None) -> KVCache:
+                 head_dim: int, dtype: torch.dtype, device: torch.device, backend: Any = None,
+                 prefix_views: bool = False) -> KVCache:
         shape = (n_layers, n_blocks * block_size, n_kv_heads, head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device),
-                   torch.zeros(shape, dtype=dtype, device=device), block_size, backend)
+                   torch.zeros(shape, dtype=dtype, device=device), block_size, backend, prefix_views)
 
     @property
     def n_blocks(self) -> int:
@@ -53,7 +55,8 @@ class EngineCache:
     @classmethod
     def allocate(cls, specs: list[StateSpec], n_blocks: int, block_size: int, n_rows: int, n_snapshots: int,
                  device: torch.device) -> EngineCache:
-        paged = {s.name: KVCache.allocate(s.layers, n_blocks, block_size, s.kv_heads, s.head_dim, s.dtype, device)
+        paged = {s.name: KVCache.allocate(s.layers, n_blocks, block_size, s.kv_heads, s.head_dim, s.dtype, device,
+                                          prefix_views=isinstance(s, CrossKV))
                  for s in specs if isinstance(s, PagedKV)}
         n = n_rows + 1 + n_snapshots
         recurrent = {s.name: {part: torch.zeros(n, *shape, dtype=s.dtype, device=device)

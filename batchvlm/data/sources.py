@@ -81,6 +81,20 @@ class SourceError(ValueError):
     pass
 
 
+NO_IMAGE = "no image in sample"  # a tar sample none of whose members is an image
+NO_IMAGE_NULL = "no image (null)"  # a Parquet row whose image cell is null
+NO_IMAGE_KINDS = (NO_IMAGE, "no image")  # their error kinds (output/rows.py): rows that held no image to label
+
+
+def no_images_message(inp: InputSpec, shards: int) -> str:
+    """What a job none of whose shards holds an image is told (run: exit code 2; status)."""
+    if inp.kind == "tar":
+        return (f"input.shards: none of the {shards} tar(s) holds an image (a member whose extension is one of "
+                f"input.image_keys: {', '.join(inp.image_keys)}); nothing was labelled")
+    what = f"input.image_column {inp.image_column!r} is null in every row" if inp.kind == "parquet" else "none"
+    return f"input: no image in any of the {shards} shard(s) ({what}); nothing was labelled"
+
+
 def shown(name: str) -> str:
     """`name` as valid UTF-8 text. A file name whose bytes are not UTF-8 reaches Python with
     surrogate escapes, which no Parquet string, seed or JSON reader takes: its bytes are written
@@ -301,21 +315,12 @@ def read_shard(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | ShardDamag
     yield from reader(shard, inp)
 
 
-def _pick_image(key: str, sample: dict, image_keys: list[str]) -> Encoded:
-    for ext in image_keys:
-        if ext in sample:
-            return Encoded(key, sample[ext], name=f"{key}.{ext}")
-    present = sorted(k for k in sample if not k.startswith("__"))
-    return Encoded(key, None, f"no image in sample (has: {', '.join(present) or 'nothing'}; "
-                              f"input.image_keys: {', '.join(image_keys)})")
-
-
 # webdataset's metadata members (`__meta__.json`, `dir/__info__.txt`, `__x__/...`) are no samples
 _METADATA = re.compile(r"(^|/)__[^/]*__(\.[^/]*)?($|/)")
 
 
-def _tar_members(f) -> Iterator[tuple[str, str, bytes]]:
-    """(key, lower-case extension, data) of every regular file, in archive order (webdataset's
+def _tar_members(f) -> Iterator[tuple[str, str, str, bytes]]:
+    """(name, key, lower-case extension, data) of every regular file, in archive order (webdataset's
     naming: the key is the path up to the first dot of the file name). Raises tarfile.ReadError
     where the archive breaks, including where stream mode would quietly stop."""
     from webdataset.tariterators import base_plus_ext
@@ -325,7 +330,7 @@ def _tar_members(f) -> Iterator[tuple[str, str, bytes]]:
         name = shown(info.name)  # tarfile decodes member names as UTF-8 with surrogate escapes
         key, ext = base_plus_ext(name)
         if info.isreg() and key is not None and not _METADATA.search(name):
-            yield key, ext.lower(), tar.extractfile(info).read()
+            yield name, key, ext.lower(), tar.extractfile(info).read()
         tar.members = []  # a stream holds no index: memory stays flat on huge shards
     # Stream mode ends quietly at a header it cannot read (bad checksum, cut short, missing).
     # A whole archive ends in zero blocks: the first one ended the loop, at least one follows.
@@ -342,28 +347,60 @@ def _text(data: bytes | None) -> str | None:
     return None if data is None else data.decode("utf-8", errors="replace")
 
 
-def _tar_sample(key: str, sample: dict[str, bytes], inp: InputSpec, image_keys: list[str]) -> Encoded:
-    enc = _pick_image(key, sample, image_keys)
-    if inp.keep:
-        enc.meta = {ext: _text(sample.get(ext.lower())) for ext in inp.keep}
-    return enc
+
+
+@dataclass(frozen=True)
+class _Member:
+    name: str  # the member's path in the archive, as shown
+    ext: str  # lower case: all of the file name after its first dot (webdataset's field name)
+    data: bytes
+
+
+def _tar_samples(key: str, members: list[_Member], inp: InputSpec, image_keys: set[str]) -> Iterator[Encoded]:
+    """The images of one webdataset sample (consecutive members of one key), each its own Encoded.
+
+    An image is a member whose extension, or last extension (`img.v1.jpg`), is one of
+    `input.image_keys`. Its key is the sample's where the whole extension is one (`a.jpg` -> `a`),
+    else its name without the last extension (`img.v1.jpg` -> `img.v1`); where two images of the
+    sample would share a key (`a.jpg`, `a.png`) each is keyed by its whole name. A sidecar of
+    `input.keep` is the image's own (`img.v1.json`) where there is one, else the sample's (`img.json`)."""
+    images = [m for m in members if m.ext in image_keys or m.ext.rsplit(".", 1)[-1] in image_keys]
+    by_ext = {m.ext: m.data for m in reversed(members)}  # a.txt and a.TXT: the first wins
+
+    def sidecar(own: str | None, ext: str) -> str | None:
+        data = by_ext.get(f"{own}.{ext}") if own else None
+        return _text(by_ext.get(ext) if data is None else data)
+
+    def meta(own: str | None) -> dict[str, str | None] | None:
+        return {ext: sidecar(own, ext.lower()) for ext in inp.keep} if inp.keep else None
+
+    if not images:
+        present = ", ".join(sorted(by_ext)) or "nothing"
+        yield Encoded(key, None, f"{NO_IMAGE} (has: {present}; input.image_keys: {', '.join(inp.image_keys)})",
+                      meta=meta(None))
+        return
+    owns = [None if m.ext in image_keys else m.ext.rsplit(".", 1)[0] for m in images]
+    keys = [key if own is None else f"{key}.{own}" for own in owns]
+    shared = {k for k in keys if keys.count(k) > 1}
+    for m, own, k in zip(images, owns, keys):
+        yield Encoded(m.name if k in shared else k, m.data, meta=meta(own), name=m.name)
 
 
 def _read_tar(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | ShardDamaged]:
-    image_keys = [k.lower() for k in inp.image_keys]
+    image_keys = {k.lower() for k in inp.image_keys}
     with fsspec.open(shard.url, "rb") as f:
-        key, sample, damaged = None, {}, None
+        key, members, damaged = None, [], None
         try:
-            for k, ext, data in _tar_members(f):
+            for name, k, ext, data in _tar_members(f):
                 if k != key and key is not None:
-                    yield _tar_sample(key, sample, inp, image_keys)
-                    sample = {}
+                    yield from _tar_samples(key, members, inp, image_keys)
+                    members = []
                 key = k
-                sample.setdefault(ext, data)  # a.jpg and a.JPG: the first wins
+                members.append(_Member(name, ext, data))
         except (tarfile.TarError, EOFError) as e:
             damaged = ShardDamaged(f"damaged tar: {e}")
         if key is not None:  # the last sample (before a break: its members so far were read whole)
-            yield _tar_sample(key, sample, inp, image_keys)
+            yield from _tar_samples(key, members, inp, image_keys)
         if damaged:
             yield damaged
 
@@ -445,7 +482,7 @@ def image_cells(batch, first_row: int, inp: InputSpec, base: str) -> Iterator[En
         if isinstance(value, dict):  # the datasets library's {"bytes", "path"} image struct
             value = value.get("bytes") or value.get("path")
         if value is None:
-            yield Encoded(key, None, "no image (null)", meta)
+            yield Encoded(key, None, NO_IMAGE_NULL, meta)
         elif isinstance(value, bytes):
             yield Encoded(key, value, None, meta)
         else:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..cache.blocks import BlockManager, SnapshotSlots
-from ..cache.specs import bytes_per_slot, bytes_per_state, has_recurrent
+from ..cache.specs import bytes_per_slot, bytes_per_state, has_recurrent, prefix_view_bytes
 from ..cache.tensors import EngineCache
 from ..job import EngineSpec
 from ..models.decoding import MODE_SCORE, Decision, RawOutput, sequence_seed
@@ -73,7 +73,7 @@ class Engine:
         # Snapshot holders: the prefixes of the images prefilled in one step (at most one feature
         # slot each; scheduler.py admits no new image while one still has waiting sequences).
         self.n_snapshots = n_slots * self.prefixes_per_image if has_recurrent(self.specs) else 0
-        n_blocks, n_rows = self._kv_blocks(n_rows, n_prefix, max(self.own_blocks), bs)
+        n_blocks, n_rows, view_bytes = self._kv_blocks(n_rows, n_prefix, max(self.own_blocks), bs)
         # Rows beyond what the blocks can hold at once would never run: their staging is waste.
         n_rows = max(1, min(n_rows, (n_blocks - 1 - n_prefix) // min(self.own_blocks)))
         self.images_to_fill = math.ceil(n_rows / len(seqs))
@@ -104,6 +104,7 @@ class Engine:
         self._held: WorkItem | None = None  # the next image, when it did not fit in the last vision batch
         self.step = self._step_pipelined if self.pipelined else self._step_sync
         self.stats = {"steps": 0, "graph_steps": 0, "vision_images": 0, "kv_blocks": n_blocks, "rows": n_rows,
+                      "prefix_view_bytes": view_bytes,
                       "graph_capture_s": round(graphs.capture_s, 2) if graphs is not None else 0.0}
         self._count_compiles()
 
@@ -128,28 +129,47 @@ class Engine:
 
     # ------------------------------------------------------------------ sizing
 
-    def _kv_blocks(self, n_rows: int, n_prefix: int, max_own: int, bs: int) -> tuple[int, int]:
-        """-> (blocks, rows). Enough blocks to fill every row (with twice the images that needs,
-        at their largest), and no more than free memory allows: accelerator memory after a
-        warm-up of the largest step on CUDA (rows halve until that step fits), available host
-        memory on CPU."""
+    def _kv_blocks(self, n_rows: int, n_prefix: int, max_own: int, bs: int) -> tuple[int, int, int]:
+        """-> (blocks, rows, PrefixView bytes reserved). Enough blocks to fill every row (with
+        twice the images that needs, at their largest), and no more than free memory allows:
+        accelerator memory after a warm-up of the largest step on CUDA (rows halve until that
+        step fits), available host memory on CPU; either less the largest PrefixView the rows
+        can hold (rows halve until one image's cache fits beside it)."""
         model = self.model
         reserve = 0
         if model.device.type == "cuda":
             reserve, n_rows = self._warmup_peak_bytes(n_rows)
-        images_to_fill = math.ceil(n_rows / len(self.seqs))
-        wanted = 1 + 2 * images_to_fill * n_prefix + n_rows * max_own + sum(self.own_blocks)
+        available = available_bytes(model.device)
         per_block = bytes_per_slot(self.specs) * bs
-        room = int((available_bytes(model.device) - reserve) * self.settings.kv_memory_fraction)
-        room -= bytes_per_state(self.specs) * (n_rows + 1 + self.n_snapshots)  # recurrent kinds: fixed
-        fits = room // per_block
         one_image = 1 + n_prefix + max_own
+        while True:
+            view_bytes = self._prefix_view_bytes(n_rows)
+            room = int((available - reserve - view_bytes) * self.settings.kv_memory_fraction)
+            room -= bytes_per_state(self.specs) * (n_rows + 1 + self.n_snapshots)  # recurrent kinds: fixed
+            fits = room // per_block
+            if fits >= one_image or n_rows == 1 or not view_bytes:
+                break
+            n_rows //= 2
+            self.log(f"batchvlm: the attention's prefix copies for every row leave no {model.device.type} memory "
+                     f"for one image's KV cache; trying {n_rows} rows "
+                     f"(engine.max_batch_size={self.settings.max_batch_size})")
         if fits < one_image:
             raise RuntimeError(
                 f"not enough {model.device.type} memory for one image's KV cache: it needs "
                 f"{one_image * per_block / 2**20:.0f} MiB, {max(room, 0) / 2**20:.0f} MiB is free for it "
                 f"(engine.kv_memory_fraction={self.settings.kv_memory_fraction})")
-        return max(2, min(wanted, fits)), n_rows
+        images_to_fill = math.ceil(n_rows / len(self.seqs))
+        wanted = 1 + 2 * images_to_fill * n_prefix + n_rows * max_own + sum(self.own_blocks)
+        return max(2, min(wanted, fits)), n_rows, view_bytes
+
+    def _prefix_view_bytes(self, n_rows: int) -> int:
+        """The most the runner's PrefixView holds, outside the cache (the reference attention
+        backend only): a decode group reads at most one prefix per row, each at most
+        max_prefix_len long. No warm-up measures it: the CPU has none, and its largest step
+        prefills, which ends a view (runner.py `_prefix_view`)."""
+        if isinstance(attention.backend_for(self.model.device), FusedAttention):
+            return 0
+        return prefix_view_bytes(self.specs, n_rows, self.max_prefix_len)
 
     def _warmup_peak_bytes(self, n_rows: int) -> tuple[int, int]:
         """-> (peak activation memory of a maximal vision batch and of the largest step the

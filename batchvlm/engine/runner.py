@@ -217,6 +217,7 @@ class Runner:
         x, layout = step_inputs(plan, self.recurrent, self.cache.snapshot_index)
         x = slot.upload(x, self.device, self.compute)
         I, S, D = len(plan.prefix_features), len(plan.new_rows), len(plan.decode_rows)
+        view = self._prefix_view(plan)
         if S:
             self._init_rows(x.new_rows, x.new_int, x.new_float)
         embeds, own_pos, groups, write_slots = [], [], [], []
@@ -242,7 +243,7 @@ class Runner:
         first_decode = layout.n_pre + layout.n_prompt
         if D:
             self.decode_group(x.decode, first_decode, embeds, own_pos, write_slots, groups,
-                              _extent(plan.decode_image_lens), self._prefix_view(plan))
+                              _extent(plan.decode_image_lens), view)
         positions = m.own_positions(torch.cat(own_pos)) if own_pos else None
         if prefix is not None:
             positions = prefix.positions if positions is None else torch.cat([prefix.positions, positions], dim=-1)
@@ -263,11 +264,15 @@ class Runner:
         step decodes against the same prefixes (tables and lengths, host arrays) and no prefix has
         been written since that view was made, else a new one. Prefix K/V are written only by
         steps that prefill prefixes, and a block listed in both steps' tables is held by its
-        prefix throughout (freed blocks are reused only by a later prefill). A step that prefills
-        gets no view (it gathers) and ends the current one. Steps run in plan order, so the
-        previous step here is the one before on the device too."""
+        prefix throughout (freed blocks are reused only by a later prefill, into the same block
+        ids as often as not). So every eager step comes here: one that prefills, with decode rows
+        or without, gets no view (it gathers) and ends the current one; a step with neither keeps
+        it. Graph-replayed steps decode only and gather. Steps run in plan order, so the previous
+        step here is the one before on the device too."""
         if len(plan.prefix_features):
             self._view = self._view_of = None
+            return None
+        if not len(plan.decode_rows):
             return None
         key = (plan.decode_image_tables.shape, plan.decode_image_tables.tobytes(), plan.decode_image_lens.tobytes())
         if key != self._view_of:

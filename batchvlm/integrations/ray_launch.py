@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..data.sources import no_images_message
 from ..output.shardlist import plan
 from ..dist import Rank
 from ..exits import EXIT_FAILED, EXIT_JOB_ERROR, EXIT_OK, EXIT_STOPPED
@@ -259,6 +260,9 @@ def _drive(ray, errors: tuple[type[Exception], ...], job: Job, actors: list, lim
         return EXIT_STOPPED
     if total.shards_failed or (total.shards_damaged and not job.input.allow_damaged):
         return EXIT_FAILED
+    if total.no_images:
+        _log(f"batchvlm: error: {no_images_message(job.input, total.shards_total)}")
+        return EXIT_JOB_ERROR
     return EXIT_OK
 
 
@@ -287,6 +291,8 @@ def _merge(results: dict[int, dict[str, Any]], total, code: int) -> int:
         total.shards_partial += s.shards_partial
         total.shards_failed += [f for f in s.shards_failed if f not in total.shards_failed]
         total.shards_damaged = sorted(set(total.shards_damaged) | set(s.shards_damaged))
+        total.shards_no_images += [w for w in s.shards_no_images if w not in total.shards_no_images]
+        total.no_images |= s.no_images  # the rank that saw every shard done, none holding an image
         total.images += s.images
         total.errors += s.errors
         total.stopped_by_signal |= s.stopped_by_signal

@@ -109,11 +109,16 @@ class PrefixView:
     a step the previous step's view only when no prefix has been written since the view was made
     and the step's prefix tables and lengths (host arrays of its plan) are the previous step's.
     Prefix K/V are written only when a prefix is prefilled, so the copies are then exactly what
-    a gather would read. Keyed by (reads, layer): a family reads prefixes of one paged kind per
-    (reads, layer). The fused backend reads the cache in place and never fills a view."""
+    a gather would read. Keyed by (reads, layer): only CrossKV kinds are viewed (`attend`), one
+    per (reads, layer). Its size is cache/specs.py `prefix_view_bytes`, which the engine's
+    memory sizing reserves. The fused backend reads the cache in place and never fills a view."""
 
     def __init__(self) -> None:
         self._kv: dict[tuple[Reads, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for kv in self._kv.values() for t in kv)
 
     def read(self, key: tuple[Reads, int], gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -344,13 +349,14 @@ def backend_for(device: torch.device) -> AttentionBackend:
 class Plans:
     backend: AttentionBackend
     groups: Any  # the backend's per-group plans
+    prefix_views: bool = False  # the kind's KVCache.prefix_views: `attend` may read through a PrefixView
 
 
 def plan_groups(batch: AttentionBatch, kv: KVCache) -> Plans:
     """Once per forward (per paged kind): what every layer's `attend` shares."""
     if kv.backend is None:
         kv.backend = backend_for(kv.k.device)
-    return Plans(kv.backend, kv.backend.plan(batch, kv.k.shape[1]))
+    return Plans(kv.backend, kv.backend.plan(batch, kv.k.shape[1]), kv.prefix_views)
 
 
 def attend(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cache: torch.Tensor,
@@ -358,8 +364,9 @@ def attend(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cach
            reads: Reads = Reads.PREFIX_AND_OWN, layer: int | None = None) -> torch.Tensor:
     """Write this step's keys/values into their slots, then attend every group. -> [N, H, D].
     `layer`: this call's layer index, which lets a decode group's prefix reads reuse its
-    PrefixView (None: always gather)."""
-    if layer is not None:
+    PrefixView on a CrossKV kind (None, or another kind: always gather; the engine sizes memory
+    for views of CrossKV kinds only)."""
+    if layer is not None and plans.prefix_views:
         return plans.backend.attend(q_NHD, k_NHD, v_NHD, k_cache, v_cache, batch, plans.groups, reads, layer)
     if reads is Reads.PREFIX_AND_OWN:  # keeps backends that predate `reads` working
         return plans.backend.attend(q_NHD, k_NHD, v_NHD, k_cache, v_cache, batch, plans.groups)

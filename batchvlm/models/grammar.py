@@ -1,7 +1,7 @@
 """Grammar-constrained decoding for `json` tasks (and output.constrain): a schema compiled once per
 job, one answer's matcher on the host (`Answer`, fed the tokens the answer emits), masks of many
 answers filled at once (`fill_masks`), and the mask step applied on the device before the
-(batch-invariant) sampler (`apply_mask`). The native engine computes masks one step behind,
+(batch-invariant) sampler (`apply_mask_`). The native engine computes masks one step behind,
 never while a launch waits (engine/scheduler.py); the transformers backend inside `generate`.
 
 The library is xgrammar (`pip install 'batchvlm[structured]'`), chosen by measurement against
@@ -15,7 +15,8 @@ A mask is a bitmask of `W = ceil(V / 32)` int32 words per row: bit `v % 32` of w
 = token v allowed. Rows without a grammar get all bits set (nothing masked), so one mask step
 serves a batch that mixes constrained and free rows. Answers are compact JSON (no whitespace
 outside strings), properties in schema order; `additionalProperties` absent allows others, as
-JSON Schema says (xgrammar's strict mode would forbid them).
+JSON Schema says (xgrammar's strict mode would forbid them). No answer holds a special or added
+token of the tokenizer; a stop token only ends one (`text_vocab`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ class Vocabulary:
 
         xgr = _xgrammar()
         hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
-        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_ids)
+        detected = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_ids)
+        self.info = xgr.TokenizerInfo(text_vocab(tokenizer, vocab_size, stop_ids), detected.vocab_type,
+                                      vocab_size=vocab_size, stop_token_ids=stop_ids,
+                                      add_prefix_space=detected.add_prefix_space)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.vocab_size = vocab_size
         next_VS, self.utf8_masks_SW = utf8_tables(self.info.decoded_vocab, vocab_size)
@@ -62,6 +66,19 @@ class Vocabulary:
     def compile(self, schema: dict[str, Any]) -> JsonGrammar:
         return JsonGrammar(self.compiler.compile_json_schema(
             json.dumps(schema), any_whitespace=False, separators=(",", ":"), strict_mode=False), self)
+
+
+def text_vocab(tokenizer, vocab_size: int, stop_ids: list[int]) -> list[str]:
+    """Each token id's text as xgrammar reads it (the tokenizer's encoded form), "" for the ids no
+    answer may write: the added tokens (control tokens such as <|image_pad|>, <think>, Florence-2's
+    <loc_N>), but for the stop tokens, and the ids past the tokenizer. xgrammar never allows an
+    empty token; it allows a stop token only where the grammar may end."""
+    text = [""] * vocab_size
+    refused = set(tokenizer.get_added_tokens_decoder()) - set(stop_ids)
+    for token, i in tokenizer.get_vocab(with_added_tokens=True).items():
+        if i < vocab_size and i not in refused:
+            text[i] = token
+    return text
 
 
 # UTF-8 decoder states between tokens: what the bytes so far still need to be valid UTF-8.
@@ -198,8 +215,9 @@ class RowGrammars:
             out_BW[held] = part
 
 
-def apply_mask(logits_BV: torch.Tensor, mask_BW: torch.Tensor) -> torch.Tensor:
-    """Disallowed tokens -> -inf, on the device, in fixed shapes (no host sync; graph-safe).
+def apply_mask_(logits_BV: torch.Tensor, mask_BW: torch.Tensor) -> torch.Tensor:
+    """Disallowed tokens -> -inf, in place (the step's own logits: no [B, V] copy), on the device,
+    in fixed shapes (no host sync; graph-safe); returns `logits_BV`.
 
     The one temporary is [B, 32 W] bytes: the mask's words read as bytes (little-endian, as on
     every device torch runs on: bit j of byte k of word w is token 32 w + 8 k + j), each byte's
@@ -208,7 +226,7 @@ def apply_mask(logits_BV: torch.Tensor, mask_BW: torch.Tensor) -> torch.Tensor:
     shift_8 = torch.arange(8, device=mask_BW.device, dtype=torch.uint8)
     refused_BW48 = mask_BW.contiguous().view(torch.uint8).unsqueeze(-1) >> shift_8
     refused_BW48.bitwise_and_(1).bitwise_xor_(1)
-    return logits_BV.masked_fill(refused_BW48.view(torch.bool).flatten(1)[:, :V], float("-inf"))
+    return logits_BV.masked_fill_(refused_BW48.view(torch.bool).flatten(1)[:, :V], float("-inf"))
 
 
 class Grammars:

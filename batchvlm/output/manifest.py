@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..data.sources import NO_IMAGE_KINDS
 from ..job import is_url, model_path
 from .layout import OLD_JOB_FILE, Layout, OutputConflict, is_old_stats
 from .writer import atomic_write_bytes, output_stat
@@ -66,6 +67,13 @@ def has_output(layout: Layout, stats: dict[str, Any]) -> bool:
         return path.exists()
     now = output_stat(path)
     return now is not None and now["size"] == stats["output"].get("size")
+
+
+def images_in(stats: dict[str, Any]) -> int:
+    """Rows of a shard that came from an image: all but the samples that held none (a tar
+    sample of text members only, a null Parquet cell)."""
+    kinds = stats.get("error_kinds") or {}
+    return stats.get("rows", 0) - sum(kinds.get(k, 0) for k in NO_IMAGE_KINDS)
 
 
 def damaged_note(stem: str, rows: int) -> str:

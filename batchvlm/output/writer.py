@@ -15,9 +15,9 @@ from __future__ import annotations
 import errno
 import json
 import os
-import queue
 import socket
 import threading
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -148,40 +148,91 @@ class ShardOutput:
 
 
 class WriterThread:
-    """Writes finished shards in the background so the accelerator never waits on disk."""
+    """Writes finished shards in the background so the accelerator never waits on disk. A shard
+    handed over is written before close() returns, also where a KeyboardInterrupt (a second
+    Ctrl-C) cut put()'s wait for room short; `unwritten` names those not written yet."""
 
     def __init__(self, layout: Layout, sch: pa.Schema, compression: str, on_written=None):
         self.layout, self.schema, self.compression = layout, sch, compression
         self.on_written = on_written  # called with the stem after its done marker is down
-        # Each item is a whole shard's rows: one waiting (plus one being written) keeps memory at a few
-        # shards' worth while the writer is behind, which only happens when labelling outruns the disk.
-        self._queue: queue.Queue[ShardOutput | None] = queue.Queue(maxsize=1)
+        # Handed over, not written yet; the first is being written. Each is a whole shard's rows: one
+        # being written and one waiting (plus the one put() holds) keep memory at a few shards' worth
+        # while the writer is behind, which only happens when labelling outruns the disk.
+        self._todo: deque[ShardOutput] = deque()
+        self._room = threading.Condition()
+        self._closing = False
+        self._abandoned = False  # a third Ctrl-C: start no more writes
+        self._writing: str | None = None  # the shard being written now
         self._error: BaseException | None = None
         self.written: list[str] = []
         self._thread = threading.Thread(target=self._run, name="batchvlm-writer", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            if self._error is not None:
-                continue
-            try:
+        while True:
+            with self._room:
+                while not self._todo and not self._closing:
+                    self._room.wait()
+                if not self._todo or self._abandoned:
+                    return
+            self._write_first()
+
+    def _write_first(self) -> None:
+        with self._room:
+            if self._abandoned:
+                return
+            item = self._todo[0]
+            self._writing = item.stem
+        try:
+            if self._error is None:
                 write_shard(self.layout, item.stem, item.rows, self.schema, self.compression, item.stats)
                 self.written.append(item.stem)
                 if self.on_written is not None:
                     self.on_written(item.stem)
-            except BaseException as e:  # noqa: BLE001 - surfaced to the main thread by put/close
-                self._error = e
+        except Exception as e:  # noqa: BLE001 - surfaced to the main thread by put/close
+            self._error = e  # (a KeyboardInterrupt in close() leaves the shard to write, not failed)
+        finally:
+            self._writing = None
+        with self._room:
+            self._todo.popleft()
+            self._room.notify_all()
 
     def _check(self) -> None:
         if self._error is not None:
             raise write_failure(self._error, self.layout.dir) from self._error
 
+    @property
+    def unwritten(self) -> list[str]:
+        with self._room:
+            return [item.stem for item in self._todo]
+
+    def abandon(self) -> str | None:
+        """Start no more writes (a third Ctrl-C); -> the shard being written now, which may still
+        finish. The others of `unwritten` are never written."""
+        with self._room:
+            self._abandoned = True
+            self._room.notify_all()
+            return self._writing
+
+    def holds(self, stem: str) -> bool:
+        """Handed over: written, or to be."""
+        return stem in self.written or stem in self.unwritten
+
     def put(self, item: ShardOutput) -> None:
         self._check()
-        self._queue.put(item)
+        with self._room:
+            self._todo.append(item)  # from here on it is written, whatever interrupts the wait
+            self._room.notify_all()
+            while len(self._todo) > 2 and self._thread.is_alive() and not self._abandoned:
+                self._room.wait()
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Write what is handed over and stop; again after an interrupted close, it writes what is left
+        in this thread."""
+        with self._room:
+            self._closing = True
+            self._room.notify_all()
         self._thread.join()
+        while self._todo and not self._abandoned:  # handed over after the thread ended
+            self._write_first()
         self._check()

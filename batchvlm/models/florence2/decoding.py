@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..decoding import EMIT_NONE, EMIT_SCORE, EMIT_TOKEN, Decision, RawOutput, RowState, SeqSpec, sample_tokens
-from ..grammar import apply_mask
+from ..grammar import apply_mask_
 from .config import GenerationSettings
 
 # Emission code beside EMIT_NONE / EMIT_TOKEN: the forced end token cut the answer (nothing
@@ -81,7 +81,7 @@ def decide(logits_BV: torch.Tensor, state: RowState, sampling: bool, g: Generati
     """One step of every row; updates `state` (and the history) in place. `mask_BW`: json token
     masks, in jobs with json tasks (rows without a grammar allow every token)."""
     if mask_BW is not None:
-        logits_BV = apply_mask(logits_BV, mask_BW)
+        logits_BV = apply_mask_(logits_BV, mask_BW)
     if history is not None:
         banned_BV = ban_repeats(logits_BV, history.read(state.row), state.count + 1, g.no_repeat_ngram)
         if mask_BW is not None:  # never ban a row's last allowed tokens (module docstring)

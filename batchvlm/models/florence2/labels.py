@@ -1,7 +1,7 @@
 """Florence-2's generated tokens -> one image's column values, as the processor post-processes
 them: captions, answers and OCR are the text without special tokens (stripped); a json answer is
-the text exactly as its grammar read it (every token but the forced first one, special tokens as
-their text, no clean-up: nothing the grammar allowed is dropped or changed); detect and
+the text exactly as its grammar read it (every token but the forced first one, no clean-up:
+nothing the grammar allowed is dropped or changed; it allows no special token); detect and
 regions read the text with its <loc_N> tokens (models/grounding.py, the processor's rules). A
 detect box is labelled with the object asked for, a region with its own phrase; at most
 max_objects of them, in the order the model wrote them. Detect text is `<name>_raw` too.

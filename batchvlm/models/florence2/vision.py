@@ -16,6 +16,25 @@ import torch.nn.functional as F
 
 from .config import VisionConfig
 
+CHUNK_VALUES = 1 << 18  # attention / MLP input values at once on the CPU: 1 MiB of float32
+
+
+def chunks(n: int, values_each: int, device: torch.device) -> list[slice]:
+    """Slices of n items (windows' bands, images, cells) of values_each input values each, about
+    CHUNK_VALUES values a slice (a last slice under half that joins the one before), at least one
+    item. On the CPU the attention and the MLP run a slice at a time, so their temporaries (qkv,
+    the MLP's 4x hidden) are small enough for the allocator to reuse rather than fresh pages
+    each call (every fresh page is a fault) and stay in cache. Each op is per window, image or
+    cell, so the values are the whole batch's up to float32 rounding; bit for bit on one CPU
+    thread (and on two with slices of 64 cells or more; CHUNK_VALUES gives 128 or more up to
+    width 2048), as MKL takes another path for GEMMs of 1 to 3 rows, hence no short last slice.
+    Elsewhere one slice."""
+    per = max(1, CHUNK_VALUES // values_each) if device.type == "cpu" else n
+    starts = list(range(0, n, per))
+    if len(starts) > 1 and 2 * (n - starts[-1]) < per:
+        starts.pop()
+    return [slice(a, b) for a, b in zip(starts, starts[1:] + [n])]
+
 
 class ConvEmbed(nn.Module):
     def __init__(self, c: VisionConfig, stage: int):
@@ -58,12 +77,16 @@ class WindowAttention(nn.Module):
         # pad right / bottom to whole windows; padded cells are keys too (zeros), as upstream
         x = F.pad(x_BHWC, (0, 0, 0, pad_w, 0, pad_h)) if pad_h or pad_w else x_BHWC
         Hp, Wp = H + pad_h, W + pad_w
-        win_NTC = x.view(B, Hp // w, w, Wp // w, w, C).permute(0, 1, 3, 2, 4, 5).reshape(-1, w * w, C)
-        N, T = win_NTC.shape[:2]
-        q, k, v = self.qkv(win_NTC).view(N, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-        out_NTC = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(N, T, C)
-        out = self.proj(out_NTC).view(B, Hp // w, Wp // w, w, w, C).permute(0, 1, 3, 2, 4, 5)
-        out = out.reshape(B, Hp, Wp, C)
+        # a band: w rows of cells, Wp / w windows side by side
+        bands = x.view(B * Hp // w, w, Wp // w, w, C)
+        out = torch.empty_like(bands)
+        for sl in chunks(bands.shape[0], w * Wp * C, x.device):
+            win_NTC = bands[sl].permute(0, 2, 1, 3, 4).reshape(-1, w * w, C)
+            N, T = win_NTC.shape[:2]
+            q, k, v = self.qkv(win_NTC).view(N, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+            attn_NTC = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(N, T, C)
+            out[sl] = self.proj(attn_NTC).view(-1, Wp // w, w, w, C).permute(0, 2, 1, 3, 4)
+        out = out.view(B, Hp, Wp, C)
         return (out[:, :H, :W] if pad_h or pad_w else out).reshape(B, H * W, C)
 
 
@@ -76,10 +99,14 @@ class ChannelAttention(nn.Module):
 
     def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
         B, T, C = x_BTC.shape
-        # [3, B, groups, C / groups, T]: each channel is a query over the T cells
-        q, k, v = self.qkv(x_BTC).view(B, T, 3, self.groups, C // self.groups).permute(2, 0, 3, 4, 1)
-        out = F.scaled_dot_product_attention(q, k, v, scale=T**-0.5)  # [B, groups, C / groups, T]
-        return self.proj(out.permute(0, 3, 1, 2).reshape(B, T, C))
+        out_BTC = x_BTC.new_empty(B, T, C)
+        for sl in chunks(B, T * C, x_BTC.device):
+            x = x_BTC[sl]
+            # [3, b, groups, C / groups, T]: each channel is a query over the T cells
+            q, k, v = self.qkv(x).view(x.shape[0], T, 3, self.groups, C // self.groups).permute(2, 0, 3, 4, 1)
+            out = F.scaled_dot_product_attention(q, k, v, scale=T**-0.5)  # [b, groups, C / groups, T]
+            out_BTC[sl] = self.proj(out.permute(0, 3, 1, 2).reshape(x.shape[0], T, C))
+        return out_BTC
 
 
 class HalfBlock(nn.Module):
@@ -100,13 +127,15 @@ class HalfBlock(nn.Module):
 
     def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
         B, C, H, W = x_BCHW.shape
-        x_BTC = (self.conv1(x_BCHW) + x_BCHW).flatten(2).transpose(1, 2)
+        x_BTC = self.conv1(x_BCHW).add_(x_BCHW).flatten(2).transpose(1, 2)
         h = self.norm1(x_BTC)
         h = self.window_attn(h.view(B, H, W, C)) if self.spatial else self.channel_attn(h)
-        x_BCHW = (x_BTC + h).transpose(1, 2).reshape(B, C, H, W)
-        x_BTC = (self.conv2(x_BCHW) + x_BCHW).flatten(2).transpose(1, 2)
-        x_BTC = x_BTC + self.ffn(self.norm2(x_BTC))
-        return x_BTC.transpose(1, 2).reshape(B, C, H, W)
+        x_BCHW = h.add_(x_BTC).transpose(1, 2).reshape(B, C, H, W)
+        x_BTC = self.conv2(x_BCHW).add_(x_BCHW).flatten(2).transpose(1, 2)
+        x_MC = x_BTC.flatten(0, 1)  # [B * cells, C], a view when x_BTC is contiguous or B is 1
+        for sl in chunks(x_MC.shape[0], C, x_MC.device):
+            x_MC[sl] += self.ffn(self.norm2(x_MC[sl]))
+        return x_MC.view(B, H * W, C).transpose(1, 2).reshape(B, C, H, W)
 
 
 class Block(nn.Module):

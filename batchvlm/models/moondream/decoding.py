@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..decoding import EMIT_NONE, EMIT_TOKEN, INPUT_TOKEN, MODE_TEXT, Decision, RowState, sample_tokens
-from ..grammar import apply_mask
+from ..grammar import apply_mask_
 from .grammar import EMIT_MORE, EMIT_SIZE, EMIT_X, EMIT_Y, INPUT_COORD, INPUT_SIZE, MODE_DETECT, MODE_POINT
 from .model import MoondreamModel
 
@@ -99,7 +99,7 @@ def _tokens(model: MoondreamModel, hidden_BC: torch.Tensor, state: RowState, sam
     answer = model.config.tokenizer.answer_id
     logits = model.text.logits(hidden_BC)
     if mask_BW is not None:
-        logits = apply_mask(logits, mask_BW)
+        logits = apply_mask_(logits, mask_BW)
     is_text = state.mode == MODE_TEXT
     masked = logits.clone()
     masked[:, answer] = torch.where(is_text & ~state.after_prompt, float("-inf"), logits[:, answer])

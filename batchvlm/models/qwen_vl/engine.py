@@ -18,7 +18,7 @@ import torch
 from ..decoding import (Decision, PromptRows, RowState, choice_scores, decide_text, emit_text, scores_only,
                         with_scores)
 from ..family import ModelInfo, PrefixInputs
-from ..grammar import apply_mask, fill_masks
+from ..grammar import apply_mask_, fill_masks
 from ..pinned import PinnedUpload
 from .model import QwenVLModel
 from .positions import prefix_positions
@@ -113,7 +113,7 @@ class QwenVLEngineModel:
             return scores_only(choice_scores(self.model.logits, prompt, state, self.end_id))
         logits_BV = self.model.logits(hidden_BC)
         if mask_BW is not None:  # the mask step, then the batch-invariant sampler
-            logits_BV = apply_mask(logits_BV, mask_BW)
+            logits_BV = apply_mask_(logits_BV, mask_BW)
         d = decide_text(logits_BV, state, self.stop_ids, sampling)
         if prompt is None:
             return d

@@ -21,7 +21,7 @@ import torch
 
 from ...tasks import Task, args_of, kind_of
 from ..family import FamilyError, TaskSequence
-from ..grammar import RowGrammars, Vocabulary, apply_mask
+from ..grammar import RowGrammars, Vocabulary, apply_mask_
 
 
 def end_of_turn(tokenizer) -> int:
@@ -93,4 +93,4 @@ class GrammarLogits:
         if input_ids_BT.shape[1] > self.prompt_len:  # feed the token the last step emitted
             self.rows.advance(rows, input_ids_BT[:, -1].tolist())
         self.rows.fill(rows, self.mask_BW)
-        return apply_mask(scores_BV, self.mask_BW.to(scores_BV.device))
+        return apply_mask_(scores_BV, self.mask_BW.to(scores_BV.device))
