@@ -18,11 +18,9 @@ from pathlib import Path
 import typer
 
 from . import __version__
-from .data.loader import SharedMemoryFull
 from .data.sources import SourceError, check_first_parquet, count_samples, list_files, no_images_message
 from .exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_JOB_ERROR, EXIT_STOPPED
 from .job import Job, JobError, load_job
-from .models.family import FamilyError, ModelFetchError, ModelLoadError
 from .output import manifest
 from .output.layout import Layout
 from .output.lock import RunLockHeld
@@ -37,7 +35,14 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Label image datasets with vision-language models: shards in, Parquet labels out.")
 
 JOB_ARG = typer.Argument(..., help="The job file (YAML).")
-USER_ERRORS = (JobError, SourceError, ModelLoadError, FamilyError, manifest.OutputConflict)
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """The failures a user can cause. Imported by the commands that open a model only: status,
+    preview, export, --help and --version start without torch (most of a run's start-up)."""
+    from .models.family import FamilyError, ModelLoadError
+
+    return JobError, SourceError, ModelLoadError, FamilyError, manifest.OutputConflict
 
 
 def _version(value: bool) -> None:
@@ -81,7 +86,10 @@ def run(
                                         "this machine's cluster), local, HOST:PORT or ray://HOST:PORT."),
 ) -> None:
     """Label every pending shard of JOB_FILE (finished shards are skipped)."""
-    job = _load(job_file)
+    job = _load(job_file)  # a job file refused here never waits for torch to import
+    from .data.loader import SharedMemoryFull
+    from .models.family import ModelFetchError
+
     try:
         if dry_run:
             _plan(job, overwrite)
@@ -122,7 +130,7 @@ def run(
         fail(str(e), EXIT_STOPPED)
     except ModelFetchError as e:  # the hub, for now
         fail(str(e), EXIT_FAILED)
-    except USER_ERRORS as e:
+    except user_errors() as e:
         fail(str(e))
     except ValueError as e:  # an inconsistent rank environment
         fail(str(e))
@@ -192,7 +200,7 @@ def validate(job_file: Path = JOB_ARG) -> None:
         job, shards = _check(job, layout if resume else None)  # the shards a run would have
         if resume:
             manifest.check_settings(layout, job.label_fingerprint(), job.label_settings())
-    except USER_ERRORS as e:
+    except user_errors() as e:
         fail(str(e))
     except ValueError as e:  # an inconsistent rank environment
         fail(str(e))

@@ -148,15 +148,29 @@ def heavy_imports_of_loading(folder: Path) -> str:
 
 
 def inproc(cwd: Path, *args) -> tuple[int, str]:
-    """The CLI app in this process (commands that load no model): (exit code, stdout + stderr)."""
+    """The CLI app in this process: (exit code, stdout + stderr). For commands that load no model,
+    and runs that are not about the process (its signals, start-up, loader workers: those are
+    subprocesses); the signal handlers a run installs are put back."""
+    import signal
+
     from typer.testing import CliRunner
 
     from batchvlm.cli import app
 
-    old = os.getcwd()
+    old, handlers = os.getcwd(), {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     os.chdir(cwd)
     try:
         r = CliRunner().invoke(app, [str(a) for a in args])
     finally:
         os.chdir(old)
+        for s, h in handlers.items():
+            signal.signal(s, h)
     return r.exit_code, r.output
+
+
+def cli_app(cwd: Path, *args, check: bool = False) -> subprocess.CompletedProcess:
+    """inproc as a finished process: its exit code, and its output as both streams."""
+    code, out = inproc(cwd, *args)
+    if check and code != 0:
+        raise AssertionError(f"exit {code}\n{out}")
+    return subprocess.CompletedProcess(args, code, out, out)

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
-from helpers import encode_image, write_job, write_tar
+from helpers import cli_app, encode_image, write_job, write_tar
 from PIL import Image
 
 from batchvlm.job import InputSpec, Job, load_job
@@ -40,8 +40,8 @@ def tiny(fmt: str, colour=(200, 30, 30)) -> bytes:
 
 def fill(folder: Path, n: int, start: int = 0, real_every: int = 1) -> list[str]:
     """n tiny images of mixed types in `folder`, of which every `real_every`-th is a real one and
-    the others empty files (error rows: every stage but the model sees them, so thousands of
-    images fit the test budget on 2 CPU cores); -> their file names."""
+    the others empty files (error rows: every stage but the model sees them, so a thousand images
+    fit the test budget on 2 CPU cores); -> their file names."""
     folder.mkdir(parents=True, exist_ok=True)
     data = {"png": tiny("PNG"), "jpg": tiny("JPEG"), "webp": tiny("WEBP")}
     names = []
@@ -82,11 +82,12 @@ def _done(out: Path) -> int:
 
 def test_a_folder_in_bounded_stable_shards_that_every_reader_opens(tmp_path):
     images = tmp_path / "images"
-    want = fill(images, 1700, 0, 8) + [f"sub/{n}" for n in fill(images / "sub", 1800, 1700, 8)] \
-        + [f".hidden/{n}" for n in fill(images / ".hidden", 1500, 3500, 8)]
+    want = fill(images, 340, 0, 8) + [f"sub/{n}" for n in fill(images / "sub", 360, 340, 8)] \
+        + [f".hidden/{n}" for n in fill(images / ".hidden", 300, 700, 8)]
     (images / "notes.txt").write_text("not an image")
     job = write_job(tmp_path / "job.yaml", "unused", output={"dir": "out"}, loader={"workers": 2, "prefetch": 4},
-                    input={"folder": "images", "shards": None, "shard_size": 500, "keep": ["path"]}, **FAST)
+                    input={"folder": "images", "shards": None, "shard_size": 100, "keep": ["path"]},
+                    **(FAST | {"engine": {"max_new_tokens": 2, "max_batch_size": 8}}))  # shards end one by one
     out = tmp_path / "out"
     # kill -9 at a random moment after the first shards are down, then run again
     p = subprocess.Popen([sys.executable, "-m", "batchvlm.cli", "run", str(job)], stdout=subprocess.DEVNULL,
@@ -107,23 +108,23 @@ def test_a_folder_in_bounded_stable_shards_that_every_reader_opens(tmp_path):
     names = sorted(f.stem for f in out.glob("*.parquet"))
     assert names == [f"hidden-{i:05d}" for i in range(3)] + [f"root-{i:05d}" for i in range(4)] \
         + [f"sub-{i:05d}" for i in range(4)]
-    assert max(pq.read_metadata(f).num_rows for f in out.glob("*.parquet")) == 500
+    assert max(pq.read_metadata(f).num_rows for f in out.glob("*.parquet")) == 100
     for reader, paths in read_back(out).items():
         assert sorted(paths) == sorted(want), reader  # every image exactly once
     assert all(f.stat().st_mtime_ns == before[f.name] for f in out.glob("*.parquet") if f.name in before)
 
-    # 700 more images: new shards for them alone, no existing Parquet file rewritten
+    # 140 more images: new shards for them alone, no existing Parquet file rewritten
     mtimes = {f.name: f.stat().st_mtime_ns for f in out.glob("*.parquet")}
-    want += fill(images, 300, 9000, 8) + [f"sub/{n}" for n in fill(images / "sub", 400, 9300, 8)]
+    want += fill(images, 60, 1800, 8) + [f"sub/{n}" for n in fill(images / "sub", 80, 1860, 8)]
     r = cli("run", job)
-    assert "2 shard(s) written, 11 already done, 700 images" in r.stderr
+    assert "2 shard(s) written, 11 already done, 140 images" in r.stderr
     assert {f.name: f.stat().st_mtime_ns for f in out.glob("*.parquet") if f.name in mtimes} == mtimes
     assert sorted(set(f.name for f in out.glob("*.parquet")) - set(mtimes)) == ["root-00004.parquet",
                                                                                 "sub-00004.parquet"]
     for reader, paths in read_back(out).items():
         assert sorted(paths) == sorted(want), reader
     report = collect(load_job(job))
-    assert (report["shards"], report["done"], report["pending"], report["rows"]) == (13, 13, 0, 5700)
+    assert (report["shards"], report["done"], report["pending"], report["rows"]) == (13, 13, 0, 1140)
 
 
 def test_two_ranks_split_one_folders_shards(tmp_path):
@@ -143,20 +144,20 @@ def test_two_ranks_split_one_folders_shards(tmp_path):
 
 
 def test_big_parquet_is_split_and_keeps_its_columns(tmp_path):
-    n = 12_000
+    n = 1200
     image = tiny("PNG")
-    table = pa.table({"image": [image if i % 400 == 0 else None for i in range(n)],  # nulls: error rows, fast
+    table = pa.table({"image": [image if i % 40 == 0 else None for i in range(n)],  # nulls: error rows, fast
                       "url": [f"https://example.com/{i}.png" for i in range(n)],
                       "caption": [f"original caption {i}" for i in range(n)],
                       "license": pa.array([i % 7 for i in range(n)], pa.int16())})
-    pq.write_table(table, tmp_path / "t.parquet", row_group_size=3000)
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=300)
     job = write_job(tmp_path / "job.yaml", "unused", engine=FAST["engine"],
-                    input={"parquet": "t.parquet", "shards": None, "shard_size": 5000, "keep": ["url", "caption", "license"]},
+                    input={"parquet": "t.parquet", "shards": None, "shard_size": 500, "keep": ["url", "caption", "license"]},
                     tasks=[{"query": {"question": "What is it?", "name": "answer"}}])
     cli("run", job)
     out = tmp_path / "out"
     assert sorted(f.name for f in out.glob("*.parquet")) == ["t-00000.parquet", "t-00001.parquet", "t-00002.parquet"]
-    assert [pq.read_metadata(out / f"t-0000{i}.parquet").num_rows for i in range(3)] == [5000, 5000, 2000]
+    assert [pq.read_metadata(out / f"t-0000{i}.parquet").num_rows for i in range(3)] == [500, 500, 200]
     got = ds.dataset(out).to_table()
     assert got.schema.field("license").type == pa.int16() and got.schema.field("url").type == pa.string()
     rows = sorted(got.to_pylist(), key=lambda r: int(r["key"]))
@@ -166,11 +167,11 @@ def test_big_parquet_is_split_and_keeps_its_columns(tmp_path):
     assert sum(r["status"] == "ok" for r in rows) == 30 and all(r["answer"] for r in rows if r["status"] == "ok")
 
     # The file is rewritten smaller: labelled again as one shard; the row ranges it had are gone.
-    pq.write_table(table.slice(0, 4000), tmp_path / "t.parquet")
-    r = cli("run", job)
+    pq.write_table(table.slice(0, 400), tmp_path / "t.parquet")
+    r = cli_app(tmp_path, "run", job, check=True)
     assert "1 shard(s) written, 0 already done" in r.stderr
     assert sorted(f.name for f in out.glob("*.parquet")) == ["t.parquet"]
-    assert pq.read_table(out).num_rows == 4000
+    assert pq.read_table(out).num_rows == 400
 
 
 def test_tar_sidecars_pass_through_and_duplicate_keys_are_error_rows(tmp_path):
@@ -199,10 +200,10 @@ def test_a_damaged_tar_fails_the_run_shows_in_status_and_is_relabelled_when_repl
     job = write_job(tmp_path / "job.yaml", "data/*.tar", **FAST)
     r = cli("run", job, check=False)
     assert r.returncode == 1 and "2 DAMAGED (cut-0: 2 sample(s) kept, junk-0: 0 sample(s) kept)" in r.stderr
-    s = cli("status", job)
+    s = cli_app(tmp_path, "status", job)
     assert "2 damaged" in s.stdout and "damaged: cut-0: 2 sample(s) kept" in s.stdout
     allowed = write_job(tmp_path / "allowed.yaml", "data/*.tar", input={"allow_damaged": True}, **FAST)
-    r = cli("run", allowed)  # nothing left to label: still said on every run, but allowed to exit 0
+    r = cli_app(tmp_path, "run", allowed, check=True)  # nothing left to label: still said on every run, but allowed to exit 0
     assert "2 already done" in r.stderr and "2 DAMAGED" in r.stderr
     # Re-downloaded whole: labelled again, the old file replaced.
     (tmp_path / "data" / "cut-0.tar").write_bytes(whole)
@@ -228,10 +229,10 @@ def test_an_unreadable_directory_leaves_its_shard_unfinished(tmp_path):
     job = write_job(tmp_path / "job.yaml", "unused", input={"folder": "images", "shards": None}, **FAST)
     r = cli("run", job, check=False)
     assert r.returncode == 1 and "1 FAILED (locked-00000)" in r.stderr, r.stderr
-    report = json.loads(cli("status", job, "--json").stdout)
+    report = json.loads(cli_app(tmp_path, "status", job, "--json").stdout)
     assert (report["done"], report["failed"]) == (1, 1) and "Permission denied" in report["failed_shards"][0]
     (tmp_path / "images" / "locked").chmod(0o755)
-    r = cli("run", job)
+    r = cli_app(tmp_path, "run", job, check=True)
     assert "1 shard(s) written, 1 already done, 3 images" in r.stderr
 
 
@@ -267,7 +268,7 @@ def test_an_old_layout_folder_is_refused_with_how_to_migrate(tmp_path):
     (out / "_job.json").write_text("{}")
     (out / "s-0.stats.json").write_text(json.dumps({"shard": "s-0", "complete": True}))
     pq.write_table(pa.table({"x": [1]}), out / "mine.parquet")  # not ours: stays
-    r = cli("run", job, check=False)
+    r = cli_app(tmp_path, "run", job)
     assert r.returncode == 2 and "older batchvlm" in r.stderr and "--overwrite" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     with pytest.raises(OutputConflict, match="older batchvlm"):  # status
@@ -282,7 +283,7 @@ def test_an_old_layout_folder_is_refused_with_how_to_migrate(tmp_path):
 def test_keep_names_are_checked_before_any_work(tmp_path):
     pq.write_table(pa.table({"image": [tiny("PNG")]}), tmp_path / "t.parquet")
     job = write_job(tmp_path / "job.yaml", "unused", input={"parquet": "t.parquet", "shards": None, "keep": ["url"]})
-    r = cli("run", job, check=False)
+    r = cli_app(tmp_path, "run", job)
     assert r.returncode == 2 and "input.keep" in r.stderr and "'url'" in r.stderr
 
 

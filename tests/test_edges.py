@@ -4,7 +4,8 @@ shards only; exports never merge or overwrite silently.
 
 One folder dataset is labelled once (after a `--limit` run, for what an unfinished shard leaves
 visible) and copied where a test changes it; one tar dataset for shard names. Commands that load
-no model run in-process through the real CLI app; runs are subprocesses."""
+no model, refused runs and the tar dataset's run go through the real CLI app in this process; the
+other runs are subprocesses."""
 
 from __future__ import annotations
 
@@ -152,10 +153,10 @@ def test_7_a_run_refused_for_other_weights_changes_nothing(labelled):
     tensors[first] = tensors[first] + 1
     save_file(tensors, weights, metadata={"format": "pt"})
     try:
-        r = cli("run", job, cwd=labelled["root"])
+        code, text = inproc(labelled["root"], "run", job)
     finally:
         weights.write_bytes(original)
-    assert r.returncode == 2 and "other model weights" in r.stderr, r.stderr
+    assert code == 2 and "other model weights" in text, text
     after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and not p.name.endswith(".lock")}
     assert after == before  # new.png was not frozen into shards.json
 
@@ -172,9 +173,9 @@ def test_9_run_checks_the_parquet_image_column_before_loading_the_model(tmp_path
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({"name": "p", "input": {"parquet": "p.parquet"}, "tasks": [{"caption": {}}],
                                    "loader": {"workers": 0}, "output": {"dir": "out"}}))
-    r = cli("run", job, cwd=tmp_path)
-    assert r.returncode == 2 and "input.image_column" in r.stderr and "int64" in r.stderr, r.stderr
-    assert "loaded" not in r.stderr and not (tmp_path / "out").exists()  # nothing left behind either
+    code, out = inproc(tmp_path, "run", job)
+    assert code == 2 and "input.image_column" in out and "int64" in out, out
+    assert "loaded" not in out and not (tmp_path / "out").exists()  # nothing left behind either
 
 
 def test_10_the_batch_size_is_capped_by_the_device_and_validate_says_so(labelled):
@@ -205,8 +206,8 @@ def tars(tmp_path_factory):
     job.write_text(yaml.safe_dump({"name": "t", "input": {"shards": ["d1/x.tar", "d2/x.tar", "_a.tar", ".b.tar"]},
                                    "tasks": [{"caption": {"max_new_tokens": 2}}], "engine": {"max_new_tokens": 2},
                                    "loader": {"workers": 0}, "output": {"dir": "out"}}))
-    r = cli("run", job, cwd=root)
-    assert r.returncode == 0, r.stderr
+    code, out = inproc(root, "run", job)
+    assert code == 0, out
     return root
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
+from helpers import cli_app
 from PIL import Image
 from pydantic import TypeAdapter
 
@@ -252,9 +251,7 @@ def test_cli_native_labels_equal_the_transformers_backend(tmp_path, checkpoints)
                "tasks": TASKS, "engine": {"max_new_tokens": NEW_TOKENS, "max_batch_size": 12},
                "loader": {"workers": 0}, "output": {"dir": f"out-{backend}", "raw_text": True}}
         (tmp_path / f"{backend}.yaml").write_text(yaml.safe_dump(job))
-        r = subprocess.run([sys.executable, "-m", "batchvlm.cli", "run", str(tmp_path / f"{backend}.yaml")],
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr
+        cli_app(tmp_path, "run", tmp_path / f"{backend}.yaml", check=True)  # in this process: transformers imported once
         table = pq.read_table(tmp_path / f"out-{backend}")
         meta = json.loads(table.schema.metadata[b"batchvlm"])
         assert (meta["model"]["family"], meta["model"]["backend"]) == (

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
+from helpers import cli_app
 from mask_trace import MaskTrace
 from structured_cases import CASES, SCHEMAS, assert_classify_columns, assert_finished_answers_validate
 from test_florence2 import Reference, random_images
@@ -220,9 +219,7 @@ def test_cli_writes_classify_and_json_columns(setup, tmp_path):
            "engine": {"max_new_tokens": MAX_NEW}, "loader": {"workers": 0},
            "output": {"dir": "out"}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    r = subprocess.run([sys.executable, "-m", "batchvlm.cli", "run", str(tmp_path / "job.yaml")],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    cli_app(tmp_path, "run", tmp_path / "job.yaml", check=True)
     rows = sorted(pq.read_table(tmp_path / "out").to_pylist(), key=lambda row: row["key"])
     assert [row["status"] for row in rows] == ["ok", "ok"]
     tasks = [*CLASSIFY[:2], JsonTask(json={"prompt": "Describe it.", "schema": SCHEMAS["bounds"][0], "name": "bounds"})]
@@ -238,7 +235,6 @@ def test_cli_writes_classify_and_json_columns(setup, tmp_path):
         assert not row["bounds_truncated"] and json.loads(row["bounds"])["count"] in range(10)
     job["tasks"] = [{"json": {"prompt": "<OCR> as JSON", "schema": {"type": "integer"}}}]
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(job))
-    r = subprocess.run([sys.executable, "-m", "batchvlm.cli", "validate", str(tmp_path / "bad.yaml")],
-                       capture_output=True, text=True, timeout=300)
+    r = cli_app(tmp_path, "validate", tmp_path / "bad.yaml")
     assert r.returncode != 0 and r.stderr.strip().splitlines()[-1] == (
         "batchvlm: error: tasks.0.json.prompt: task token <OCR> must be the only content of the prompt")

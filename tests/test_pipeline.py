@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from helpers import encode_image, png_header_only, write_job, write_tar
+from helpers import cli_app, encode_image, png_header_only, write_job, write_tar
 from PIL import Image
 
 from batchvlm.output.rows import LabelRow
@@ -105,7 +105,7 @@ def test_resume_skips_done_shards_and_labels_new_ones(tmp_path):
     r = cli("run", job)
     assert "1 shard(s) written, 2 already done" in r.stderr
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.parquet") if p.name in first} == first
-    s = cli("status", job, "--json")
+    s = cli_app(tmp_path, "status", job, "--json")
     report = json.loads(s.stdout)
     assert (report["done"], report["pending"], report["rows"]) == (3, 0, 9)
 
@@ -115,24 +115,24 @@ def test_changed_settings_are_refused_unless_overwrite(tmp_path):
     job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar")
     cli("run", job)
     changed = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", tasks=[{"caption": {"length": "short"}}])
-    r = cli("run", changed, check=False)
+    r = cli_app(tmp_path, "run", changed)
     assert r.returncode == 2 and "other settings" in r.stderr
-    cli("run", changed, "--overwrite")
+    cli_app(tmp_path, "run", changed, "--overwrite", check=True)
     cols = pq.read_table(tmp_path / "out" / "shapes-000000.parquet").column_names
     assert "detect" not in cols and "caption" in cols
-    cli("run", changed)  # the new settings are now the folder's
+    cli_app(tmp_path, "run", changed, check=True)  # the new settings are now the folder's
 
 
 def test_limit_leaves_partial_shards_for_the_next_run(tmp_path):
     shapes_shards(tmp_path, 2, 4)
     job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar")
     r = cli("run", job, "--limit", "5")
-    assert "5 images" in r.stderr
-    report = json.loads(cli("status", job, "--json").stdout)
+    assert "1 shard(s) written" in r.stderr and "1 partial (cut short by --limit" in r.stderr and "5 images" in r.stderr
+    report = json.loads(cli_app(tmp_path, "status", job, "--json").stdout)
     assert report["done"] + report["partial"] == 2 and report["partial"] >= 1
-    assert cli("preview", tmp_path / "out", "-o", tmp_path / "look.html").stdout.endswith(": 5 rows\n")
+    assert cli_app(tmp_path, "preview", tmp_path / "out", "-o", tmp_path / "look.html").stdout.endswith(": 5 rows\n")
     cli("run", job)
-    report = json.loads(cli("status", job, "--json").stdout)
+    report = json.loads(cli_app(tmp_path, "status", job, "--json").stdout)
     assert (report["done"], report["rows"]) == (2, 8)
     for p in (tmp_path / "out").glob("*.parquet"):
         assert len(keys_of(p)) == len(set(keys_of(p))) == 4
@@ -154,19 +154,19 @@ def test_folder_and_parquet_sources(tmp_path):
     pq.write_table(pa.table({"img": ["imgs/top.png", "imgs/missing.png"]}), tmp_path / "paths.parquet")
     job = write_job(tmp_path / "p.yaml", "unused", input={"parquet": "bytes.parquet", "shards": None,
                                                           "key_column": "id"}, output={"dir": "out-p"})
-    cli("run", job)
+    cli_app(tmp_path, "run", job, check=True)
     rows = pq.read_table(tmp_path / "out-p" / "bytes.parquet").to_pylist()
     assert [(r["key"], r["status"]) for r in rows] == [("p1", "ok"), ("p2", "error"), ("p3", "error")]
     job = write_job(tmp_path / "q.yaml", "unused", input={"parquet": "paths.parquet", "shards": None,
                                                           "image_column": "img"}, output={"dir": "out-q"})
-    cli("run", job)
+    cli_app(tmp_path, "run", job, check=True)
     rows = pq.read_table(tmp_path / "out-q" / "paths.parquet").to_pylist()
     assert [(r["key"], r["status"], r["width"]) for r in rows] == [("0", "ok", 200), ("1", "error", None)]
 
 
 def test_missing_inputs_and_workers_cover_every_sample_once(tmp_path):
     job = write_job(tmp_path / "job.yaml", "data/none-{0..3}.tar")
-    r = cli("run", job, check=False)
+    r = cli_app(tmp_path, "run", job)
     assert r.returncode == 2 and "not found" in r.stderr
     shapes_shards(tmp_path, 5, 3)
     job = write_job(tmp_path / "job.yaml", "data/shapes-{000000..000004}.tar", loader={"workers": 3, "prefetch": 2})
@@ -193,14 +193,14 @@ def test_unreadable_shard_is_reported_failed_and_retried(tmp_path):
     job = write_job(tmp_path / "job.yaml", "unused", input={"shards": [str(tmp_path / "data/shapes-000000.tar"), gone]})
     r = cli("run", job, check=False)
     assert r.returncode == 1 and "1 FAILED (vanished)" in r.stderr
-    report = json.loads(cli("status", tmp_path / "out", "--json").stdout)
+    report = json.loads(cli_app(tmp_path, "status", tmp_path / "out", "--json").stdout)
     assert (report["done"], report["failed"]) == (1, 1) and "vanished" in report["failed_shards"][0]
     from batchvlm.shapes.shards import write_shards
 
     write_shards(tmp_path / "late", 1, 2, seed=3, prefix="vanished")
     (tmp_path / "late" / "vanished-000000.tar").rename(tmp_path / "vanished.tar")
-    cli("run", job)
-    report = json.loads(cli("status", job, "--json").stdout)
+    cli_app(tmp_path, "run", job, check=True)
+    report = json.loads(cli_app(tmp_path, "status", job, "--json").stdout)
     assert (report["done"], report["failed"], report["rows"]) == (2, 0, 4)
 
 
@@ -246,21 +246,21 @@ def test_overwrite_spares_foreign_files_and_inputs_are_never_outputs(tmp_path):
     im = good_png()
     pq.write_table(pa.table({"image": [im]}), tmp_path / "t.parquet")
     job = write_job(tmp_path / "job.yaml", "unused", input={"parquet": "t.parquet", "shards": None}, output={"dir": "."})
-    r = cli("run", job, check=False)
+    r = cli_app(tmp_path, "run", job)
     assert r.returncode == 2 and "output.dir" in r.stderr and "holds the input" in r.stderr
     assert pq.read_table(tmp_path / "t.parquet").column_names == ["image"]
     job = write_job(tmp_path / "job.yaml", "unused", input={"parquet": "t.parquet", "shards": None}, output={"dir": "out"})
     (tmp_path / "out").mkdir()
     pq.write_table(pa.table({"x": [1]}), tmp_path / "out" / "precious.parquet")
     cli("run", job)
-    cli("run", job, "--overwrite")
+    cli_app(tmp_path, "run", job, "--overwrite", check=True)
     assert (tmp_path / "out" / "precious.parquet").exists() and keys_of(tmp_path / "out" / "t.parquet") == ["0"]
 
 
 def test_a_prompt_longer_than_the_context_is_one_line(tmp_path):
     shapes_shards(tmp_path, 1, 1)
     job = write_job(tmp_path / "job.yaml", "data/*.tar", tasks=[{"query": {"question": "what is this " * 200}}])
-    r = cli("run", job, check=False)
+    r = cli_app(tmp_path, "run", job)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
         "batchvlm: error: tasks.0: a ") and "context" in r.stderr
 

@@ -3,14 +3,13 @@
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from helpers import encode_image, write_job, write_tar
+from helpers import cli_app, encode_image, write_job, write_tar
 from PIL import Image
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -47,17 +46,14 @@ def labelled(tmp_path_factory):
     write_tar(root / "vis-000.tar", members)
     job = write_job(root / "job.yaml", "vis-000.tar", tasks=[{"caption": {}}, {"detect": {"objects": ["square"]}},
                                                             {"point": {"objects": ["square"]}}])
-    r = subprocess.run([sys.executable, "-m", "batchvlm.cli", "run", str(job)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    cli_app(root, "run", job, check=True)
     rows = {row["key"]: row for row in pq.read_table(root / "out" / "vis-000.parquet").to_pylist()}
     assert (rows["b"]["width"], rows["b"]["height"]) == (200, 280)
     return root, rows
 
 
 def cli(*args):
-    r = subprocess.run([sys.executable, "-m", "batchvlm.cli", *map(str, args)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return r
+    return cli_app(Path.cwd(), *args, check=True)
 
 
 def test_coco_round_trips_through_pycocotools(labelled, tmp_path):

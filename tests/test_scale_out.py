@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from helpers import write_job
+from helpers import cli_app, write_job
 
 from batchvlm.dist import Rank, my_shards, resolve_rank
 from batchvlm.shapes.shards import write_shards
@@ -31,6 +31,8 @@ def test_rank_resolution():
     env = {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
            "BATCHVLM_LOCAL_RANK": "2", "BATCHVLM_LOCAL_WORLD": "4"}
     assert resolve_rank(env) == Rank(6, 8, 2, launched=True)
+    # a local worker of a plain `batchvlm run` (launch.py)
+    assert resolve_rank({"BATCHVLM_LOCAL_RANK": "1", "BATCHVLM_LOCAL_WORLD": "2"}) == Rank(1, 2, 1, launched=True)
     with pytest.raises(ValueError):
         resolve_rank({"RANK": "4", "WORLD_SIZE": "2"})
     # Kubernetes Indexed Job: a pod is an array task (it starts its node's workers)
@@ -68,7 +70,7 @@ def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("scale")
     write_shards(root / "data", N_SHARDS, PER_SHARD, seed=5)
     job = write_job(root / "single.yaml", "data/shapes-*.tar", out="out-single")
-    cli(job)
+    cli_app(root, "run", job, check=True)  # the reference labels: in this process
     return root, tables(root / "out-single")
 
 
@@ -81,7 +83,8 @@ def _same(got: dict, want: dict) -> None:
 
 def test_array_tasks_sequential_and_concurrent_equal_single_run(data):
     root, single = data
-    # Each array task starts its node's workers (one per GPU; here per_node CPU workers).
+    # Each array task starts its node's workers (one per GPU; here per_node CPU workers): the
+    # launcher's local workers, one aggregated progress bar over them, are checked here too.
     job = write_job(root / "arr.yaml", "data/shapes-*.tar", out="out-array-seq", runtime={"workers_per_node": 2})
     for task in range(2):  # ranks 0-3 of 4 over 7 shards (three concurrent tasks follow)
         r = cli(job, {"SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_TASK_COUNT": "2"})
@@ -95,14 +98,6 @@ def test_array_tasks_sequential_and_concurrent_equal_single_run(data):
              for t in range(3)]
     assert [p.wait() for p in procs] == [0, 0, 0]
     _same(tables(root / "out-array-par"), single)
-
-
-def test_local_workers_equal_single_run(data):
-    root, single = data
-    job = write_job(root / "local.yaml", "data/shapes-*.tar", out="out-local", runtime={"workers_per_node": 2})
-    r = cli(job)
-    assert "x2" in r.stderr  # one aggregated progress bar over both workers
-    _same(tables(root / "out-local"), single)
 
 
 def test_work_stealing_ranks_take_each_shard_once(data):

@@ -4,14 +4,13 @@ transformers' own batch-1 forward log-probabilities of each choice after the sam
 every json answer that ended validates."""
 
 import json
-import subprocess
-import sys
 
 import jsonschema
 import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
+from helpers import cli_app
 from PIL import Image
 from structured_cases import SCHEMAS
 from tiny_vlms import qwen3_vl
@@ -42,9 +41,7 @@ def run(tmp_path_factory):
     job = {"name": "s", "input": {"folder": "imgs"}, "model": {"name": str(model), "backend": "transformers"},
            "tasks": TASKS, "engine": {"max_batch_size": 4}, "loader": {"workers": 0}, "output": {"dir": "out"}}
     (root / "job.yaml").write_text(yaml.safe_dump(job))
-    r = subprocess.run([sys.executable, "-m", "batchvlm.cli", "run", str(root / "job.yaml")], capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
+    cli_app(root, "run", root / "job.yaml", check=True)  # the CLI app in this process: transformers imported once
     rows = {row["key"]: row for row in pq.read_table(root / "out").to_pylist()}
     return model, ims, rows
 

@@ -5,13 +5,11 @@ the block empty with thinking off (Qwen3.5's) is not."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
 import yaml
-from helpers import encode_image
+from helpers import cli_app, encode_image
 from PIL import Image
 from qwen3vl_fixture import CHAT_TEMPLATE, hf_config, write_host_files
 from safetensors.torch import save_file
@@ -47,8 +45,7 @@ def test_validate_refuses_a_thinking_only_template_in_one_line(tmp_path):
     job = {"name": "t", "input": {"folder": "imgs"}, "model": {"name": str(model)}, "tasks": [{"caption": {}}],
            "output": {"dir": "out"}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    r = subprocess.run([sys.executable, "-m", "batchvlm.cli", "validate", str(tmp_path / "job.yaml")],
-                       capture_output=True, text=True, timeout=300)
+    r = cli_app(tmp_path, "validate", tmp_path / "job.yaml")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"batchvlm: error: model.name: {str(model)!r} is a thinking-only checkpoint (its chat template opens a "
         "<think> block after every question, whatever enable_thinking says); batchvlm labels with answers, not "

@@ -1,9 +1,10 @@
-"""The transformers backend through the real CLI, on tiny random checkpoints of ten architectures
+"""The transformers backend through the CLI, on tiny random checkpoints of ten architectures
 saved in the hub layout: every row labelled, and every label equal to what transformers' own
 batch-1 `generate` in float32 writes for that image, with the prompts the README documents and
 chat templates in their non-thinking form (the backend batches, pads on the left and cuts at the
 stop token; none of that may change a label). Where batchvlm has a native family (Qwen3-VL),
-both backends give identical labels."""
+both backends give identical labels. Runs go through the CLI app in this process (transformers is
+imported once), but for the one whose process is the point: loader workers."""
 
 import json
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+from helpers import inproc
 from test_pipeline import broken_shard
 from tiny_vlms import BUILDERS, mistral3
 
@@ -82,14 +84,15 @@ def images(folder: Path, n: int = 3) -> dict[str, Image.Image]:
 
 
 def run_cli(tmp_path: Path, checkpoint: Path, tasks: list, out: str = "out", **sections) -> subprocess.CompletedProcess:
+    """`batchvlm run` of a job on tmp_path/imgs, through the CLI app in this process."""
     job = {"name": "hf", "input": {"folder": "imgs"}, "model": {"name": str(checkpoint), "backend": "transformers"},
            "tasks": tasks, "engine": {"max_new_tokens": NEW_TOKENS, "max_batch_size": 2},
            "loader": {"workers": 0}, "output": {"dir": out, "raw_text": True}}
     for k, v in sections.items():
         job[k] = {**job.get(k, {}), **v}
     (tmp_path / f"{out}.yaml").write_text(yaml.safe_dump(job))
-    return subprocess.run([sys.executable, "-m", "batchvlm.cli", "run", str(tmp_path / f"{out}.yaml")],
-                          capture_output=True, text=True, timeout=300)
+    code, output = inproc(tmp_path, "run", tmp_path / f"{out}.yaml")
+    return subprocess.CompletedProcess([], code, output, output)
 
 
 @pytest.fixture(scope="module")
@@ -242,8 +245,8 @@ def test_error_rows_and_resume(tmp_path, checkpoints):
         status, w, h, err = expected[row["key"]]
         assert (row["status"], row["width"], row["height"]) == (status, w, h), row
         assert (err in row["error"] and row["caption"] is None) if err else isinstance(row["caption"], str)
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "0 shard(s) written, 1 already done" in r.stderr, r.stderr
+    code, output = inproc(tmp_path, "run", tmp_path / "job.yaml")
+    assert code == 0 and "0 shard(s) written, 1 already done" in output, output
 
 
 def test_unsupported_grounding_and_unloadable_models_are_one_line(tmp_path, checkpoints):

@@ -87,14 +87,14 @@ class RankWorker:
         manifest.clear_outputs(Layout(Path(self.job.output.dir)))
 
     def run(self, limit: int | None, launch: str) -> dict[str, Any]:
-        from ..cli import USER_ERRORS  # the CLI's list of the errors a user can cause (cli imports this module)
+        from ..cli import user_errors  # the CLI's list of the errors a user can cause (cli imports this module)
 
         os.environ[LAUNCH_ENV] = launch  # in this rank's claims
         try:
             summary = run_job(self.job, limit=limit, rank=self.rank, progress=True, stop=self.stop)
         except ModelFetchError as e:
             return {"error": str(e), "code": EXIT_FAILED}
-        except USER_ERRORS as e:
+        except user_errors() as e:
             return {"error": str(e), "code": EXIT_JOB_ERROR}
         return {"summary": summary, "who": self.progress()}
 
