@@ -328,7 +328,8 @@ _METADATA = re.compile(r"(^|/)__[^/]*__(\.[^/]*)?($|/)")
 def split_member(name: str) -> tuple[str, str] | None:
     """(key, extension) of a tar member under webdataset's naming: the key is the path up to the
     first dot of the file name, the extension the rest (`d/a.b.jpg` -> `d/a`, `b.jpg`); None for a
-    name without a dot (`README`) or starting with one (`._a.jpg`, `.DS_Store`)."""
+    name without a dot (`README`) or starting with one (`._a.jpg`, `.DS_Store`). webdataset's own
+    regex agrees but on a dotfile in a folder (`d/._a.jpg` -> key `d/`, an image `_a.jpg`)."""
     folder, slash, base = name.rpartition("/")
     stem, dot, ext = base.partition(".")
     return (folder + slash + stem, ext) if dot and stem else None
