@@ -36,7 +36,7 @@ from typing import Any
 
 from . import __version__
 from .data.loader import Sample, ShardEnd, Stealing, load
-from .output.shardlist import ShardList, plan
+from .output.shardlist import ShardList, plan, skipped_note
 from .data.sources import ShardRef, check_first_parquet, keep_fields, list_files, shown
 from .device import for_device
 from .dist import Rank, my_shards
@@ -70,6 +70,7 @@ class ShardAssembly:
     expected: int | None = None  # known once the loader has read the whole shard
     damaged: str | None = None
     failed: str | None = None
+    skipped: dict[str, int] | None = None  # a tar's members that are no sample's: reason -> count
 
     @property
     def complete(self) -> bool:
@@ -83,7 +84,7 @@ class ShardAssembly:
                  "complete": complete, "rows": len(rows),
                  "ok": len(rows) - sum(errors.values()), "errors": sum(errors.values()),
                  "error_kinds": dict(errors), "parse_failures": sum(r.get(PARSE_FAILURES, 0) for r in rows),
-                 "damaged": self.damaged, "seconds": round(seconds, 3),
+                 "damaged": self.damaged, "skipped": self.skipped or {}, "seconds": round(seconds, 3),
                  "images_per_s": round(len(rows) / seconds, 2) if seconds > 0 else None,
                  "finished": now(), "batchvlm": __version__}
         return ShardOutput(self.ref.stem, rows, stats)
@@ -105,7 +106,9 @@ class RunSummary:
     errors: int = 0
     seconds: float = 0.0
     stopped_by_signal: bool = False
-    skipped: str = ""  # files of the input that are no images to label, and why (folder input)
+    # files of the input that are no images to label, by reason: a folder's, and the members of the
+    # tars done now or before
+    skipped: Counter[str] = field(default_factory=Counter)
 
     def line(self, out_dir: str) -> str:
         rate = self.images / self.seconds if self.seconds > 0 else 0.0
@@ -126,7 +129,7 @@ class RunSummary:
         if self.stopped_by_signal:
             parts.append("stopped by signal: unfinished shards left for the next run")
         if self.skipped:
-            parts.append(self.skipped)
+            parts.append(skipped_note(self.skipped))
         return f"batchvlm: {', '.join(parts)} -> {out_dir}"
 
 
@@ -221,7 +224,7 @@ def _run(job: Job, layout: Layout, limit: int | None, clear: bool, rank: Rank, p
     shards = _open_folder(job, layout, clear, rank)
     claims = Claims(layout.meta) if job.runtime.work_stealing else None
     mine = shards if claims else my_shards(shards, rank)  # with claims every rank may take any shard
-    summary = RunSummary(len(shards), 0, skipped=shards.skipped_note())
+    summary = RunSummary(len(shards), 0, skipped=Counter(shards.skipped))
     pending = _skip_done(layout, mine, summary)
     if not pending:
         plan(job.input, layout, freeze=True)
@@ -290,6 +293,7 @@ def _skip_done(layout: Layout, mine: list[ShardRef], summary: RunSummary) -> lis
             continue
         summary.shards_done_before += 1
         summary.found += manifest.images_in(stats)
+        summary.skipped.update(stats.get("skipped") or {})
         if stats.get("damaged"):  # reported by every run until the input is replaced
             summary.shards_damaged.append(manifest.damaged_note(s.stem, stats.get("rows", 0)))
     return pending
@@ -427,6 +431,8 @@ class Labelling:
         self.summary.images += out.stats["rows"]
         self.summary.errors += out.stats["errors"]
         self.summary.found += manifest.images_in(out.stats)
+        if complete:
+            self.summary.skipped.update(out.stats["skipped"])
         self.writer.put(out)  # a second Ctrl-C in its wait: the writer holds the shard already
         del self.assemblies[i]
         return out
@@ -449,7 +455,7 @@ class Labelling:
 
     def shard_end(self, item: ShardEnd) -> None:
         a = self.assemblies[item.shard]
-        a.expected, a.damaged, a.failed = item.n_samples, item.damaged, item.failed
+        a.expected, a.damaged, a.failed, a.skipped = item.n_samples, item.damaged, item.failed, item.skipped
         if a.failed:  # recorded (not done) so `status` shows it; the next run retries it
             self.bar.shard_size(item.shard, len(a.rows))
             log(f"batchvlm: shard {a.ref.stem} failed: {a.failed}")

@@ -6,10 +6,11 @@ folder has stats for, and how many are pending is unknown: said, not failed on.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .output.shardlist import plan
+from .output.shardlist import plan, skipped_note
 from .data.sources import SourceError
 from .job import Job
 from .output.layout import Layout
@@ -21,7 +22,8 @@ def collect(job: Job) -> dict[str, Any]:
     which of the done ones are damaged (a tar that broke: the samples before the break were kept)
     or hold no image (an empty tar, one of text members only; `no_images`: every shard is such).
     A shard whose input file changed since it was labelled is pending again. Where the inputs
-    cannot be found (moved, deleted), the shards are those with stats and `pending` is unknown."""
+    cannot be found (moved, deleted), the shards are those with stats and `pending` is unknown.
+    Skipped files: a folder's (listed now), and the members of the done tars (from their stats)."""
     layout = Layout(Path(job.output.dir))
     layout.check()
     try:
@@ -29,12 +31,14 @@ def collect(job: Job) -> dict[str, Any]:
     except SourceError as e:
         shards, inputs_missing = None, str(e)
     done, partial, failed, damaged, no_images, rows, errors = [], [], [], [], [], 0, 0
+    skipped = Counter(shards.skipped if shards is not None else {})  # a folder's, and the done tars' members
 
     def count(stem: str, stats: dict[str, Any]) -> None:
         nonlocal rows, errors
         done.append(stem)
         rows += stats.get("rows", 0)
         errors += stats.get("errors", 0)
+        skipped.update(stats.get("skipped") or {})
         if images_in(stats) == 0 and not stats.get("damaged"):
             no_images.append(stem)
         if stats.get("damaged"):
@@ -69,5 +73,4 @@ def collect(job: Job) -> dict[str, Any]:
             "failed_shards": failed, "damaged_shards": damaged, "no_image_shards": no_images,
             "no_images": bool(stems) and pending == 0 and not partial and not failed and len(no_images) == len(done),
             "inputs_missing": inputs_missing,
-            "skipped": shards.skipped_note() if shards is not None else "",
-            "skipped_files": shards.skipped if shards is not None else {}}
+            "skipped": skipped_note(skipped), "skipped_files": dict(skipped)}

@@ -87,13 +87,18 @@ def random_state(config: MoondreamConfig, seed: int = 0) -> dict[str, torch.Tens
     return out
 
 
-def write_tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
-    """A webdataset shard from (file name, bytes) pairs, in order."""
+def write_tar(path: Path, members: list) -> Path:
+    """A webdataset shard from (file name, bytes) pairs, in order; a tarfile.TarInfo is written
+    as it is (a directory, a link, a device)."""
     import io
     import tarfile
 
     with tarfile.open(path, "w") as tar:
-        for name, data in members:
+        for member in members:
+            if isinstance(member, tarfile.TarInfo):
+                tar.addfile(member)
+                continue
+            name, data = member
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))

@@ -201,10 +201,25 @@ def test_progress_has_a_total_and_an_output_folder_matched_by_its_own_input_patt
 def test_tar_metadata_members_are_no_samples_and_error_kinds_are_whole(tmp_path):
     """A tar's two images of one key (c.jpg, c.png) kept one and dropped the other without a trace,
     and many-dotted names (img.v1.png) were `no image` rows under webdataset's first-dot key: each
-    image is now its own row, keyed back to its member name (README, Input)."""
+    image is now its own row, keyed back to its member name (README, Input). Members that name no
+    sample (no extension, dotfiles such as macOS ._ resource forks, links, devices) were dropped
+    without a count: now counted by reason in the summary, the shard's stats and `status`, as a
+    folder's skipped files are; directories are no files. A tar output's preview needs no torch."""
+    import tarfile
+
+    def special(name, kind, **kw):
+        info = tarfile.TarInfo(name)
+        info.type = kind
+        for k, v in kw.items():
+            setattr(info, k, v)
+        return info
+
     write_tar(tmp_path / "m-0.tar", [("__meta__.json", b"{}"), ("a.png", png()), ("b.txt", b"caption only"),
                                      ("c.jpg", png(fmt="JPEG")), ("c.png", png()), ("img.v1.png", png()),
-                                     ("img.v2.png", png()), ("photo.2024.01.png", png())])
+                                     ("img.v2.png", png()), ("photo.2024.01.png", png()), ("README", b"read me"),
+                                     ("._a.png", png()), (".DS_Store", b"\0"), special("d", tarfile.DIRTYPE),
+                                     ("d/._c.jpg", png(fmt="JPEG")), special("e.png", tarfile.SYMTYPE, linkname="a.png"),
+                                     special("f.png", tarfile.CHRTYPE, devmajor=1, devminor=3)])
     job = write_job(tmp_path / "job.yaml", "m-0.tar", **(CHEAP | {"engine": {"max_new_tokens": 4, "max_batch_size": 8}}))
     r = cli("run", job, check=True)
     assert "batch 8" in r.stderr  # the job's own value is kept
@@ -214,6 +229,19 @@ def test_tar_metadata_members_are_no_samples_and_error_kinds_are_whole(tmp_path)
         ("photo.2024.01", "ok")]
     stats = json.loads((tmp_path / "out" / "__batchvlm__" / "m-0.stats.json").read_text())
     assert stats["error_kinds"] == {"no image in sample": 1}
+    skipped = {"macOS ._ metadata": 2, "not a regular file (link, device)": 2, "no extension": 1,
+               "hidden file (name starts with a dot)": 1}
+    assert stats["skipped"] == skipped
+    note = ("6 file(s) skipped (2 macOS ._ metadata, 2 not a regular file (link, device), 1 no extension, "
+            "1 hidden file (name starts with a dot))")
+    assert r.stderr.strip().splitlines()[-1].endswith(f"{note} -> {tmp_path / 'out'}"), r.stderr
+    report = json.loads(app(tmp_path, "status", tmp_path / "out", "--json", check=True).stdout)
+    assert (report["skipped"], report["skipped_files"]) == (note, skipped)
+    assert note in app(tmp_path, "run", job, check=True).stderr  # a run with nothing left to label says it too
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "batchvlm.cli", "preview", tmp_path / "out",
+                        "-o", tmp_path / "p.html"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and (tmp_path / "p.html").exists(), r.stderr
+    assert not re.search(r"\| +torch$", r.stderr, re.M)
 
 
 def test_help_version_and_unexpected_errors(tmp_path):

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from ..job import InputSpec, LoaderSpec
 from ..models.family import Prepared, Preprocessor
 from .decode import decode
-from .sources import Encoded, ShardRef, read_shard
+from .sources import Encoded, ShardRef, TarSkipped, read_shard
 
 
 @dataclass
@@ -48,6 +48,7 @@ class ShardEnd:
     n_samples: int
     damaged: str | None = None  # the container broke; the samples before it were delivered
     failed: str | None = None  # unreadable (I/O error, broken container): must not be marked done
+    skipped: dict[str, int] | None = None  # a tar's members that are no sample's: reason -> count
 
 
 @dataclass
@@ -125,12 +126,15 @@ class ShardStream(IterableDataset):
                 yield from self._shard(i)
 
     def _shard(self, i: int) -> Iterator[Sample | ShardEnd | Halt]:
-        count, seen = 0, set()  # keys of this shard so far: bounded by the shard size
+        count, seen, skipped = 0, set(), None  # keys of this shard so far: bounded by the shard size
         in_worker = get_worker_info() is not None
         try:
             for enc in read_shard(self.shards[i], self.inp):
+                if isinstance(enc, TarSkipped):
+                    skipped = enc.counts
+                    continue
                 if not isinstance(enc, Encoded):
-                    yield ShardEnd(i, count, damaged=enc.error)
+                    yield ShardEnd(i, count, damaged=enc.error, skipped=skipped)
                     return
                 if enc.key in seen:
                     enc = Encoded(enc.key, None, "duplicate key: an earlier sample of this shard has it", enc.meta)
@@ -153,7 +157,7 @@ class ShardStream(IterableDataset):
         except Exception as e:  # noqa: BLE001 - whatever breaks a shard fails that shard, never the job
             yield ShardEnd(i, count, failed=f"{type(e).__name__}: {e}")
             return
-        yield ShardEnd(i, count)
+        yield ShardEnd(i, count, skipped=skipped)
 
 
 def _quiet_worker(_: int) -> None:

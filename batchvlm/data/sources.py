@@ -8,7 +8,8 @@ stable order, so a shard labelled twice gives the same rows.
 Error policy: a sample that cannot be decoded, or whose file no longer exists, becomes an
 `Encoded` with an error (it will be an error row); a shard whose container is corrupt (a
 truncated tar, not a tar) ends with a `ShardDamaged` marker after the samples that could be
-read; an I/O failure (network, permissions, an unlistable directory) raises and leaves the
+read; a tar's members that are no sample's (no extension, dotfiles, links and devices) are counted
+in a `TarSkipped` marker before the end; an I/O failure (network, permissions, an unlistable directory) raises and leaves the
 shard unfinished, to be retried by the next run.
 """
 
@@ -75,6 +76,11 @@ class Encoded:
 @dataclass
 class ShardDamaged:
     error: str
+
+
+@dataclass
+class TarSkipped:
+    counts: dict[str, int]  # why members of the tar were not taken -> how many
 
 
 class SourceError(ValueError):
@@ -310,7 +316,7 @@ def count_samples(shard: ShardRef) -> int | None:
     return None
 
 
-def read_shard(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | ShardDamaged]:
+def read_shard(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | TarSkipped | ShardDamaged]:
     reader = {"tar": _read_tar, "folder": _read_folder, "parquet": _read_parquet}[shard.kind]
     yield from reader(shard, inp)
 
@@ -319,18 +325,42 @@ def read_shard(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | ShardDamag
 _METADATA = re.compile(r"(^|/)__[^/]*__(\.[^/]*)?($|/)")
 
 
-def _tar_members(f) -> Iterator[tuple[str, str, str, bytes]]:
-    """(name, key, lower-case extension, data) of every regular file, in archive order (webdataset's
-    naming: the key is the path up to the first dot of the file name). Raises tarfile.ReadError
-    where the archive breaks, including where stream mode would quietly stop."""
-    from webdataset.tariterators import base_plus_ext
+def split_member(name: str) -> tuple[str, str] | None:
+    """(key, extension) of a tar member under webdataset's naming: the key is the path up to the
+    first dot of the file name, the extension the rest (`d/a.b.jpg` -> `d/a`, `b.jpg`); None for a
+    name without a dot (`README`) or starting with one (`._a.jpg`, `.DS_Store`). webdataset's own
+    regex agrees but on a dotfile in a folder (`d/._a.jpg` -> key `d/`, an image `_a.jpg`)."""
+    folder, slash, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    return (folder + slash + stem, ext) if dot and stem else None
 
+
+def _member_skip_reason(info: tarfile.TarInfo, name: str) -> str | None:
+    """Why a member is no part of a sample (counted); None if it is one, or is ignored without
+    a count (directories; webdataset's metadata)."""
+    if info.isdir() or _METADATA.search(name):
+        return None
+    if not info.isreg():
+        return "not a regular file (link, device)"
+    base = name.rsplit("/", 1)[-1]
+    if base.startswith("._"):
+        return "macOS ._ metadata"
+    if base.startswith("."):
+        return "hidden file (name starts with a dot)"
+    return "no extension" if "." not in base else None
+
+
+def _tar_members(f, skipped: Counter[str]) -> Iterator[tuple[str, str, str, bytes]]:
+    """(name, key, lower-case extension, data) of every regular file that names a sample, in
+    archive order; the members that do not are counted in `skipped`, by reason. Raises
+    tarfile.ReadError where the archive breaks, including where stream mode would quietly stop."""
     tar = tarfile.open(fileobj=f, mode="r|*")
     for info in tar:
         name = shown(info.name)  # tarfile decodes member names as UTF-8 with surrogate escapes
-        key, ext = base_plus_ext(name)
-        if info.isreg() and key is not None and not _METADATA.search(name):
-            yield name, key, ext.lower(), tar.extractfile(info).read()
+        if info.isreg() and not _METADATA.search(name) and (split := split_member(name)) is not None:
+            yield name, split[0], split[1].lower(), tar.extractfile(info).read()
+        elif why := _member_skip_reason(info, name):
+            skipped[why] += 1
         tar.members = []  # a stream holds no index: memory stays flat on huge shards
     # Stream mode ends quietly at a header it cannot read (bad checksum, cut short, missing).
     # A whole archive ends in zero blocks: the first one ended the loop, at least one follows.
@@ -386,12 +416,12 @@ def _tar_samples(key: str, members: list[_Member], inp: InputSpec, image_keys: s
         yield Encoded(m.name if k in shared else k, m.data, meta=meta(own), name=m.name)
 
 
-def _read_tar(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | ShardDamaged]:
+def _read_tar(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | TarSkipped | ShardDamaged]:
     image_keys = {k.lower() for k in inp.image_keys}
     with fsspec.open(shard.url, "rb") as f:
-        key, members, damaged = None, [], None
+        key, members, damaged, skipped = None, [], None, Counter()
         try:
-            for name, k, ext, data in _tar_members(f):
+            for name, k, ext, data in _tar_members(f, skipped):
                 if k != key and key is not None:
                     yield from _tar_samples(key, members, inp, image_keys)
                     members = []
@@ -401,6 +431,8 @@ def _read_tar(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | ShardDamage
             damaged = ShardDamaged(f"damaged tar: {e}")
         if key is not None:  # the last sample (before a break: its members so far were read whole)
             yield from _tar_samples(key, members, inp, image_keys)
+        if skipped:
+            yield TarSkipped(dict(skipped))
         if damaged:
             yield damaged
 

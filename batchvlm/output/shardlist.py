@@ -97,11 +97,16 @@ class ShardList(list[ShardRef]):
         self.skipped = skipped or {}
 
     def skipped_note(self) -> str:
-        """`3 file(s) skipped (2 HEIC images ..., 1 macOS metadata ...)`, or ''."""
-        if not self.skipped:
-            return ""
-        parts = ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items(), key=lambda kv: -kv[1]))
-        return f"{sum(self.skipped.values())} file(s) skipped ({parts})"
+        return skipped_note(self.skipped)
+
+
+def skipped_note(skipped: dict[str, int]) -> str:
+    """`3 file(s) skipped (2 HEIC images ..., 1 macOS ._ metadata)`, or '': the files of a folder, or
+    members of the done tars, that are no images to label."""
+    if not skipped:
+        return ""
+    parts = ", ".join(f"{n} {why}" for why, n in sorted(skipped.items(), key=lambda kv: -kv[1]))
+    return f"{sum(skipped.values())} file(s) skipped ({parts})"
 
 
 def _merge(inp: InputSpec, prior: list[ShardRef]) -> tuple[ShardList, list[str]]:
