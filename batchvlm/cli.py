@@ -25,7 +25,7 @@ from .output import manifest
 from .output.layout import Layout
 from .output.lock import RunLockHeld
 from .output.placement import check_apart_from_inputs, check_writable
-from .output.shardlist import ShardList, plan
+from .output.shardlist import ShardList, plan, skipped_note
 from .output.writer import OutputWriteError, write_failure
 
 DEBUG_ENV = "BATCHVLM_DEBUG"
@@ -206,7 +206,7 @@ def validate(job_file: Path = JOB_ARG) -> None:
         fail(str(e))
     sizes = [count_samples(s) for s in shards]
     images = f"{sum(sizes)} image(s), " if None not in sizes else ""
-    skipped = f"; {shards.skipped_note()}" if shards.skipped else ""
+    skipped = f"; {skipped_note(shards.skipped)}" if shards.skipped else ""
     typer.echo(f"{job_file}: ok ({len(shards)} shard(s), {images}{len(job.tasks)} task(s), {job.model.device}, "
                f"{job.model.dtype}){skipped}")
     device_type, asked = job.model.device.split(":")[0], job.engine.max_batch_size

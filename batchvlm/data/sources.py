@@ -335,19 +335,12 @@ def split_member(name: str) -> tuple[str, str] | None:
     return (folder + slash + stem, ext) if dot and stem else None
 
 
-def _member_skip_reason(info: tarfile.TarInfo, name: str) -> str | None:
-    """Why a member is no part of a sample (counted); None if it is one, or is ignored without
-    a count (directories; webdataset's metadata)."""
-    if info.isdir() or _METADATA.search(name):
-        return None
-    if not info.isreg():
-        return "not a regular file (link, device)"
+def _unnamed_reason(name: str) -> str:
+    """Why a regular member that `split_member` gives no key is no part of a sample (counted)."""
     base = name.rsplit("/", 1)[-1]
     if base.startswith("._"):
         return "macOS ._ metadata"
-    if base.startswith("."):
-        return "hidden file (name starts with a dot)"
-    return "no extension" if "." not in base else None
+    return "hidden file (name starts with a dot)" if base.startswith(".") else "no extension"
 
 
 def _tar_members(f, skipped: Counter[str]) -> Iterator[tuple[str, str, str, bytes]]:
@@ -357,10 +350,14 @@ def _tar_members(f, skipped: Counter[str]) -> Iterator[tuple[str, str, str, byte
     tar = tarfile.open(fileobj=f, mode="r|*")
     for info in tar:
         name = shown(info.name)  # tarfile decodes member names as UTF-8 with surrogate escapes
-        if info.isreg() and not _METADATA.search(name) and (split := split_member(name)) is not None:
+        if info.isdir() or _METADATA.search(name):
+            pass  # no sample, nothing to count
+        elif not info.isreg():
+            skipped["not a regular file (link, device)"] += 1
+        elif (split := split_member(name)) is None:
+            skipped[_unnamed_reason(name)] += 1
+        else:
             yield name, split[0], split[1].lower(), tar.extractfile(info).read()
-        elif why := _member_skip_reason(info, name):
-            skipped[why] += 1
         tar.members = []  # a stream holds no index: memory stays flat on huge shards
     # Stream mode ends quietly at a header it cannot read (bad checksum, cut short, missing).
     # A whole archive ends in zero blocks: the first one ended the loop, at least one follows.
@@ -375,8 +372,6 @@ def _tar_members(f, skipped: Counter[str]) -> Iterator[tuple[str, str, str, byte
 
 def _text(data: bytes | None) -> str | None:
     return None if data is None else data.decode("utf-8", errors="replace")
-
-
 
 
 @dataclass(frozen=True)

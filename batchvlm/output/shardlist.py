@@ -96,9 +96,6 @@ class ShardList(list[ShardRef]):
         super().__init__(shards)
         self.skipped = skipped or {}
 
-    def skipped_note(self) -> str:
-        return skipped_note(self.skipped)
-
 
 def skipped_note(skipped: dict[str, int]) -> str:
     """`3 file(s) skipped (2 HEIC images ..., 1 macOS ._ metadata)`, or '': the files of a folder, or
