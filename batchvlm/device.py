@@ -16,7 +16,7 @@ CUDA_BLOCK_SIZES = (16, 32, 64, 128)  # KV block sizes whose tiles the Triton at
 
 def check_block_size(engine: EngineSpec, device_type: str) -> None:
     """On CUDA the paged mask's KV block is the cache block: flex_attention's Triton kernels need
-    a tile (BLOCK_N, 16 at least) that divides it (models/fused_attention.py)."""
+    a tile (BLOCK_N, 16 at least) that divides it (attention/fused.py)."""
     if device_type == "cuda" and engine.block_size not in CUDA_BLOCK_SIZES:
         raise JobError(f"engine.block_size: {engine.block_size} on CUDA; use one of "
                        f"{', '.join(map(str, CUDA_BLOCK_SIZES))} (the attention kernels' tiles must divide it)")

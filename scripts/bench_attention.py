@@ -30,8 +30,8 @@ import torch
 from paged_step import paged_step
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from batchvlm.models.attention import AttentionBatch, KVCache, ReferenceAttention, attend, plan_groups
-from batchvlm.models.fused_attention import FusedAttention
+from batchvlm.attention import AttentionBatch, KVCache, ReferenceAttention, attend, plan_groups
+from batchvlm.attention.fused import FusedAttention
 
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 2e-4}
 

@@ -23,8 +23,8 @@ import time
 import torch
 from paged_step import paged_step
 
-from batchvlm.models.attention import KVCache, ReferenceAttention, attend, plan_groups
-from batchvlm.models.fused_attention import FusedAttention
+from batchvlm.attention import KVCache, ReferenceAttention, attend, plan_groups
+from batchvlm.attention.fused import FusedAttention
 
 CASES = [  # name, heads, kv heads, head dim, dtype
     ("moondream2", 32, 32, 64, torch.bfloat16),

@@ -136,7 +136,7 @@ import importlib, sys
 need = ["torch", "numpy", "PIL", "pyarrow", "tokenizers", "safetensors", "huggingface_hub", "fsspec", "yaml",
         "tqdm", "typer", "pytest", "webdataset", "braceexpand", "pydantic", "pydantic_core", "annotated_types",
         "typing_inspection", "transformers", "xgrammar", "batchvlm.run", "batchvlm.engine.engine",
-        "batchvlm.models.fused_attention"]
+        "batchvlm.attention.fused"]
 missing = []
 for name in need:
     try:

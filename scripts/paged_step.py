@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from batchvlm.engine.staging import rows_by_image
-from batchvlm.models.attention import AttentionBatch, SharedPrefix, TaskGroup
+from batchvlm.attention import AttentionBatch, SharedPrefix, TaskGroup
 
 
 def paged_step(images: int, rows: int, prefix: int, own_max: int, bs: int, device: torch.device | str,

@@ -14,7 +14,7 @@ from helpers import LoadedMoondream
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec
-from batchvlm.models.attention import AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
+from batchvlm.attention import AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
 from batchvlm.models.family import WorkItem
 from batchvlm.models.moondream.generate import encode_images
 from batchvlm.shapes.world import COUNT_QUESTION, NUMBERS, SPEC, draw_scene

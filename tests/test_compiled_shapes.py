@@ -17,9 +17,9 @@ from batchvlm.device import CUDA_BLOCK_SIZES, check_block_size
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs, buckets
 from batchvlm.job import EngineSpec, JobError
-from batchvlm.models import attention
+from batchvlm.attention import reference as attention
 from batchvlm.models.family import WorkItem
-from batchvlm.models.fused_attention import COMPILED, Q_BLOCK, FusedAttention, bucket, flex_tiles
+from batchvlm.attention.fused import COMPILED, Q_BLOCK, FusedAttention, bucket, flex_tiles
 from batchvlm.models.moondream.config import MoondreamConfig
 from batchvlm.models.moondream.generate import generate
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from batchvlm.models.attention import AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
+from batchvlm.attention import AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
 from batchvlm.shapes.examples import make_batch
 from batchvlm.shapes.objective import dense_forward
 from batchvlm.shapes.train import Trainer, TrainSettings

@@ -75,7 +75,7 @@ def test_encoder_decoder_cross_attends_to_an_image_prompt_prefix(encdec, batch, 
 
 def test_reference_attention_on_an_empty_prefix_is_own_attention():
     """A prefix of length 0 contributes nothing (it gave NaN before): prefix+own equals own."""
-    from batchvlm.models.attention import (AttentionBatch, KVCache, Reads, SharedPrefix, TaskGroup, attend,
+    from batchvlm.attention import (AttentionBatch, KVCache, Reads, SharedPrefix, TaskGroup, attend,
                                            plan_groups)
 
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""The fused paged attention (models/fused_attention.py) equals the reference on random paged
+"""The fused paged attention (attention/fused.py) equals the reference on random paged
 batches, and reads the cache in place. On CPU flex_attention runs eagerly (compile=False): the
 same block masks and mask_mods as the compiled CUDA kernel, without minutes of C++ compiles on
 a shared CPU; the compiled kernel itself is checked by tests/test_gpu.py."""
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from batchvlm.engine.staging import rows_by_image
-from batchvlm.models.attention import (PAD, AttentionBatch, KVCache, PrefixGroup, ReferenceAttention, SharedPrefix,
+from batchvlm.attention import (PAD, AttentionBatch, KVCache, PrefixGroup, ReferenceAttention, SharedPrefix,
                                        TaskGroup, attend, plan_groups)
-from batchvlm.models.fused_attention import FusedAttention, bucket
+from batchvlm.attention.fused import FusedAttention, bucket
 
 H, HKV, D, BS, N_BLOCKS = 4, 2, 8, 4, 96
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

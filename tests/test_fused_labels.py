@@ -19,9 +19,9 @@ from test_moondream_parity import _tasks
 
 from batchvlm.job import load_job
 from batchvlm.output.layout import Layout
-from batchvlm.models import attention
-from batchvlm.models.attention import ReferenceAttention
-from batchvlm.models.fused_attention import FusedAttention
+from batchvlm.attention import reference as attention
+from batchvlm.attention import ReferenceAttention
+from batchvlm.attention.fused import FusedAttention
 from batchvlm.run import run_job
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -197,8 +197,8 @@ def test_compiled_fused_attention_equals_the_reference_on_cuda(dtype, heads, kv_
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from paged_step import paged_step
 
-    from batchvlm.models.attention import KVCache, ReferenceAttention, attend, backend_for, plan_groups
-    from batchvlm.models.fused_attention import FusedAttention
+    from batchvlm.attention import KVCache, ReferenceAttention, attend, backend_for, plan_groups
+    from batchvlm.attention.fused import FusedAttention
 
     torch._dynamo.reset()
     assert isinstance(backend_for(torch.device("cuda")), FusedAttention)

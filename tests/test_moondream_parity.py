@@ -11,7 +11,7 @@ from helpers import LoadedMoondream, hub_folder, id_tokenizer
 from PIL import Image
 from safetensors.torch import load_file
 
-from batchvlm.models.attention import AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
+from batchvlm.attention import AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
 from batchvlm.models.moondream.generate import encode_images, generate
 from batchvlm.models.moondream.image_crops import select_tiling
 from batchvlm.models.moondream.vision import n_crops

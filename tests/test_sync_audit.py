@@ -22,9 +22,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models import attention
+from batchvlm.attention import reference as attention
 from batchvlm.models.family import WorkItem
-from batchvlm.models.fused_attention import FusedAttention
+from batchvlm.attention.fused import FusedAttention
 from batchvlm.models.moondream.config import MoondreamConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

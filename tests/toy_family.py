@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from batchvlm.cache.specs import PagedKV
-from batchvlm.models.attention import AttentionBatch, attend, plan_groups
+from batchvlm.attention import AttentionBatch, attend, plan_groups
 from batchvlm.models.decoding import MODE_TEXT, RowState, SeqSpec, decide_text, emit_text
 from batchvlm.models.family import ModelInfo, PrefixInputs
 

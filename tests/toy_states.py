@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from toy_family import DIM, HEAD_DIM, HEADS, KV_HEADS, STOP, ToyImage, ToyModel, prefix_positions, rotate
 
 from batchvlm.cache.specs import CrossKV, PagedKV, Recurrent
-from batchvlm.models.attention import AttentionBatch, PrefixGroup, Reads, attend, plan_groups, prefix_self_attention
+from batchvlm.attention import AttentionBatch, PrefixGroup, Reads, attend, plan_groups, prefix_self_attention
 from batchvlm.models.decoding import MODE_TEXT, SeqSpec
 from batchvlm.models.family import PrefixInputs
 from batchvlm.models.recurrent import run_recurrent

@@ -26,8 +26,8 @@ from ..cache.tensors import EngineCache
 from ..job import EngineSpec
 from ..models.decoding import MODE_SCORE, Decision, RawOutput, sequence_seed
 from ..models.family import EngineModel, TaskSequence, WorkItem
-from ..models import attention
-from ..models.fused_attention import COMPILED, FusedAttention, MaskBounds
+from ..attention import reference as attention
+from ..attention.fused import COMPILED, FusedAttention, MaskBounds
 from .memory import available_bytes
 from .plan import PREFILL_TOKENS_PER_STEP, StepPlan
 from .runner import Runner
@@ -111,7 +111,7 @@ class Engine:
     def _bound_attention(self, cache: EngineCache, n_rows: int) -> None:
         """Pick each paged cache's attention backend now (else on first use) and give a fused one
         this engine's maxima: every mask it builds, graph captures included, is padded to them, so
-        its compiled kernel shapes are fixed (models/fused_attention.py)."""
+        its compiled kernel shapes are fixed (attention/fused.py)."""
         bs = self.settings.block_size
         bounds = MaskBounds(n_rows, max(self.own_blocks), -(-self.max_prefix_len // bs),
                             max(len(s.spec.prompt) for s in self.seqs), self.seqs_per_prefix)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..cache.spans import StateSpans
-from ..models.attention import AttentionBatch, bucket
+from ..attention import AttentionBatch, bucket
 from ..models.decoding import Decision
 from .inputs import NO_DECODE, DecodeInputs, decode_inputs, pad_decode
 from .plan import StepPlan

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..cache.spans import ZERO
-from ..models.attention import PAD
+from ..attention import PAD
 from ..models.decoding import MODE_SCORE, N_HEADS, SCORE_END
 from .plan import StepPlan
 from .staging import rows_by_image

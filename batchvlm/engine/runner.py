@@ -28,7 +28,7 @@ import torch
 
 from ..cache.spans import StateSpans
 from ..cache.tensors import EngineCache
-from ..models.attention import AttentionBatch, PrefixGroup, PrefixView, SharedPrefix, TaskGroup, slot_of
+from ..attention import AttentionBatch, PrefixGroup, PrefixView, SharedPrefix, TaskGroup, slot_of
 from ..models.decoding import MODE_SCORE, Decision, PromptRows, RowState
 from ..models.family import EngineModel, Prepared
 from .graphs import DecodeGraphs
@@ -260,7 +260,7 @@ class Runner:
         return self.decide(torch.cat([x.new_rows, x.decode.rows]), hidden[x.last], x.heads, prompt)
 
     def _prefix_view(self, plan: StepPlan) -> PrefixView | None:
-        """The decode group's PrefixView (models/attention.py): the previous step's when this
+        """The decode group's PrefixView (attention/reference.py): the previous step's when this
         step decodes against the same prefixes (tables and lengths, host arrays) and no prefix has
         been written since that view was made, else a new one. Prefix K/V are written only by
         steps that prefill prefixes, and a block listed in both steps' tables is held by its

@@ -23,7 +23,7 @@ Engine contract v2: how each kind of model plugs in.
   State kinds. `state_specs()` declares what the layers keep (cache/specs.py): PagedKV (full
   attention), CrossKV (read-only K/V of a prefix), Recurrent (a fixed-size state per sequence).
   The engine sizes memory for all of them, allocates an EngineCache and hands it to `forward`;
-  `attend(..., reads=...)` (models/attention.py) reads and writes paged kinds, `run_recurrent`
+  `attend(..., reads=...)` (attention/reference.py) reads and writes paged kinds, `run_recurrent`
   (models/recurrent.py) runs the family's scan over recurrent ones.
 
   Prefixes. A prefix segment is an image's features followed by a prefix prompt
@@ -93,7 +93,7 @@ if TYPE_CHECKING:
     from ..cache.tensors import EngineCache
     from ..job import EngineSpec
     from ..tasks import Task
-    from .attention import AttentionBatch
+    from ..attention import AttentionBatch
 
 
 PARSE_FAILURES = "_parse_failures"  # see Family.columns

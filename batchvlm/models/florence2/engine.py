@@ -19,7 +19,7 @@ import torch
 
 from ...cache.specs import CrossKV, PagedKV, StateSpec
 from ...cache.tensors import EngineCache
-from ..attention import AttentionBatch, PrefixGroup, Reads, attend, plan_groups
+from ...attention import AttentionBatch, PrefixGroup, Reads, attend, plan_groups
 from ..decoding import Decision, PromptRows, RowState, choice_scores, scores_only, with_scores
 from ..family import ModelInfo, PrefixInputs
 from ..grammar import fill_masks

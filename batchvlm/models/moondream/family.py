@@ -15,7 +15,7 @@ import torch
 from ...tasks import args_of, box_values, column_of, kind_of, point_values, truncated_column
 from ...cache.specs import PagedKV, bytes_per_slot
 from ...cache.tensors import EngineCache
-from ..attention import AttentionBatch, KVCache
+from ...attention import AttentionBatch, KVCache
 from ..decoding import (MODE_SCORE, MODE_TEXT, Decision, PromptRows, RawOutput, RowState, SeqSpec, choice_scores,
                         scores_only, with_scores)
 from ..columns import TaskOutputs, task_columns

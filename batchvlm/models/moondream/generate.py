@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..attention import PAD, AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
+from ...attention import PAD, AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
 from ..decoding import RawOutput, RowState, SeqSpec
 from .grammar import apply_decision
 from .decoding import decide

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..attention import AttentionBatch, KVCache, backend_for
+from ...attention import AttentionBatch, KVCache, backend_for
 from .grammar import INPUT_COORD, INPUT_SIZE
 from .config import MoondreamConfig
 from .region import RegionModel

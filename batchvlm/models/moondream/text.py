@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..attention import AttentionBatch, KVCache, attend, plan_groups
+from ...attention import AttentionBatch, KVCache, attend, plan_groups
 from .config import TextConfig
 from .layers import MLP, Attention
 

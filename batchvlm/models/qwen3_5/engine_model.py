@@ -15,7 +15,7 @@ import torch
 
 from ...cache.specs import PagedKV, Recurrent
 from ...cache.tensors import EngineCache
-from ..attention import AttentionBatch, attend, plan_groups
+from ...attention import AttentionBatch, attend, plan_groups
 from ..family import PrefixInputs
 from ..qwen_vl.engine import QwenVLEngineModel
 from .linear_state import LinearState, Segments

@@ -1,6 +1,6 @@
 """Fused attention over the paged KV cache: every kernel reads the cache in place.
 
-The same groups and visibility as the reference (models/attention.py), computed by PyTorch's
+The same groups and visibility as the reference (attention/reference.py), computed by PyTorch's
 fused kernels instead of gathering K/V into dense float32 copies:
 
   PrefixGroup  the prefix attends to this step's own K/V (the rows it has just computed, not
@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from .attention import AttentionBatch, PrefixGroup, Reads, TaskGroup, bucket, write_kv
+from .reference import AttentionBatch, PrefixGroup, Reads, TaskGroup, bucket, write_kv
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ What a call reads and writes (`reads`, a family's choice per layer):
 Backends. This file is the plain reference (gathers, float32 softmax): CPU and tests. A decode
 group's prefix K/V, read-only while it decodes, are gathered once into a PrefixView that later
 steps on the same prefixes reuse (the engine decides when; see PrefixView). CUDA uses the fused
-kernels of models/fused_attention.py, which read the cache in place. The backend is
+kernels of attention/fused.py, which read the cache in place. The backend is
 picked once per device (`KVCache.backend`, set on first use when the allocator left it None); a
 family calls `plan_groups(batch, kv)` once per forward and `attend(...)` per layer, whatever the
 backend.
@@ -339,7 +339,7 @@ class ReferenceAttention:
 def backend_for(device: torch.device) -> AttentionBackend:
     """The one attention path of a device: fused, compiled kernels on CUDA; the reference elsewhere."""
     if device.type == "cuda":
-        from .fused_attention import FusedAttention
+        from .fused import FusedAttention
 
         return FusedAttention(compile=True)
     return ReferenceAttention()
