@@ -201,7 +201,7 @@ def test_progress_has_a_total_and_an_output_folder_matched_by_its_own_input_patt
 def test_tar_metadata_members_are_no_samples_and_error_kinds_are_whole(tmp_path):
     """A tar's two images of one key (c.jpg, c.png) kept one and dropped the other without a trace,
     and many-dotted names (img.v1.png) were `no image` rows under webdataset's first-dot key: each
-    image is now its own row, keyed back to its member name (README, Input). Members that name no
+    image is now its own row, keyed back to its member name (docs/job.md, Tar members). Members that name no
     sample (no extension, dotfiles such as macOS ._ resource forks, links, devices) were dropped
     without a count: now counted by reason in the summary, the shard's stats and `status`, as a
     folder's skipped files are; directories are no files. A tar output's preview needs no torch."""

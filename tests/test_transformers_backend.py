@@ -1,6 +1,6 @@
 """The transformers backend through the CLI, on tiny random checkpoints of ten architectures
 saved in the hub layout: every row labelled, and every label equal to what transformers' own
-batch-1 `generate` in float32 writes for that image, with the prompts the README documents and
+batch-1 `generate` in float32 writes for that image, with the prompts docs/models/transformers.md documents and
 chat templates in their non-thinking form (the backend batches, pads on the left and cuts at the
 stop token; none of that may change a label). Where batchvlm has a native family (Qwen3-VL),
 both backends give identical labels. Runs go through the CLI app in this process (transformers is
@@ -160,12 +160,12 @@ def parsed(arch: str, kind: str, text: str, seen) -> list[tuple[float, ...]]:
     return {"paligemma": grounding.paligemma_boxes, "florence2": grounding.florence2_boxes}[arch](text)
 
 
-QWEN3_WORDS = [  # the README's Qwen3-VL / Qwen3.5 prompts
+QWEN3_WORDS = [  # the Qwen3-VL / Qwen3.5 prompts of docs/models/qwen3-vl.md
     ("Describe this image.", None), ("What colour is it?", None),
     ('Locate every instance that belongs to the following categories: "cat". Report bbox coordinates in JSON format.',
      None),
     ("Locate every cup in this image with points. Output the point coordinates in JSON format.", None)]
-WORDS = {  # what each task above says to each architecture (README: "Prompts"), for the reference;
+WORDS = {  # what each task above says to each architecture (docs/models/transformers.md: "Prompts"), for the reference;
     # (words, the sequence's max_new_tokens or None: the run's)
     "qwen2_5_vl": [("Describe this image.", NEW_TOKENS),
                    ("Locate every cat in the image and output the bbox coordinates in JSON format.", NEW_TOKENS),
