@@ -11,6 +11,7 @@ from test_engine import TASKS
 from test_moondream_loading import TINY
 
 import batchvlm.engine.engine as engine_mod
+import batchvlm.engine.sizing as sizing_mod
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs, buckets, key_of
 from batchvlm.engine.runner import Runner
@@ -93,7 +94,7 @@ def test_graph_buckets_are_built_at_start_up_and_used_by_decode_steps(tiny):
     md, prepared, seqs, reference = tiny
     engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=16), md.P)
     r = engine.runner
-    r.graphs = DecodeGraphs(r, -(-md.P // r.bs), max(engine.own_blocks), len(seqs), capture=False)
+    r.graphs = r.decode_graphs(capture=False)
     built = dict(r.graphs.graphs)
     assert set(built) == set(buckets(16))
     engine.scheduler.admit_rows = 4  # as with CUDA graphs: admit in batches
@@ -133,12 +134,12 @@ def test_cpu_kv_cache_is_bounded_by_available_memory(tiny, monkeypatch):
     per_block = md.engine.kv_bytes_per_token() * 16
     unbounded = Engine(md.engine, seqs, EngineSpec(max_batch_size=64), md.P)
     assert unbounded.stats["rows"] == 64
-    monkeypatch.setattr(engine_mod, "available_bytes", lambda device: 40 * per_block)
+    monkeypatch.setattr(sizing_mod, "available_bytes", lambda device: 40 * per_block)
     bounded = Engine(md.engine, seqs, EngineSpec(max_batch_size=16384, kv_memory_fraction=0.5), md.P)
     assert bounded.stats["kv_blocks"] == 20
     assert bounded.runner.cache.n_blocks == 20
     assert 1 <= bounded.stats["rows"] < 20  # rows follow the blocks, not max_batch_size
-    monkeypatch.setattr(engine_mod, "available_bytes", lambda device: 2 * per_block)
+    monkeypatch.setattr(sizing_mod, "available_bytes", lambda device: 2 * per_block)
     with pytest.raises(RuntimeError, match="not enough cpu memory for one image's KV cache"):
         Engine(md.engine, seqs, EngineSpec(), md.P)
 
@@ -189,7 +190,7 @@ def test_the_warm_up_runs_the_largest_mixed_step(tiny, batch, prefill):
                         max(len(s.spec.prompt) + s.spec.budget for s in seqs), 16, prefill)
     assert plan.n_out == batch and len(plan.prefix_features) >= 1
     assert len(plan.decode_rows) == (batch - len(seqs) if prefill < 2 * md.P else 0)
-    d = engine._run_largest_step(batch, prefill)
+    d = sizing_mod.Sizer(md.engine, engine.shape, engine.settings, print).run_largest_step(batch, prefill)
     assert d.code.shape == (batch,) and d.value.shape == (batch, 2)
 
 
@@ -244,5 +245,5 @@ def _graphs_forced(init):
     def wrapped(self, *args):
         init(self, *args)
         if args[7]:  # cuda_graphs (after model, cache, rows, feature slots, prefix len, own blocks, seqs)
-            self.graphs = DecodeGraphs(self, 1, 1, 1)
+            self.graphs = self.decode_graphs()
     return wrapped

@@ -1,6 +1,6 @@
 """Fused attention over the paged KV cache: every kernel reads the cache in place.
 
-The same groups and visibility as the reference (attention/reference.py), computed by PyTorch's
+The same groups and visibility as the reference (attention/layout.py), computed by PyTorch's
 fused kernels instead of gathering K/V into dense float32 copies:
 
   PrefixGroup  the prefix attends to this step's own K/V (the rows it has just computed, not
@@ -66,7 +66,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from .reference import AttentionBatch, PrefixGroup, Reads, TaskGroup, bucket, write_kv
+from .backend import COMPILED, MaskBounds
+from .layout import AttentionBatch, PrefixGroup, Reads, TaskGroup, bucket, write_kv
 
 log = logging.getLogger(__name__)
 
@@ -89,26 +90,6 @@ def flex_tiles(block_size: int, dtype: torch.dtype, head_dim: int, n_queries: in
     if not pow2_group:  # torch < 2.10 would still try the decode kernel, which needs a power of two
         options["FORCE_USE_FLEX_ATTENTION"] = True
     return Q_BLOCK, options
-
-
-@dataclass(frozen=True)
-class MaskBounds:
-    """The engine's fixed maxima that every paged mask is padded to (one compiled shape per kind)."""
-
-    rows: int  # sequences in one step; images in one step (each has >= 1 row) are as many at most
-    own_blocks: int  # widest own block table
-    prefix_blocks: int  # widest prefix block table
-    prompt: int  # longest prompt (own queries of one sequence in a prompt step)
-    seqs_per_image: int
-
-    def own(self, Tq: int) -> tuple[int, int, int]:
-        """(entries, queries, table width) of an own part with Tq queries per sequence."""
-        return self.rows, 1 if Tq == 1 else bucket(self.prompt), self.own_blocks
-
-    def prefix(self, M: int) -> tuple[int, int, int]:
-        """The same for a prefix part with M queries per image (decode: <= one per sequence)."""
-        per = self.seqs_per_image
-        return self.rows, per if M <= per else per * bucket(self.prompt), self.prefix_blocks
 
 
 @dataclass
@@ -201,16 +182,6 @@ def paged_mask(q_rows: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, n_
                      (B, Tq))
 
 
-@dataclass
-class CompileStats:
-    """Process-wide: flex_attention graphs compiled (one per dynamo cache entry) and the seconds of
-    the calls that compiled them."""
-
-    shapes: int = 0
-    seconds: float = 0.0
-
-
-COMPILED = CompileStats()
 _compiled_flex: dict[str, Callable] = {}
 
 
@@ -240,12 +211,17 @@ class FusedAttention:
     cache: slow, but it evaluates the same block masks and mask_mods, so CPU tests check them.
     `bounds` (set by the engine before its first step) fixes the padded shapes; see the module docstring."""
 
+    reads_in_place = True
+
     def __init__(self, compile: bool, backend: str = "inductor", bounds: MaskBounds | None = None):
         self.compile = compile
         self._flex: Callable = compiled_flex(backend) if compile else flex_attention
         self.bounds = bounds
         self.compile_s = 0.0  # time spent in this backend's calls that compiled a new kernel
         self.compiled_shapes = 0
+
+    def fix_shapes(self, bounds: MaskBounds) -> None:
+        self.bounds = bounds
 
     def _padded(self, kind: str, B: int, Tq: int, nb: int) -> tuple[int, int, int]:
         # Eager flex compiles nothing, and its dense scores grow with every padding entry.

@@ -31,9 +31,10 @@ from ..cache.tensors import EngineCache
 from ..attention import AttentionBatch, PrefixGroup, PrefixView, SharedPrefix, TaskGroup, slot_of
 from ..models.decoding import MODE_SCORE, Decision, PromptRows, RowState
 from ..models.family import EngineModel, Prepared
-from .graphs import DecodeGraphs
+from .graphs import DecodeGraphs, DecodePadding
 from .inputs import DecodeInputs, step_inputs
 from .plan import StepPlan
+from .shape import JobShape
 from .split import split_plan, units
 from .staging import Emissions, InFlight, Staging
 
@@ -74,9 +75,10 @@ class Runner:
         # word v // 32: token v allowed), written by `launch` from the step's StepPlan.masks; a row
         # never listed there (a free row) keeps all bits, and so does the scratch row.
         self.mask_RW = torch.full((R, mask_words), -1, dtype=torch.int32, device=dev) if mask_words else None
-        # Per feature slot: the family's features until the prefill step is collected.
+        # The device half of the scheduler's feature slots (it hands them out and frees them):
+        # the family's features of each slot until the step that prefills them is collected.
         self.features: list[Any] = [None] * n_feature_slots
-        nbp = -(-max_prefix_len // self.bs)
+        self.padding = DecodePadding(n_rows, -(-max_prefix_len // self.bs), max_own_blocks, seqs_per_image)
         # Staging grows on demand (staging.py); this is room for a few hundred rows' steps.
         self.staging = [Staging(dev, 1 << 16, n_rows), Staging(dev, 1 << 16, n_rows)]
         self._next_slot = 0
@@ -89,8 +91,18 @@ class Runner:
         # The decode group's PrefixView and the (tables, lengths) of the prefixes it copies.
         self._view: PrefixView | None = None
         self._view_of: tuple[tuple[int, ...], bytes, bytes] | None = None
-        self.graphs = DecodeGraphs(self, nbp, max_own_blocks, seqs_per_image) \
-            if (cuda and cuda_graphs) else None
+        self.graphs = self.decode_graphs() if (cuda and cuda_graphs) else None
+
+    @classmethod
+    def for_shape(cls, model: EngineModel, cache: EngineCache, shape: JobShape, n_rows: int, n_feature_slots: int,
+                  cuda_graphs: bool) -> Runner:
+        return cls(model, cache, n_rows, n_feature_slots, shape.max_prefix_len, shape.max_own_blocks,
+                   shape.seqs_per_prefix, cuda_graphs, shape.sampling, shape.mask_words)
+
+    def decode_graphs(self, capture: bool = True) -> DecodeGraphs:
+        """A graph of `fixed_decode` per decode bucket, captured now (capture=False: the same body,
+        run eagerly at replay: tests run it on CPU)."""
+        return DecodeGraphs(self.fixed_decode, self.padding, self.device, self.compute, capture)
 
     # ------------------------------------------------------------------ vision stage
 
@@ -260,7 +272,7 @@ class Runner:
         return self.decide(torch.cat([x.new_rows, x.decode.rows]), hidden[x.last], x.heads, prompt)
 
     def _prefix_view(self, plan: StepPlan) -> PrefixView | None:
-        """The decode group's PrefixView (attention/reference.py): the previous step's when this
+        """The decode group's PrefixView (attention/layout.py): the previous step's when this
         step decodes against the same prefixes (tables and lengths, host arrays) and no prefix has
         been written since that view was made, else a new one. Prefix K/V are written only by
         steps that prefill prefixes, and a block listed in both steps' tables is held by its
@@ -278,6 +290,15 @@ class Runner:
         if key != self._view_of:
             self._view, self._view_of = PrefixView(), key
         return self._view
+
+    def fixed_decode(self, d: DecodeInputs) -> Decision:
+        """A decode-only step over padded device inputs (graphs.py): what a CUDA graph records."""
+        embeds, own_pos, groups, write_slots = [], [], [], []
+        self.decode_group(d, 0, embeds, own_pos, write_slots, groups)
+        states = StateSpans([], [], [], [], d.rows, 0) if self.recurrent else None
+        batch = AttentionBatch(write_slots[0], groups, self.bs, 0, states)
+        hidden = self.model.forward(embeds[0], self.model.own_positions(own_pos[0]), batch, self.cache)
+        return self.decide(d.rows, hidden, None)
 
     def decode_group(self, d: DecodeInputs, first_row: int, embeds, own_pos, write_slots, groups,
                      extent: tuple[int | None, bool] = (None, False), view: PrefixView | None = None) -> None:

@@ -83,6 +83,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ images in
 
+    # Feature slots: where an encoded image's features wait for its prefill (the runner holds the
+    # tensors; the plan names the slots it prefills). Taken before encoding, free once that step
+    # is committed.
+
+    @property
+    def has_feature_slot(self) -> bool:
+        return bool(self.free_feature_slots)
+
     def take_feature_slot(self) -> int | None:
         return self.free_feature_slots.pop() if self.free_feature_slots else None
 
