@@ -2,7 +2,7 @@
 
 Host arrays only; the runner turns them into one forward. Emissions come back in the order
 `new_rows` then `decode_rows`. Block tables of sequences list only their own blocks: a prefix
-is attended once per prefix (attention/reference.py, TaskGroup). Prefix tables are padded with the
+is attended once per prefix (attention/layout.py, TaskGroup). Prefix tables are padded with the
 null block to the widest prefix of the step; `*_lens` say how many slots are real.
 """
 
