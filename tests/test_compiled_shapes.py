@@ -20,7 +20,8 @@ from batchvlm.engine.sizing import Sizer
 from batchvlm.job import EngineSpec, JobError
 from batchvlm.attention import dispatch as attention
 from batchvlm.models.family import WorkItem
-from batchvlm.attention.fused import COMPILED, Q_BLOCK, FusedAttention, bucket, flex_tiles
+from batchvlm.attention.fused import COMPILED, FusedAttention, bucket
+from batchvlm.attention.paged_mask import Q_BLOCK, flex_tiles
 from batchvlm.models.moondream.config import MoondreamConfig
 from batchvlm.models.moondream.generate import generate
 
