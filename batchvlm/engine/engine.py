@@ -176,7 +176,7 @@ class Engine:
     def _encode(self, batch: list[tuple[ImageWork, int]]) -> None:
         if not batch:
             return
-        self.runner.encode([im.prepared for im, _ in batch], [slot for _, slot in batch])
+        self.runner.vision.encode([im.prepared for im, _ in batch], [slot for _, slot in batch])
         self.stats["vision_images"] += len(batch)
         for image, slot in batch:
             image.prepared = None  # crops are on the device now
