@@ -33,10 +33,10 @@ from ..models.decoding import MODE_SCORE, Decision, PromptRows, RowState
 from ..models.family import EngineModel
 from .graphs import DecodeGraphs, DecodePadding
 from .inputs import DecodeInputs, step_inputs
-from .plan import StepPlan
+from .plan import Emissions, StepPlan
 from .shape import JobShape
 from .split import split_plan, units
-from .staging import Emissions, InFlight, Staging
+from .staging import InFlight, Staging
 from .vision import VisionStage
 
 STATE_INT = ("mode", "phase", "count", "limit", "seed")

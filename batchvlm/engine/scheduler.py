@@ -42,9 +42,8 @@ import numpy as np
 
 from ..cache.blocks import BlockManager, SnapshotSlots
 from ..models.decoding import RawOutput, SeqSpec, emit_text
-from .plan import PREFILL_TOKENS_PER_STEP, StepPlan
+from .plan import PREFILL_TOKENS_PER_STEP, Emissions, StepPlan
 from .sequence import ImageWork, Prefix, SeqState, Sequence
-from .staging import Emissions
 
 
 Emit = Callable[[RawOutput, SeqSpec, int, int, float, float], None]
@@ -92,9 +91,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ images in
 
-    # Feature slots: where an encoded image's features wait for its prefill (the runner holds the
-    # tensors; the plan names the slots it prefills). Taken before encoding, free once that step
-    # is committed.
+    # Feature slots: where an encoded image's features wait for its prefill. The scheduler is
+    # their one owner: a slot is taken before its image is encoded and free again once the step
+    # that prefills it is committed; the runner's vision stage holds the tensors (vision.py) and
+    # learns which slots a step prefills from its plan (StepPlan.prefix_features).
 
     @property
     def has_feature_slot(self) -> bool:
