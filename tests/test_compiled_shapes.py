@@ -15,11 +15,13 @@ from test_moondream_loading import TINY
 
 from batchvlm.device import CUDA_BLOCK_SIZES, check_block_size
 from batchvlm.engine.engine import Engine
-from batchvlm.engine.graphs import DecodeGraphs, buckets
+from batchvlm.engine.graphs import buckets
+from batchvlm.engine.sizing import Sizer
 from batchvlm.job import EngineSpec, JobError
-from batchvlm.attention import reference as attention
+from batchvlm.attention import dispatch as attention
 from batchvlm.models.family import WorkItem
-from batchvlm.attention.fused import COMPILED, Q_BLOCK, FusedAttention, bucket, flex_tiles
+from batchvlm.attention.fused import COMPILED, FusedAttention, bucket
+from batchvlm.attention.paged_mask import Q_BLOCK, flex_tiles
 from batchvlm.models.moondream.config import MoondreamConfig
 from batchvlm.models.moondream.generate import generate
 
@@ -49,10 +51,11 @@ def test_one_engine_configuration_compiles_at_most_8_shapes(tmp_path, counted):
     before = COMPILED.shapes
     engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=6, pipelined=True), md.P)
     r = engine.runner
-    engine._run_largest_step(r.n_rows)  # what CUDA's KV sizing runs first, on its own scratch cache
+    # what CUDA's KV sizing runs first, on its own scratch cache
+    Sizer(md.engine, engine.shape, engine.settings, print).run_largest_step(r.n_rows)
     warm_up = COMPILED.shapes - before
     # Every graph bucket's fixed-shape body, run as capture runs it (under inference_mode).
-    r.graphs = DecodeGraphs(r, -(-md.P // r.bs), max(engine.own_blocks), len(seqs), capture=False)
+    r.graphs = r.decode_graphs(capture=False)
     with torch.inference_mode():
         for key in buckets(r.n_rows):
             r.graphs.graphs[key][2]()

@@ -11,7 +11,6 @@ from PIL import Image
 from test_moondream_loading import TINY
 
 from batchvlm.engine.engine import Engine
-from batchvlm.engine.graphs import DecodeGraphs
 from batchvlm.job import EngineSpec
 from batchvlm.models.decoding import RawOutput, sequence_seed
 from batchvlm.models.family import WorkItem
@@ -24,7 +23,7 @@ def run_engine_outputs(md, prepared, seqs, fixed_shape_decode=False, **settings)
     engine = Engine(md.engine, seqs, EngineSpec(**settings), md.P)
     if fixed_shape_decode:  # the CUDA-graph decode body (padding, scratch row, null block), uncaptured
         r = engine.runner
-        r.graphs = DecodeGraphs(r, -(-md.P // r.bs), max(engine.own_blocks), len(seqs), capture=False)
+        r.graphs = r.decode_graphs(capture=False)
     out = {im.ticket: [s.output for s in im.seqs]
            for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
     assert engine.scheduler.blocks.used == 0  # every block came back

@@ -11,6 +11,7 @@ from test_engine import TASKS
 from test_moondream_loading import TINY
 
 import batchvlm.engine.engine as engine_mod
+import batchvlm.engine.sizing as sizing_mod
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs, buckets, key_of
 from batchvlm.engine.runner import Runner
@@ -49,16 +50,16 @@ def test_emission_views_are_contiguous_and_backed_by_the_slot():
 def test_each_vision_batch_has_its_event_and_a_prefill_waits_only_on_its_own(tiny):
     md, prepared, seqs, _ = tiny
     engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=8, max_images_in_flight=4), md.P)
-    r = engine.runner
-    r.encode(prepared[:2], [0, 1])
-    r.encode(prepared[2:3], [2])
-    e = r.vision_events
+    v = engine.runner.vision
+    v.encode(prepared[:2], [0, 1])
+    v.encode(prepared[2:3], [2])
+    e = v.events
     assert e[0] is e[1] and e[2] is not e[0] and e[3] is None
-    assert r.features[0] is not r.features[1] and r.features[0].shape == r.features[2].shape
-    assert r.vision_waits(np.array([2])) == [e[2]]  # not the older batch
-    assert r.vision_waits(np.array([1, 0])) == [e[0]]  # one wait per batch, not per image
-    assert r.vision_waits(np.array([0, 2, 1])) == [e[0], e[2]]
-    assert r.vision_waits(np.array([3])) == []
+    assert v.features[0] is not v.features[1] and v.features[0].shape == v.features[2].shape
+    assert v.waits(np.array([2])) == [e[2]]  # not the older batch
+    assert v.waits(np.array([1, 0])) == [e[0]]  # one wait per batch, not per image
+    assert v.waits(np.array([0, 2, 1])) == [e[0], e[2]]
+    assert v.waits(np.array([3])) == []
 
 
 def test_prefilled_slots_release_their_features_and_events(tiny):
@@ -69,7 +70,7 @@ def test_prefilled_slots_release_their_features_and_events(tiny):
     launch = r.launch
 
     def spy(plan):
-        seen.append((plan.prefix_features.tolist(), [r.vision_events[s] for s in plan.prefix_features.tolist()]))
+        seen.append((plan.prefix_features.tolist(), [r.vision.events[s] for s in plan.prefix_features.tolist()]))
         return launch(plan)
 
     r.launch = spy
@@ -77,7 +78,7 @@ def test_prefilled_slots_release_their_features_and_events(tiny):
     prefills = [(slots, events) for slots, events in seen if slots]
     assert sum(len(slots) for slots, _ in prefills) == len(prepared)
     assert all(ev is not None for _, events in prefills for ev in events)
-    assert r.features == [None] * 4 and r.vision_events == [None] * 4
+    assert r.vision.features == [None] * 4 and r.vision.events == [None] * 4
 
 
 def test_graph_buckets_cover_every_decode_step():
@@ -93,7 +94,7 @@ def test_graph_buckets_are_built_at_start_up_and_used_by_decode_steps(tiny):
     md, prepared, seqs, reference = tiny
     engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=16), md.P)
     r = engine.runner
-    r.graphs = DecodeGraphs(r, -(-md.P // r.bs), max(engine.own_blocks), len(seqs), capture=False)
+    r.graphs = r.decode_graphs(capture=False)
     built = dict(r.graphs.graphs)
     assert set(built) == set(buckets(16))
     engine.scheduler.admit_rows = 4  # as with CUDA graphs: admit in batches
@@ -133,12 +134,12 @@ def test_cpu_kv_cache_is_bounded_by_available_memory(tiny, monkeypatch):
     per_block = md.engine.kv_bytes_per_token() * 16
     unbounded = Engine(md.engine, seqs, EngineSpec(max_batch_size=64), md.P)
     assert unbounded.stats["rows"] == 64
-    monkeypatch.setattr(engine_mod, "available_bytes", lambda device: 40 * per_block)
+    monkeypatch.setattr(sizing_mod, "available_bytes", lambda device: 40 * per_block)
     bounded = Engine(md.engine, seqs, EngineSpec(max_batch_size=16384, kv_memory_fraction=0.5), md.P)
     assert bounded.stats["kv_blocks"] == 20
     assert bounded.runner.cache.n_blocks == 20
     assert 1 <= bounded.stats["rows"] < 20  # rows follow the blocks, not max_batch_size
-    monkeypatch.setattr(engine_mod, "available_bytes", lambda device: 2 * per_block)
+    monkeypatch.setattr(sizing_mod, "available_bytes", lambda device: 2 * per_block)
     with pytest.raises(RuntimeError, match="not enough cpu memory for one image's KV cache"):
         Engine(md.engine, seqs, EngineSpec(), md.P)
 
@@ -189,7 +190,7 @@ def test_the_warm_up_runs_the_largest_mixed_step(tiny, batch, prefill):
                         max(len(s.spec.prompt) + s.spec.budget for s in seqs), 16, prefill)
     assert plan.n_out == batch and len(plan.prefix_features) >= 1
     assert len(plan.decode_rows) == (batch - len(seqs) if prefill < 2 * md.P else 0)
-    d = engine._run_largest_step(batch, prefill)
+    d = sizing_mod.Sizer(md.engine, engine.shape, engine.settings, print).run_largest_step(batch, prefill)
     assert d.code.shape == (batch,) and d.value.shape == (batch, 2)
 
 
@@ -201,9 +202,9 @@ def test_a_vision_batch_never_outgrows_the_warm_up(tiny, monkeypatch):
     costs = [p.cost for p in prepared]
     engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=64), md.P)
     batches = []
-    encode = engine.runner.encode
-    monkeypatch.setattr(engine.runner, "encode", lambda images, slots: (batches.append([p.cost for p in images]),
-                                                                       encode(images, slots)))
+    encode = engine.runner.vision.encode
+    monkeypatch.setattr(engine.runner.vision, "encode",
+                        lambda images, slots: (batches.append([p.cost for p in images]), encode(images, slots)))
     out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
            for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
     assert [out[i] for i in range(len(prepared))] == reference
@@ -244,5 +245,5 @@ def _graphs_forced(init):
     def wrapped(self, *args):
         init(self, *args)
         if args[7]:  # cuda_graphs (after model, cache, rows, feature slots, prefix len, own blocks, seqs)
-            self.graphs = DecodeGraphs(self, 1, 1, 1)
+            self.graphs = self.decode_graphs()
     return wrapped

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from batchvlm.cache.blocks import BlockManager, OutOfBlocks
-from batchvlm.engine.staging import Emissions
+from batchvlm.engine.plan import Emissions
 from batchvlm.engine.scheduler import Scheduler
 from batchvlm.engine.sequence import ImageWork, Prefix, SeqState, Sequence
 from batchvlm.models.decoding import EMIT_NONE, MODE_TEXT, SeqSpec

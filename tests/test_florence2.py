@@ -24,7 +24,6 @@ from pydantic import TypeAdapter
 
 from batchvlm.engine import memory
 from batchvlm.engine.engine import Engine
-from batchvlm.engine.graphs import DecodeGraphs
 from batchvlm.job import EngineSpec, ModelSpec
 from batchvlm.models import grounding
 from batchvlm.models.family import FamilyError, WorkItem
@@ -189,8 +188,7 @@ def run_engine(family, model, prepared, batch: int, pipelined: bool, fixed_shape
     engine = Engine(model, family.sequences(tasks_of(TASKS), settings), settings, family.max_prefix_len())
     if fixed_shape_decode:  # the CUDA-graph decode body (padding, scratch row, null block), uncaptured
         r = engine.runner
-        r.graphs = DecodeGraphs(r, -(-engine.max_prefix_len // r.bs), max(engine.own_blocks),
-                                engine.seqs_per_prefix, capture=False)
+        r.graphs = r.decode_graphs(capture=False)
     got = {im.ticket: [s.output for s in im.seqs] for im in engine.run(WorkItem(i, p, f"k{i}")
                                                                          for i, p in enumerate(prepared))}
     assert engine.scheduler.blocks.used == 0 and len(engine.scheduler.free_rows) == engine.runner.n_rows
@@ -286,7 +284,7 @@ def test_a_prefill_step_ends_the_prefix_view(greedy):
     assert len({want[i][0] for i in range(n)}) == n  # the captions differ by image
     settings = EngineSpec(max_new_tokens=NEW_TOKENS, max_batch_size=1, block_size=128)  # one-block prefixes
     engine = Engine(model, family.sequences(tasks_of(TASKS[:1]), settings), settings, family.max_prefix_len())
-    assert engine.max_prefix_len <= settings.block_size
+    assert engine.shape.max_prefix_len <= settings.block_size
     steps: list[tuple[bool, bytes]] = []  # (prefills, the decode group's prefix tables and lengths)
     spy_launches(engine, lambda p: steps.append((len(p.prefix_features) > 0, p.decode_image_tables.tobytes()
                                                  + p.decode_image_lens.tobytes())))
@@ -301,7 +299,7 @@ def test_a_prefill_step_ends_the_prefix_view(greedy):
 
 def test_cpu_kv_sizing_reserves_the_largest_prefix_view(greedy, tmp_path, monkeypatch):
     """On CPU (the reference attention) the KV cache is sized from available memory less the most
-    the decode group's PrefixView can hold (engine.py `_prefix_view_bytes`), outside the cache:
+    the decode group's PrefixView can hold (sizing.py `_prefix_view_bytes`), outside the cache:
     what it holds once every row decodes, each on its own prefix of the longest length. When not
     even one image's cache fits beside the rows' copies, the rows halve."""
     family, model, prepared, want = greedy["a"]

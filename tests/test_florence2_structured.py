@@ -30,7 +30,6 @@ from test_florence2 import Reference, random_images
 from tiny_vlms import florence2
 
 from batchvlm.engine.engine import Engine
-from batchvlm.engine.graphs import DecodeGraphs
 from batchvlm.job import EngineSpec, ModelSpec
 from batchvlm.models.decoding import RowState
 from batchvlm.models.family import FamilyError, WorkItem
@@ -73,8 +72,7 @@ def run(setup, tasks, seqs, batch: int, pipelined: bool, n_images: int, trace: l
         trace.append(MaskTrace.attach(e))
     if fixed_shape_decode:
         r = e.runner
-        r.graphs = DecodeGraphs(r, -(-e.max_prefix_len // r.bs), max(e.own_blocks), e.seqs_per_prefix,
-                                capture=False)
+        r.graphs = r.decode_graphs(capture=False)
     done = {im.ticket: [s.output for s in im.seqs]
             for im in e.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(setup["prepared"][:n_images]))}
     assert e.scheduler.blocks.used == 0 and (not fixed_shape_decode or e.runner.graph_steps > 0)

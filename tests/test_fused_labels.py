@@ -19,7 +19,7 @@ from test_moondream_parity import _tasks
 
 from batchvlm.job import load_job
 from batchvlm.output.layout import Layout
-from batchvlm.attention import reference as attention
+from batchvlm.attention import dispatch as attention
 from batchvlm.attention import ReferenceAttention
 from batchvlm.attention.fused import FusedAttention
 from batchvlm.run import run_job

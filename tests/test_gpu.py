@@ -72,8 +72,9 @@ def test_demo_model_in_bfloat16_still_labels_right():
 
 
 def test_kv_cache_is_sized_from_free_memory(tiny_cuda, monkeypatch):
-    import batchvlm.engine.engine as engine_mod
+    import batchvlm.engine.sizing as sizing_mod
     from batchvlm.engine.engine import Engine
+    from batchvlm.engine.sizing import Sizer
     from batchvlm.job import EngineSpec
 
     md, _ = tiny_cuda
@@ -82,16 +83,16 @@ def test_kv_cache_is_sized_from_free_memory(tiny_cuda, monkeypatch):
     roomy = Engine(md.engine, seqs, settings, md.P)
     wanted = roomy.stats["kv_blocks"]  # a tiny model on a big GPU: everything it asks for
     per_block = md.engine.kv_bytes_per_token() * settings.block_size
-    reserve, rows = roomy._warmup_peak_bytes(8)
+    reserve, rows = Sizer(md.engine, roomy.shape, roomy.settings, print).warmup_peak_bytes(8)
     assert reserve > 0 and rows == 8
     del roomy
     # The warm-up's reserve pinned to what it measured, free memory to it plus the wanted
     # blocks: at fraction 0.5 the engine must take exactly half of them.
-    monkeypatch.setattr(Engine, "_warmup_peak_bytes", lambda self, n_rows: (reserve, n_rows))
-    monkeypatch.setattr(engine_mod, "available_bytes", lambda dev: reserve + wanted * per_block)
+    monkeypatch.setattr(Sizer, "warmup_peak_bytes", lambda self, n_rows: (reserve, n_rows))
+    monkeypatch.setattr(sizing_mod, "available_bytes", lambda dev: reserve + wanted * per_block)
     tight = Engine(md.engine, seqs, settings, md.P)
     assert tight.stats["kv_blocks"] == max(2, wanted // 2) < wanted
-    monkeypatch.setattr(engine_mod, "available_bytes", lambda dev: reserve)
+    monkeypatch.setattr(sizing_mod, "available_bytes", lambda dev: reserve)
     with pytest.raises(RuntimeError, match="one image's KV cache"):
         Engine(md.engine, seqs, settings, md.P)
 
@@ -161,18 +162,19 @@ def test_vision_inputs_go_up_through_reused_pinned_buffers():
 
 def test_warm_up_halves_the_rows_until_the_largest_step_fits(tiny_cuda, monkeypatch):
     from batchvlm.engine.engine import Engine
+    from batchvlm.engine.sizing import Sizer
     from batchvlm.job import EngineSpec
 
     md, prepared = tiny_cuda
     seqs = md.sequences(TASKS, max_new_tokens=9, max_objects=3)
-    real = Engine._run_largest_step
+    real = Sizer.run_largest_step
 
     def fault(self, n_rows, *args):
         if n_rows > 12:
             raise torch.OutOfMemoryError("injected")
         return real(self, n_rows, *args)
 
-    monkeypatch.setattr(Engine, "_run_largest_step", fault)
+    monkeypatch.setattr(Sizer, "run_largest_step", fault)
     logged = []
     engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=64), md.P, log=logged.append)
     assert engine.stats["rows"] == 8 and len(logged) == 3

@@ -20,9 +20,8 @@ from test_moondream_loading import TINY
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from batchvlm.engine.engine import Engine
-from batchvlm.engine.graphs import DecodeGraphs
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.attention import reference as attention
+from batchvlm.attention import dispatch as attention
 from batchvlm.models.family import WorkItem
 from batchvlm.attention.fused import FusedAttention
 from batchvlm.models.moondream.config import MoondreamConfig
@@ -83,8 +82,7 @@ def audit_graph_body_run(family, model, seqs, settings: EngineSpec, prepared: li
     with SyncAudit() as audit:
         engine = Engine(model, seqs, settings, family.max_prefix_len())
         r = engine.runner
-        r.graphs = DecodeGraphs(r, -(-engine.max_prefix_len // r.bs), max(engine.own_blocks),
-                                engine.seqs_per_prefix, capture=False)
+        r.graphs = r.decode_graphs(capture=False)
         done = list(engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared)))
     assert len(done) == len(prepared) and r.graph_steps > 0
     assert audit.found == [], "\n".join(dict.fromkeys(audit.found))
@@ -160,8 +158,7 @@ def test_qwen3_vl_hot_path_has_no_host_sync(tmp_path, monkeypatch, moe_path, con
     with SyncAudit() as audit:
         engine = Engine(model, seqs, settings, family.max_prefix_len())
         r = engine.runner
-        r.graphs = DecodeGraphs(r, -(-family.max_prefix_len() // r.bs), max(engine.own_blocks), len(seqs),
-                                capture=False)
+        r.graphs = r.decode_graphs(capture=False)
         done = list(engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared)))
     assert len(done) == 2 and r.graph_steps > 0
     assert audit.found == [], "\n".join(dict.fromkeys(audit.found))

@@ -1,10 +1,14 @@
 """Attention over a flat batch of tokens from many sequences: the batch layout a step hands the
-model, the plain reference (CPU, tests) and the fused flex kernels (CUDA). Below both the engine
-and the models: the engine builds an AttentionBatch, a family's layers call `attend`."""
+model (layout.py), the plain reference (reference.py, CPU and tests) and the fused flex kernels
+(fused.py, CUDA), one picked per device (dispatch.py). Below both the engine and the models: the
+engine builds an AttentionBatch, a family's layers call `attend`."""
 
-from .reference import (PAD, AttentionBackend, AttentionBatch, KVCache, PrefixGroup, PrefixView, Reads,
-                        ReferenceAttention, SharedPrefix, TaskGroup, attend, backend_for, bucket, plan_groups,
-                        prefix_self_attention, slot_of, write_kv)
+from ..cache.tensors import KVCache
+from .backend import AttentionBackend
+from .dispatch import attend, backend_for, plan_groups
+from .layout import (PAD, AttentionBatch, PrefixGroup, PrefixView, Reads, SharedPrefix, TaskGroup, bucket, slot_of,
+                     write_kv)
+from .reference import ReferenceAttention, prefix_self_attention
 
 __all__ = ["PAD", "AttentionBackend", "AttentionBatch", "KVCache", "PrefixGroup", "PrefixView", "Reads",
            "ReferenceAttention", "SharedPrefix", "TaskGroup", "attend", "backend_for", "bucket", "plan_groups",

@@ -73,8 +73,8 @@ def has_recurrent(specs: list[StateSpec]) -> bool:
 
 
 def prefix_view_bytes(specs: list[StateSpec], n_prefixes: int, prefix_len: int) -> int:
-    """What a decode group's PrefixView (attention/reference.py) holds when it reads n_prefixes
+    """What a decode group's PrefixView (attention/layout.py) holds when it reads n_prefixes
     prefixes of at most prefix_len tokens: every layer's K and V of each CrossKV kind, densely,
-    in the cache's dtype, i.e. their slots' bytes. Only CrossKV kinds are viewed (attention.py
+    in the cache's dtype, i.e. their slots' bytes. Only CrossKV kinds are viewed (attention/dispatch.py
     `attend`), and only on the reference backend (the fused kernels read the cache in place)."""
     return n_prefixes * prefix_len * sum(s.bytes_per_slot for s in specs if isinstance(s, CrossKV))

@@ -23,7 +23,7 @@ class KVCache:
     k: torch.Tensor  # [n_layers, n_blocks * block_size, n_kv_heads, head_dim]
     v: torch.Tensor
     block_size: int
-    backend: Any = None  # attention/reference.py's AttentionBackend; None: picked by device on first use
+    backend: Any = None  # attention/backend.py's AttentionBackend; None: picked by device on first use
     prefix_views: bool = False  # a CrossKV kind: decode groups may read its prefixes through a PrefixView
 
     @classmethod

@@ -12,20 +12,32 @@ every row here (fixed shapes). Prefix tables are as wide as the widest prefix th
 from __future__ import annotations
 
 import time
-from dataclasses import fields
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
 
-from ..cache.spans import StateSpans
-from ..attention import AttentionBatch, bucket
+from ..attention import bucket
 from ..models.decoding import Decision
 from .inputs import NO_DECODE, DecodeInputs, decode_inputs, pad_decode
 from .plan import StepPlan
 from .staging import Staging
 
-if TYPE_CHECKING:
-    from .runner import Runner
+# The fixed-shape decode body a graph records: one decode-only forward and decision over the
+# static input buffers (engine/runner.py `fixed_decode`). It must not sync the host or branch on
+# data: capture records its device work once, replay reruns exactly that.
+DecodeStep = Callable[[DecodeInputs], Decision]
+
+
+@dataclass(frozen=True)
+class DecodePadding:
+    """The maxima every graph's static inputs are padded to."""
+
+    rows: int  # the most rows in a step; row `rows` is the scratch row padding writes to
+    prefix_blocks: int  # the widest prefix table the job can have
+    own_blocks: int  # the widest own table
+    seqs_per_image: int
+
 
 def key_of(n_rows: int, n_images: int, max_rows: int) -> tuple[int, int]:
     return min(bucket(n_rows), max_rows), min(bucket(n_images), max_rows)
@@ -38,12 +50,11 @@ def buckets(max_rows: int) -> list[tuple[int, int]]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: Runner, max_prefix_blocks: int, max_own_blocks: int, seqs_per_image: int,
-                 capture: bool = True):
-        self.r = runner
-        self.nbp = max_prefix_blocks
-        self.own = max_own_blocks
-        self.per_image = seqs_per_image
+    def __init__(self, step: DecodeStep, padding: DecodePadding, device: torch.device,
+                 compute: torch.cuda.Stream | None, capture: bool = True):
+        self.step = step
+        self.padding = padding
+        self.device, self.compute = device, compute
         self.capture = capture  # False: run the same fixed-shape body eagerly (tests it on CPU)
         self.graphs: dict[tuple[int, int], tuple] = {}  # (graph | None, static inputs, outputs | body)
         self.pool = None
@@ -51,24 +62,22 @@ class DecodeGraphs:
         # Under inference_mode, as the steps that replay them: flex_attention's compiled entries
         # are guarded on it, so capturing outside would compile every shape twice.
         with torch.inference_mode():
-            for key in buckets(runner.n_rows):
+            for key in buckets(padding.rows):
                 self._capture(*key)
         self.capture_s = time.perf_counter() - t0
 
+    def _pad(self, d: DecodeInputs, n_rows: int, n_images: int) -> DecodeInputs:
+        p = self.padding
+        return pad_decode(d, n_rows, n_images, p.seqs_per_image, p.own_blocks, p.prefix_blocks, p.rows)
+
     def _capture(self, n_rows: int, n_images: int):
-        r = self.r
-        dev = r.device
+        dev = self.device
         # The inputs of an all-padding step, as device buffers the graph reads (run() fills them).
-        pad = pad_decode(NO_DECODE, n_rows, n_images, self.per_image, self.own, self.nbp, r.n_rows)
+        pad = self._pad(NO_DECODE, n_rows, n_images)
         static = DecodeInputs(*(torch.from_numpy(getattr(pad, f.name)).to(dev) for f in fields(DecodeInputs)))
 
         def body() -> Decision:
-            embeds, own_pos, groups, write_slots = [], [], [], []
-            r.decode_group(static, 0, embeds, own_pos, write_slots, groups)
-            states = StateSpans([], [], [], [], static.rows, 0) if r.recurrent else None
-            batch = AttentionBatch(write_slots[0], groups, r.bs, 0, states)
-            hidden = r.model.forward(embeds[0], r.model.own_positions(own_pos[0]), batch, r.cache)
-            return r.decide(static.rows, hidden, None)
+            return self.step(static)
 
         if not self.capture:
             self.graphs[(n_rows, n_images)] = (None, static, body)
@@ -87,11 +96,9 @@ class DecodeGraphs:
         self.graphs[(n_rows, n_images)] = (graph, static, out)
 
     def run(self, plan: StepPlan, slot: Staging) -> Decision:
-        r = self.r
-        key = key_of(len(plan.decode_rows), len(plan.decode_image_tables), r.n_rows)
+        key = key_of(len(plan.decode_rows), len(plan.decode_image_tables), self.padding.rows)
         graph, static, out = self.graphs[key]  # captured at start-up
-        d = pad_decode(decode_inputs(plan, 0, key[0]), *key, self.per_image, self.own, self.nbp, r.n_rows)
-        d = slot.upload(d, r.device, r.compute)
+        d = slot.upload(self._pad(decode_inputs(plan, 0, key[0]), *key), self.device, self.compute)
         for f in fields(DecodeInputs):
             getattr(static, f.name).copy_(getattr(d, f.name))
         if graph is None:

@@ -1,8 +1,9 @@
-"""StepPlan: the only contract between the scheduler (host bookkeeping) and the runner (device).
+"""StepPlan: the only contract between the scheduler (host bookkeeping) and the runner (device),
+and Emissions, the runner's answer to one.
 
 Host arrays only; the runner turns them into one forward. Emissions come back in the order
 `new_rows` then `decode_rows`. Block tables of sequences list only their own blocks: a prefix
-is attended once per prefix (attention/reference.py, TaskGroup). Prefix tables are padded with the
+is attended once per prefix (attention/layout.py, TaskGroup). Prefix tables are padded with the
 null block to the widest prefix of the step; `*_lens` say how many slots are real.
 """
 
@@ -68,3 +69,13 @@ class StepPlan:
     @property
     def n_out(self) -> int:
         return len(self.new_rows) + len(self.decode_rows)
+
+
+@dataclass
+class Emissions:
+    """One step's output per emitting row (StepPlan.n_out of them), on the host."""
+
+    code: np.ndarray
+    token: np.ndarray
+    finished: np.ndarray
+    value: np.ndarray  # [n, 2]

@@ -1,4 +1,4 @@
-"""The device side of the engine: vision stage, one forward per StepPlan, device-side decoding.
+"""The device side of the engine: one forward per StepPlan, device-side decoding.
 
 Invariants (the pipelined engine depends on them):
   * One compute stream runs every step in plan order, so a step always sees the KV writes and
@@ -7,8 +7,8 @@ Invariants (the pipelined engine depends on them):
     waits on each step's own event only.
   * Next-step inputs (token id, coordinate or size) stay in row-indexed device buffers written
     by the family's `decide`; the host never needs a token to launch the next step.
-  * Vision batches run on their own stream, each with its own event; a step waits only for
-    the events of the images it prefills.
+  * Vision batches (vision.py) run on their own stream, each with its own event; a step waits
+    only for the events of the images it prefills.
   * Decode-only steps replay CUDA graphs captured at start-up per padded batch size (CUDA
     only); padding rows use a scratch state row and the null KV block.
   * An eager step that runs out of memory is run as two half plans (split.py), recursively:
@@ -30,12 +30,14 @@ from ..cache.spans import StateSpans
 from ..cache.tensors import EngineCache
 from ..attention import AttentionBatch, PrefixGroup, PrefixView, SharedPrefix, TaskGroup, slot_of
 from ..models.decoding import MODE_SCORE, Decision, PromptRows, RowState
-from ..models.family import EngineModel, Prepared
-from .graphs import DecodeGraphs
+from ..models.family import EngineModel
+from .graphs import DecodeGraphs, DecodePadding
 from .inputs import DecodeInputs, step_inputs
-from .plan import StepPlan
+from .plan import Emissions, StepPlan
+from .shape import JobShape
 from .split import split_plan, units
-from .staging import Emissions, InFlight, Staging
+from .staging import InFlight, Staging
+from .vision import VisionStage
 
 STATE_INT = ("mode", "phase", "count", "limit", "seed")
 STATE_FLOAT = ("temperature", "top_p")
@@ -45,11 +47,6 @@ def _extent(lens: np.ndarray) -> tuple[int, bool]:
     """(longest prefix, every prefix that long) of a step's prefixes, from the host's plan."""
     n = int(lens.max())
     return n, bool((lens == n).all())
-
-
-class HostEvent:
-    """A vision batch's mark on CPU, where encoding has finished when `encode` returns: nothing
-    to wait for, but the per-batch bookkeeping is the same as CUDA's."""
 
 
 class Runner:
@@ -74,58 +71,30 @@ class Runner:
         # word v // 32: token v allowed), written by `launch` from the step's StepPlan.masks; a row
         # never listed there (a free row) keeps all bits, and so does the scratch row.
         self.mask_RW = torch.full((R, mask_words), -1, dtype=torch.int32, device=dev) if mask_words else None
-        # Per feature slot: the family's features until the prefill step is collected.
-        self.features: list[Any] = [None] * n_feature_slots
-        nbp = -(-max_prefix_len // self.bs)
+        self.vision = VisionStage(model, n_feature_slots)
+        self.padding = DecodePadding(n_rows, -(-max_prefix_len // self.bs), max_own_blocks, seqs_per_image)
         # Staging grows on demand (staging.py); this is room for a few hundred rows' steps.
         self.staging = [Staging(dev, 1 << 16, n_rows), Staging(dev, 1 << 16, n_rows)]
         self._next_slot = 0
         cuda = dev.type == "cuda"
         self.compute = torch.cuda.current_stream(dev) if cuda else None
         self.copy_stream = torch.cuda.Stream(dev) if cuda else None
-        self.vision_stream = torch.cuda.Stream(dev) if cuda else None
-        self.vision_events: list[torch.cuda.Event | HostEvent | None] = [None] * n_feature_slots
         self.graph_steps = 0  # steps that replayed a graph (or ran its fixed-shape body)
         # The decode group's PrefixView and the (tables, lengths) of the prefixes it copies.
         self._view: PrefixView | None = None
         self._view_of: tuple[tuple[int, ...], bytes, bytes] | None = None
-        self.graphs = DecodeGraphs(self, nbp, max_own_blocks, seqs_per_image) \
-            if (cuda and cuda_graphs) else None
+        self.graphs = self.decode_graphs() if (cuda and cuda_graphs) else None
 
-    # ------------------------------------------------------------------ vision stage
+    @classmethod
+    def for_shape(cls, model: EngineModel, cache: EngineCache, shape: JobShape, n_rows: int, n_feature_slots: int,
+                  cuda_graphs: bool) -> Runner:
+        return cls(model, cache, n_rows, n_feature_slots, shape.max_prefix_len, shape.max_own_blocks,
+                   shape.seqs_per_prefix, cuda_graphs, shape.sampling, shape.mask_words)
 
-    @torch.inference_mode()
-    def encode(self, images: list[Prepared], slots: list[int]) -> None:
-        """Encode images into feature slots. On CUDA this runs on its own stream, overlapping
-        decode steps; a step that prefills these images waits for this batch's event."""
-        if self.vision_stream is None:
-            event, feats = HostEvent(), self._encode_fitting(images)
-        else:
-            event = torch.cuda.Event()
-            with torch.cuda.stream(self.vision_stream):
-                feats = self._encode_fitting(images)
-                event.record(self.vision_stream)
-        for slot, f in zip(slots, feats):
-            self.features[slot], self.vision_events[slot] = f, event
-
-    def _encode_fitting(self, images: list[Prepared]) -> list[Any]:
-        """The vision batch; on out-of-memory, its two halves, recursively (rare: the warm-up
-        measured a maximal batch, but other allocations may have grown since)."""
-        try:
-            return self.model.encode(images)
-        except torch.OutOfMemoryError:
-            if len(images) < 2:
-                raise
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        half = len(images) // 2
-        return self._encode_fitting(images[:half]) + self._encode_fitting(images[half:])
-
-    def vision_waits(self, prefix_features: np.ndarray) -> list[torch.cuda.Event | HostEvent]:
-        """The events of the vision batches holding these images, each once: a prefill waits for
-        its own images only, never for a newer batch still encoding."""
-        events = {id(e): e for e in (self.vision_events[s] for s in prefix_features.tolist()) if e is not None}
-        return list(events.values())
+    def decode_graphs(self, capture: bool = True) -> DecodeGraphs:
+        """A graph of `fixed_decode` per decode bucket, captured now (capture=False: the same body,
+        run eagerly at replay: tests run it on CPU)."""
+        return DecodeGraphs(self.fixed_decode, self.padding, self.device, self.compute, capture)
 
     # ------------------------------------------------------------------ steps
 
@@ -135,7 +104,7 @@ class Runner:
         slot = self.staging[self._next_slot]
         oom: list[int] = []
         self._next_slot ^= 1
-        for event in self.vision_waits(plan.prefix_features):
+        for event in self.vision.waits(plan.prefix_features):
             if self.compute is not None:
                 self.compute.wait_event(event)
         with torch.inference_mode():
@@ -154,7 +123,7 @@ class Runner:
     def warm_up(self, plan: StepPlan, features: list[Any]) -> Decision:
         """Run a plan eagerly with the given features per prefix slot (start-up sizing only)."""
         for slot in plan.prefix_features.tolist():
-            self.features[slot] = features[slot % len(features)]
+            self.vision.features[slot] = features[slot % len(features)]
         return self._eager(plan, self.staging[0])
 
     def _eager_fitting(self, plan: StepPlan, slot: Staging, oom: list[int]) -> Decision:
@@ -187,8 +156,7 @@ class Runner:
         slot = inflight.slot
         if slot.done is not None:
             slot.done.synchronize()
-        for s in inflight.plan.prefix_features.tolist():  # that step has run: its features are spent
-            self.features[s] = self.vision_events[s] = None
+        self.vision.spent(inflight.plan.prefix_features)
         n = inflight.plan.n_out
         ints, floats = (t.numpy() for t in slot.out_views(n))
         return Emissions(ints[0].copy(), ints[1].copy(), ints[2].astype(bool), floats.copy())
@@ -223,7 +191,7 @@ class Runner:
         embeds, own_pos, groups, write_slots = [], [], [], []
         prefix = None
         if I:
-            prefix = m.prefix_inputs([self.features[s] for s in plan.prefix_features.tolist()],
+            prefix = m.prefix_inputs(self.vision.read(plan.prefix_features),
                                      list(x.prefix_tokens.split(plan.prefix_prompt_lens.tolist())))
             embeds.append(prefix.embeds_NC)
             write_slots.append(slot_of(x.prefix_tables[x.pre_img], x.pre_j, bs))
@@ -260,7 +228,7 @@ class Runner:
         return self.decide(torch.cat([x.new_rows, x.decode.rows]), hidden[x.last], x.heads, prompt)
 
     def _prefix_view(self, plan: StepPlan) -> PrefixView | None:
-        """The decode group's PrefixView (attention/reference.py): the previous step's when this
+        """The decode group's PrefixView (attention/layout.py): the previous step's when this
         step decodes against the same prefixes (tables and lengths, host arrays) and no prefix has
         been written since that view was made, else a new one. Prefix K/V are written only by
         steps that prefill prefixes, and a block listed in both steps' tables is held by its
@@ -278,6 +246,15 @@ class Runner:
         if key != self._view_of:
             self._view, self._view_of = PrefixView(), key
         return self._view
+
+    def fixed_decode(self, d: DecodeInputs) -> Decision:
+        """A decode-only step over padded device inputs (graphs.py): what a CUDA graph records."""
+        embeds, own_pos, groups, write_slots = [], [], [], []
+        self.decode_group(d, 0, embeds, own_pos, write_slots, groups)
+        states = StateSpans([], [], [], [], d.rows, 0) if self.recurrent else None
+        batch = AttentionBatch(write_slots[0], groups, self.bs, 0, states)
+        hidden = self.model.forward(embeds[0], self.model.own_positions(own_pos[0]), batch, self.cache)
+        return self.decide(d.rows, hidden, None)
 
     def decode_group(self, d: DecodeInputs, first_row: int, embeds, own_pos, write_slots, groups,
                      extent: tuple[int | None, bool] = (None, False), view: PrefixView | None = None) -> None:

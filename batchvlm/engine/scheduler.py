@@ -42,9 +42,8 @@ import numpy as np
 
 from ..cache.blocks import BlockManager, SnapshotSlots
 from ..models.decoding import RawOutput, SeqSpec, emit_text
-from .plan import PREFILL_TOKENS_PER_STEP, StepPlan
+from .plan import PREFILL_TOKENS_PER_STEP, Emissions, StepPlan
 from .sequence import ImageWork, Prefix, SeqState, Sequence
-from .staging import Emissions
 
 
 Emit = Callable[[RawOutput, SeqSpec, int, int, float, float], None]
@@ -57,6 +56,15 @@ def _lens(prefixes: list[Prefix]) -> np.ndarray:
 
 def _ints(values) -> np.ndarray:
     return np.array(values, dtype=np.int64)
+
+
+def _by_prefix(seqs: list[Sequence]) -> tuple[list[Prefix], np.ndarray]:
+    """The sequences' prefixes, each once (first use first), and each sequence's index into them."""
+    index: dict[int, int] = {}
+    for s in seqs:
+        index.setdefault(id(s.prefix), len(index))
+    prefixes = list({id(s.prefix): s.prefix for s in seqs}.values())
+    return prefixes, _ints([index[id(s.prefix)] for s in seqs])
 
 
 class Scheduler:
@@ -82,6 +90,15 @@ class Scheduler:
         self.step = 0
 
     # ------------------------------------------------------------------ images in
+
+    # Feature slots: where an encoded image's features wait for its prefill. The scheduler is
+    # their one owner: a slot is taken before its image is encoded and free again once the step
+    # that prefills it is committed; the runner's vision stage holds the tensors (vision.py) and
+    # learns which slots a step prefills from its plan (StepPlan.prefix_features).
+
+    @property
+    def has_feature_slot(self) -> bool:
+        return bool(self.free_feature_slots)
 
     def take_feature_slot(self) -> int | None:
         return self.free_feature_slots.pop() if self.free_feature_slots else None
@@ -123,45 +140,7 @@ class Scheduler:
             self._admit(new, prefilled)
         if not new and not decoding:
             return None
-        prompt_prefixes: dict[int, Prefix] = {}
-        for s in new:
-            prompt_prefixes.setdefault(id(s.prefix), s.prefix)
-        decode_prefixes: dict[int, Prefix] = {}
-        for s in decoding:
-            decode_prefixes.setdefault(id(s.prefix), s.prefix)
-        prompt_index = {k: i for i, k in enumerate(prompt_prefixes)}
-        decode_index = {k: i for i, k in enumerate(decode_prefixes)}
-        pre = [(self.feature_of[id(im)], p) for im in prefilled for p in im.prefixes]
-        plan = StepPlan(
-            step=self.step,
-            prefix_features=_ints([slot for slot, _ in pre]),
-            prefix_lens=_lens([p for _, p in pre]),
-            prefix_tables=self._prefix_tables([p for _, p in pre]),
-            prefix_tokens=_ints([t for _, p in pre for t in p.prompt]),
-            prefix_prompt_lens=_ints([len(p.prompt) for _, p in pre]),
-            prefix_snapshot=_ints([p.snapshot for _, p in pre]),
-            new_rows=np.array([s.row for s in new], dtype=np.int64),
-            new_int=np.array([[s.spec.mode, s.spec.limit, s.seed] for s in new], dtype=np.int64).reshape(-1, 3),
-            new_float=np.array([[s.spec.temperature, s.spec.top_p] for s in new], dtype=np.float32).reshape(-1, 2),
-            prompt_tokens=np.array([t for s in new for t in s.spec.prompt], dtype=np.int64),
-            prompt_lens=np.array([len(s.spec.prompt) for s in new], dtype=np.int64),
-            prompt_pos0=np.array([s.prefix.next_pos for s in new], dtype=np.int64),
-            prompt_tables=self._own_tables(new, [len(s.spec.prompt) for s in new]),
-            prompt_fork=_ints([s.prefix.snapshot for s in new]),
-            prompt_image=np.array([prompt_index[id(s.prefix)] for s in new], dtype=np.int64),
-            prompt_image_tables=self._prefix_tables(list(prompt_prefixes.values())),
-            prompt_image_lens=_lens(list(prompt_prefixes.values())),
-            decode_rows=np.array([s.row for s in decoding], dtype=np.int64),
-            decode_own=np.array([s.own_len for s in decoding], dtype=np.int64),
-            decode_pos=np.array([s.prefix.next_pos + s.own_len for s in decoding], dtype=np.int64),
-            decode_tables=self._own_tables(decoding, [s.own_len + 1 for s in decoding]),
-            decode_image=np.array([decode_index[id(s.prefix)] for s in decoding], dtype=np.int64),
-            decode_image_tables=self._prefix_tables(list(decode_prefixes.values())),
-            decode_image_lens=_lens(list(decode_prefixes.values())),
-            needs=np.array([s.needs(0) for s in new] + [s.needs(s.decode_steps + 1) for s in decoding],
-                           dtype=np.int64),
-            seqs=new + decoding,
-        )
+        plan = self._plan(new, decoding, prefilled)
         if self.mask_words:
             plan.mask_rows, plan.masks = self._masks(new, decoding)
         for s in new:
@@ -179,6 +158,42 @@ class Scheduler:
             s.inflight += 1
         self.step += 1
         return plan
+
+    def _plan(self, new: list[Sequence], decoding: list[Sequence], prefilled: list[ImageWork]) -> StepPlan:
+        """The step's plan from what it prefills, starts and decodes (bookkeeping is the caller's)."""
+        prompt_prefixes, prompt_image = _by_prefix(new)
+        decode_prefixes, decode_image = _by_prefix(decoding)
+        pre = [(self.feature_of[id(im)], p) for im in prefilled for p in im.prefixes]
+        return StepPlan(
+            step=self.step,
+            prefix_features=_ints([slot for slot, _ in pre]),
+            prefix_lens=_lens([p for _, p in pre]),
+            prefix_tables=self._prefix_tables([p for _, p in pre]),
+            prefix_tokens=_ints([t for _, p in pre for t in p.prompt]),
+            prefix_prompt_lens=_ints([len(p.prompt) for _, p in pre]),
+            prefix_snapshot=_ints([p.snapshot for _, p in pre]),
+            new_rows=np.array([s.row for s in new], dtype=np.int64),
+            new_int=np.array([[s.spec.mode, s.spec.limit, s.seed] for s in new], dtype=np.int64).reshape(-1, 3),
+            new_float=np.array([[s.spec.temperature, s.spec.top_p] for s in new], dtype=np.float32).reshape(-1, 2),
+            prompt_tokens=np.array([t for s in new for t in s.spec.prompt], dtype=np.int64),
+            prompt_lens=np.array([len(s.spec.prompt) for s in new], dtype=np.int64),
+            prompt_pos0=np.array([s.prefix.next_pos for s in new], dtype=np.int64),
+            prompt_tables=self._own_tables(new, [len(s.spec.prompt) for s in new]),
+            prompt_fork=_ints([s.prefix.snapshot for s in new]),
+            prompt_image=prompt_image,
+            prompt_image_tables=self._prefix_tables(prompt_prefixes),
+            prompt_image_lens=_lens(prompt_prefixes),
+            decode_rows=np.array([s.row for s in decoding], dtype=np.int64),
+            decode_own=np.array([s.own_len for s in decoding], dtype=np.int64),
+            decode_pos=np.array([s.prefix.next_pos + s.own_len for s in decoding], dtype=np.int64),
+            decode_tables=self._own_tables(decoding, [s.own_len + 1 for s in decoding]),
+            decode_image=decode_image,
+            decode_image_tables=self._prefix_tables(decode_prefixes),
+            decode_image_lens=_lens(decode_prefixes),
+            needs=np.array([s.needs(0) for s in new] + [s.needs(s.decode_steps + 1) for s in decoding],
+                           dtype=np.int64),
+            seqs=new + decoding,
+        )
 
     def _constrained_turns(self, decoding: list[Sequence]) -> list[Sequence]:
         """Constrained sequences whose last step is committed, at most half of them in a pipelined

@@ -18,16 +18,6 @@ import torch
 from .plan import StepPlan
 
 
-@dataclass
-class Emissions:
-    """One step's output per emitting row, on the host."""
-
-    code: np.ndarray
-    token: np.ndarray
-    finished: np.ndarray
-    value: np.ndarray  # [n, 2]
-
-
 T = TypeVar("T")
 ARRAY, TUPLE, NESTED = 0, 1, 2  # a field of a step's inputs: an array, a tuple of arrays, a dataclass of them
 _KINDS: dict[type, list[tuple[str, int]]] = {}
