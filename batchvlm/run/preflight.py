@@ -58,11 +58,12 @@ def preflight(job: Job, clear: bool, rank: Rank | None, dry: bool = False) -> Pr
     if clear and rank is not None and rank.world > 1:
         raise manifest.OutputConflict("--overwrite with several ranks would let one rank delete another's "
                                       "output; clear the output folder once before launching")
-    if not clear:
+    resume = not clear and layout.dir.is_dir()  # labels there count (a file there is refused below)
+    if resume:
         layout.check()  # a folder of the first layout is refused before any of its files is touched
     if job.input.kind == "parquet":
         manifest.check_not_input(layout, list_files(job.input))
-    shards = plan(job.input, None if clear else layout)
+    shards = plan(job.input, layout if resume else None)
     if dry and (unreadable := [s for s in shards if not s.planned]):
         field = "input.folder" if job.input.folder else "input.parquet"
         more = f" (and {len(unreadable) - 1} more)" if len(unreadable) > 1 else ""
@@ -73,6 +74,6 @@ def preflight(job: Job, clear: bool, rank: Rank | None, dry: bool = False) -> Pr
     if rank is not None:
         job = for_device(job, rank)  # dtype resolved before any settings are compared
     check_tasks(job.model, job.tasks, job.engine, job.output.constrain)
-    if not clear and rank is not None:
+    if resume and rank is not None:
         manifest.check_settings(layout, job.label_fingerprint(), job.label_settings())
     return Preflight(job, layout, shards, clear)
