@@ -177,7 +177,6 @@ def run_on_ray(job: Job, address: str, limit: int | None, overwrite: bool) -> in
 
 
 def _drive(ray, errors: tuple[type[Exception], ...], job: Job, actors: list, limit: int | None, t0: float) -> int:
-    actor_error, ray_error = errors
     world = len(actors)
     stop = {"asked": False}
 
@@ -201,37 +200,7 @@ def _drive(ray, errors: tuple[type[Exception], ...], job: Job, actors: list, lim
             launch = f"{base}-{round_}"
             shares = [max(1, limit // world + (i < limit % world)) if limit else None for i in range(world)]
             runs = {a.run.remote(shares[i], launch): i for i, a in enumerate(actors[:busy])}
-            results: dict[int, dict[str, Any]] = {}
-            polls: dict[Any, int] = {}  # progress calls in flight (one per rank; a dead rank's waits for its restart)
-            while runs:
-                if stop["asked"]:  # again on every pass: a rank Ray restarted since starts unstopped
-                    for a in actors:
-                        a.request_stop.remote()
-                ready, _ = ray.wait(list(runs), num_returns=len(runs), timeout=POLL_S)
-                for ref in ready:
-                    i = runs.pop(ref)
-                    try:
-                        results[i] = ray.get(ref)
-                        if "who" in results[i]:  # its last counts: a poll may have come before them
-                            bar.update(i, *results[i]["who"])
-                    except actor_error as e:  # restarted MAX_RESTARTS times and died again
-                        results[i] = {"error": f"rank {i} died ({type(e).__name__}) and was restarted "
-                                               f"{MAX_RESTARTS} times", "code": EXIT_FAILED}
-                    except ray_error as e:  # a bug in the rank: one line, like the CLI
-                        first = str(e).strip().splitlines()
-                        results[i] = {"error": f"rank {i}: {first[-1] if first else type(e).__name__}",
-                                      "code": EXIT_FAILED}
-                polled = set(polls.values())
-                polls |= {a.progress.remote(): i for i, a in enumerate(actors) if i in runs.values() and i not in polled}
-                done, _ = ray.wait(list(polls), num_returns=len(polls), timeout=POLL_S) if polls else ([], [])
-                for ref in done:
-                    i = polls.pop(ref)
-                    try:
-                        who, images, errs = ray.get(ref)
-                    except ray_error:
-                        continue  # died for good: its run's result says so
-                    if bar.update(i, who, images, errs):
-                        log(f"batchvlm: ray: rank {i} was restarted by Ray ({who}); it resumes its shards")
+            results = _wait(ray, errors, actors, runs, stop, bar)
             code = _merge(results, total, code)
             if code != EXIT_OK or total.stopped_by_signal or limit is not None:
                 break
@@ -242,11 +211,11 @@ def _drive(ray, errors: tuple[type[Exception], ...], job: Job, actors: list, lim
                 break
             if not freed or round_ == MAX_ROUNDS - 1:
                 log(f"batchvlm: ray: {len(left)} shard(s) are not done and held by another run "
-                     f"({', '.join(left[:3])}); run again once it ends")
+                    f"({', '.join(left[:3])}); run again once it ends")
                 code = EXIT_STOPPED  # nothing failed: as when another run holds a rank's lock
                 break
             log(f"batchvlm: ray: {len(freed)} shard(s) were held by ranks that died on another node; "
-                 "one more round labels them")
+                "one more round labels them")
             busy = min(world, len(freed))
     finally:
         bar.bar.close()
@@ -255,6 +224,45 @@ def _drive(ray, errors: tuple[type[Exception], ...], job: Job, actors: list, lim
     total.seconds = time.time() - t0
     verdict = total.end(job)  # the summary line, always
     return code if code != EXIT_OK else verdict
+
+
+def _wait(ray, errors: tuple[type[Exception], ...], actors: list, runs: dict[Any, int], stop: dict[str, bool],
+          bar: _Bar) -> dict[int, dict[str, Any]]:
+    """Wait for one round's runs (`runs`: each call -> its rank), drawing the ranks' progress and
+    passing on a stop; -> each rank's result."""
+    actor_error, ray_error = errors
+    results: dict[int, dict[str, Any]] = {}
+    polls: dict[Any, int] = {}  # progress calls in flight (one per rank; a dead rank's waits for its restart)
+    while runs:
+        if stop["asked"]:  # again on every pass: a rank Ray restarted since starts unstopped
+            for a in actors:
+                a.request_stop.remote()
+        ready, _ = ray.wait(list(runs), num_returns=len(runs), timeout=POLL_S)
+        for ref in ready:
+            i = runs.pop(ref)
+            try:
+                results[i] = ray.get(ref)
+                if "who" in results[i]:  # its last counts: a poll may have come before them
+                    bar.update(i, *results[i]["who"])
+            except actor_error as e:  # restarted MAX_RESTARTS times and died again
+                results[i] = {"error": f"rank {i} died ({type(e).__name__}) and was restarted "
+                                       f"{MAX_RESTARTS} times", "code": EXIT_FAILED}
+            except ray_error as e:  # a bug in the rank: one line, like the CLI
+                first = str(e).strip().splitlines()
+                results[i] = {"error": f"rank {i}: {first[-1] if first else type(e).__name__}",
+                              "code": EXIT_FAILED}
+        polled = set(polls.values())
+        polls |= {a.progress.remote(): i for i, a in enumerate(actors) if i in runs.values() and i not in polled}
+        done, _ = ray.wait(list(polls), num_returns=len(polls), timeout=POLL_S) if polls else ([], [])
+        for ref in done:
+            i = polls.pop(ref)
+            try:
+                who, images, errs = ray.get(ref)
+            except ray_error:
+                continue  # died for good: its run's result says so
+            if bar.update(i, who, images, errs):
+                log(f"batchvlm: ray: rank {i} was restarted by Ray ({who}); it resumes its shards")
+    return results
 
 
 def _get(ray, ref) -> Any:
