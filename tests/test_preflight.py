@@ -14,7 +14,7 @@ from batchvlm.job import JobError, load_job
 from batchvlm.models.family import ModelFetchError
 from batchvlm.output.layout import OutputConflict
 from batchvlm.output.lock import RunLockHeld
-from batchvlm.run import RunSummary
+from batchvlm.run import RunSummary, run_job
 from batchvlm.run.preflight import clears, preflight
 from batchvlm.shapes.shards import write_shards
 
@@ -38,9 +38,8 @@ def test_preflight_checks_what_a_run_would_do_and_writes_nothing(job, tmp_path):
     overwrite = job.model_copy(update={"output": job.output.model_copy(update={"mode": "overwrite"})})
     assert clears(overwrite, False) and clears(job, True)
     preflight(overwrite, clears(overwrite, False), Rank(0, 1, 0), dry=True)  # a run would clear it: no refusal
-    preflight(job, True, None)  # a launcher whose ranks run elsewhere leaves the settings to them
-    with pytest.raises(OutputConflict, match="several ranks"):
-        preflight(job, True, Rank(0, 2, 0))
+    with pytest.raises(OutputConflict, match="several ranks"):  # each rank would clear the others' labels
+        run_job(job, overwrite=True, rank=Rank(0, 2, 0))
     assert sorted(p.name for p in meta.iterdir()) == ["job.json"]
 
 

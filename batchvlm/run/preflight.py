@@ -1,7 +1,8 @@
 """The one check before a run: `validate`, `run --dry-run`, `run` (each worker) and the launchers
 (local workers, Ray) all call `preflight`, so what validate accepts a run can do.
 
-Nothing is loaded but the model's host side (config and tokenizer: every task's prompt rendered
+Run by the process that will run the job (a worker, a launcher on its node, the first Ray actor),
+so the device is the one it will use. Nothing is loaded but the model's host side (config and tokenizer: every task's prompt rendered
 and measured against the context), and nothing is written: a refused job leaves no folder behind
 and clears nothing. In order: the output folder's layout, the inputs (listed; the first Parquet
 file's image column), where the output folder is (a folder, writable, apart from the inputs), the
@@ -26,7 +27,7 @@ from ..output.shardlist import ShardList, plan
 class Preflight:
     """A job that passed: as it runs on this machine, with the shards a run would have."""
 
-    job: Job  # model.device and model.dtype concrete (left as written for ranks elsewhere)
+    job: Job  # model.device and model.dtype concrete
     layout: Layout
     shards: ShardList  # the frozen list plus what is new (nothing written back)
     clear: bool  # the run starts over (--overwrite, output.mode: overwrite)
@@ -46,18 +47,14 @@ def clears(job: Job, overwrite: bool) -> bool:
     return overwrite or job.output.mode == "overwrite"
 
 
-def preflight(job: Job, clear: bool, rank: Rank | None, dry: bool = False) -> Preflight:
-    """Everything that can be checked before any work starts. `rank`: the rank this process runs
-    as, for the device; None for a launcher whose ranks run on other machines (Ray), which leaves
-    the device and the label settings (they depend on its precision) to them. `dry` (validate,
-    --dry-run) also refuses shards that cannot be read, which a run would fail one by one."""
+def preflight(job: Job, clear: bool, rank: Rank, dry: bool = False) -> Preflight:
+    """Everything that can be checked before any work starts; `rank`: this process's, for the
+    device. `dry` (validate, --dry-run) also refuses shards that cannot be read, which a run
+    would fail one by one."""
     from ..device import for_device
     from ..models.registry import check_tasks
 
     layout = Layout(Path(job.output.dir))
-    if clear and rank is not None and rank.world > 1:
-        raise manifest.OutputConflict("--overwrite with several ranks would let one rank delete another's "
-                                      "output; clear the output folder once before launching")
     resume = not clear and layout.dir.is_dir()  # labels there count (a file there is refused below)
     if resume:
         layout.check()  # a folder of the first layout is refused before any of its files is touched
@@ -71,9 +68,8 @@ def preflight(job: Job, clear: bool, rank: Rank | None, dry: bool = False) -> Pr
     check_first_parquet(shards, job.input)  # a wrong image column is refused before the model loads
     check_writable(layout.dir)
     check_apart_from_inputs(layout.dir, job.input, [(s.stem, s.url) for s in shards])
-    if rank is not None:
-        job = for_device(job, rank)  # dtype resolved before any settings are compared
+    job = for_device(job, rank)  # dtype resolved before any settings are compared
     check_tasks(job.model, job.tasks, job.engine, job.output.constrain)
-    if resume and rank is not None:
+    if resume:
         manifest.check_settings(layout, job.label_fingerprint(), job.label_settings())
     return Preflight(job, layout, shards, clear)

@@ -1,12 +1,14 @@
 """`batchvlm run job.yaml --ray ADDRESS`: the ranks of a run as Ray actors across a cluster.
 
 One actor per GPU of the cluster (or, without GPUs, per CPU slot: 1 + loader.workers CPUs),
-each the usual run loop (worker.py) as one rank with work stealing over the shared output folder, so
-ranks that start late or run slow simply take fewer shards. An actor that dies is restarted by
+each the usual run loop (worker.py) as one rank with work stealing over the shared output
+folder, so ranks that start late or run slow simply take fewer shards. The first actor checks
+the job before anything starts (preflight, where the ranks run: the driver may have neither
+their GPUs nor their mounts); a refused job clears nothing. An actor that dies is restarted by
 Ray, which retries its run: the new process takes over its predecessor's claims (same host: at
 once; another host: when this launch's ranks have all ended, `release_launch` frees them and one
-more round labels what is left). The driver checks the job first (preflight: a refused job starts no
-actor and clears nothing), draws one progress bar and exits with the usual codes (exits.py). Ray is imported only here, only when asked; the cluster's nodes need
+more round labels what is left). The driver draws one progress bar and exits with the usual
+codes (exits.py). Ray is imported only here, only when asked; the cluster's nodes need
 batchvlm installed and the job's paths (inputs, output folder) mounted at the same place.
 """
 
@@ -86,6 +88,9 @@ class RankWorker:
     def request_stop(self) -> None:
         self.stop.event.set()
 
+    def check(self, clear: bool) -> None:
+        preflight(self.job, clear, self.rank)
+
     def clear(self) -> None:
         manifest.clear_outputs(Layout(Path(self.job.output.dir)))
 
@@ -151,8 +156,6 @@ def run_on_ray(job: Job, address: str, limit: int | None, overwrite: bool) -> in
     except ImportError:
         log(error_line(f"--ray: Ray is not installed; {INSTALL}"))
         return EXIT_JOB_ERROR
-    clear = clears(job, overwrite)
-    preflight(job, clear, None)  # the device and the settings are the ranks' to check: they may have GPUs
     t0 = time.time()
     try:
         ray.init(address=address, logging_level="WARNING", log_to_driver=True,
@@ -162,11 +165,13 @@ def run_on_ray(job: Job, address: str, limit: int | None, overwrite: bool) -> in
         return EXIT_FAILED
     try:
         world, resources = _slots(ray, job)
+        clear = clears(job, overwrite)
         job = job.model_copy(update={"runtime": job.runtime.model_copy(update={"work_stealing": True}),
                                      "output": job.output.model_copy(update={"mode": "resume"})})
         actor = ray.remote(max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS, max_concurrency=3,
                            **resources)(RankWorker)
         actors = [actor.remote(job, r, world) for r in range(world)]
+        _get(ray, actors[0].check.remote(clear))  # a refused job: its one line, from the CLI
         if clear:  # once, before any rank starts (a rank must not clear another's work)
             ray.get(actors[0].clear.remote())
         each = ", ".join(f"{n:g} {k.removeprefix('num_').upper()}" for k, n in resources.items())

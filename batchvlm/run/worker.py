@@ -53,6 +53,9 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
     t0 = time.time()
     rank = rank or Rank(0, 1, 0)
     pre = preflight(job, clears(job, overwrite), rank)  # a refused job writes nothing
+    if pre.clear and rank.world > 1:
+        raise manifest.OutputConflict("--overwrite with several ranks would let one rank delete another's "
+                                      "output; clear the output folder once before launching")
     created_dir = not pre.layout.dir.exists()
     lock = None if job.runtime.work_stealing else RunLock(pre.layout, rank.rank, rank.world)
     if lock:
