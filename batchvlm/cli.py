@@ -1,14 +1,13 @@
-"""batchvlm command line. Every knob lives in the job file; flags here are operational only.
+"""batchvlm command line: parses the command and hands it on. Every knob lives in the job file;
+flags here are operational only.
 
-Every failure a user can cause is one line, `batchvlm: error: <field or file>: <cause>; <fix>`,
-exit code 2 for a job that cannot run as written (do not retry), 1 for a run that failed, 75 for
-one to run again, 130 for a second Ctrl-C (exits.py); a traceback only with `--debug` (also
-passed to the worker processes `run` starts).
+Every failure a user can cause is one line, `batchvlm: error: <field or file>: <cause>; <fix>`
+(errors.py), ending with the exit codes of exits.py; a traceback only with `--debug` (also
+passed to the worker processes `run` starts). The checks before a run are run/preflight.py's.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import sys
@@ -18,15 +17,12 @@ from pathlib import Path
 import typer
 
 from . import __version__
-from .data.sources import SourceError, check_first_parquet, count_samples, list_files, no_images_message
-from .exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_JOB_ERROR, EXIT_STOPPED
+from .data.sources import SourceError, no_images_message
+from .errors import error_line, run_failure, user_errors
+from .exits import EXIT_INTERRUPTED, EXIT_JOB_ERROR
 from .job import Job, JobError, load_job
-from .output import manifest
-from .output.layout import Layout
-from .output.lock import RunLockHeld
-from .output.placement import check_apart_from_inputs, check_writable
-from .output.shardlist import ShardList, plan, skipped_note
-from .output.writer import OutputWriteError, write_failure
+from .output.layout import OutputConflict
+from .output.shardlist import skipped_note
 
 DEBUG_ENV = "BATCHVLM_DEBUG"
 
@@ -35,14 +31,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Label image datasets with vision-language models: shards in, Parquet labels out.")
 
 JOB_ARG = typer.Argument(..., help="The job file (YAML).")
-
-
-def user_errors() -> tuple[type[Exception], ...]:
-    """The failures a user can cause. Imported by the commands that open a model only: status,
-    preview, export, --help and --version start without torch (most of a run's start-up)."""
-    from .models.family import FamilyError, ModelLoadError
-
-    return JobError, SourceError, ModelLoadError, FamilyError, manifest.OutputConflict
 
 
 def _version(value: bool) -> None:
@@ -63,7 +51,7 @@ def _options(
 def fail(message: str, code: int = EXIT_JOB_ERROR) -> None:
     if os.environ.get(DEBUG_ENV) and sys.exc_info()[1] is not None:  # --debug: the failure's traceback too
         traceback.print_exc()
-    typer.echo(f"batchvlm: error: {message}", err=True)
+    typer.echo(error_line(message), err=True)
     raise typer.Exit(code)
 
 
@@ -87,125 +75,55 @@ def run(
 ) -> None:
     """Label every pending shard of JOB_FILE (finished shards are skipped)."""
     job = _load(job_file)  # a job file refused here never waits for torch to import
-    from .data.loader import SharedMemoryFull
-    from .models.family import ModelFetchError
-
     try:
         if dry_run:
-            _plan(job, overwrite)
+            _dry_run(job, overwrite)
             return
         if ray is not None:
-            from .integrations.ray_launch import run_on_ray
+            from .run.ray import run_on_ray
 
-            raise typer.Exit(run_on_ray(job, ray, limit, overwrite))
-        from .dist import LOCAL_RANK_ENV, resolve_rank
-        from .launch import spawn, worker_envs
-        from .run import StopFlag, run_job
+            code = run_on_ray(job, ray, limit, overwrite)
+        else:
+            from .run.launch import run_here
 
-        rank = resolve_rank()
-        envs = worker_envs(job, rank)
-        clear = overwrite or job.output.mode == "overwrite"
-        if envs:  # one worker process per GPU of this node; they start after the clearing
-            from .models.registry import check_tasks
-
-            check_tasks(job.model, job.tasks, job.engine, job.output.constrain)  # a refused job clears nothing
-            if clear:
-                manifest.clear_outputs(Layout(Path(job.output.dir)))
-            raise typer.Exit(spawn(job_file, envs, limit, job.name))
-        if LOCAL_RANK_ENV in os.environ:  # a worker of the above: the launcher cleared already
-            clear = False
-            job = job.model_copy(update={"output": job.output.model_copy(update={"mode": "resume"})})
-        stop = StopFlag()
-        stop.install()
-        summary = run_job(job, limit=limit, overwrite=clear, rank=rank, stop=stop)
+            code = run_here(job_file, job, limit, overwrite)
     except KeyboardInterrupt as e:  # the second Ctrl-C (StopFlag): no summary to wait for
-        left, busy = getattr(e, "unwritten", []), getattr(e, "busy", None)  # run.Interrupted: a third Ctrl-C
-        lost = (f"; {len(left)} finished shard(s) were not written ({', '.join(left[:3])}"
-                f"{', ...' if len(left) > 3 else ''}): the next run labels them again" if left else "")
-        lost += f"; {busy} was being written (kept if that finished)" if busy else ""
-        typer.echo(f"\nbatchvlm: interrupted: the shards written so far are kept, the unfinished ones are "
-                   f"labelled by the next run{lost} (batchvlm status {job_file})", err=True)
+        from .run.stop import interrupted_line
+
+        typer.echo(interrupted_line(e, job_file), err=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
-    except RunLockHeld as e:  # not the job's fault: run again once the other run is gone
-        fail(str(e), EXIT_STOPPED)
-    except ModelFetchError as e:  # the hub, for now
-        fail(str(e), EXIT_FAILED)
-    except user_errors() as e:
-        fail(str(e))
-    except ValueError as e:  # an inconsistent rank environment
-        fail(str(e))
-    except (OutputWriteError, SharedMemoryFull) as e:
-        fail(str(e), EXIT_FAILED)
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EROFS):  # the job record, a stats file: the output again
-            fail(str(write_failure(e, Path(job.output.dir))), EXIT_FAILED)
-        raise
-    typer.echo(summary.line(job.output.dir), err=True)
-    if summary.stopped_by_signal:
-        raise typer.Exit(EXIT_STOPPED)
-    if summary.shards_failed or (summary.shards_damaged and not job.input.allow_damaged):
-        raise typer.Exit(EXIT_FAILED)
-    if summary.no_images:  # as for an empty folder: the input, not the run, is wrong
-        fail(no_images_message(job.input, summary.shards_total))
+    except Exception as e:
+        if (failure := run_failure(e, job.output.dir)) is None:
+            raise  # a bug: main() makes it one line
+        fail(failure[1], failure[0])
+    raise typer.Exit(code)
 
 
-def _check(job: Job, layout: Layout | None = None) -> tuple[Job, ShardList]:
-    """Everything that can be checked before any work starts, loading no weights: inputs,
-    output folder, device, and the model's host side (config and tokenizer; every task's
-    prompt rendered and measured against the context). `layout`: plan against its frozen
-    shard list. -> the job as it runs on this machine (device, dtype), and its shards."""
-    from .device import for_device
+def _dry_run(job: Job, overwrite: bool) -> None:
     from .dist import resolve_rank
-    from .models.registry import check_tasks
+    from .run.preflight import clears, preflight
 
-    out = Path(job.output.dir)
-    if job.input.kind == "parquet":
-        manifest.check_not_input(Layout(out), list_files(job.input))
-    shards = plan(job.input, layout)
-    if unreadable := [s for s in shards if not s.planned]:  # a run would fail these shards
-        field = "input.folder" if job.input.folder else "input.parquet"
-        more = f" (and {len(unreadable) - 1} more)" if len(unreadable) > 1 else ""
-        raise SourceError(f"{field}: cannot read {unreadable[0].url}{more}; a run would fail its shard(s)")
-    check_first_parquet(shards, job.input)
-    check_writable(out)
-    check_apart_from_inputs(out, job.input, [(s.stem, s.url) for s in shards])
-    job = for_device(job, resolve_rank())
-    check_tasks(job.model, job.tasks, job.engine, job.output.constrain)
-    return job, shards
-
-
-def _plan(job: Job, overwrite: bool) -> None:
-    layout = Layout(Path(job.output.dir))
-    if not overwrite:
-        layout.check()
-    job, shards = _check(job, None if overwrite else layout)
-    out = layout.dir
-    if not overwrite and out.is_dir():
-        manifest.check_settings(layout, job.label_fingerprint(), job.label_settings())
-    done = [] if overwrite else [s for s in shards if manifest.is_done(layout, s)]
-    typer.echo(f"job {job.name}: {len(shards)} shard(s), {len(done)} done, {len(shards) - len(done)} to label")
-    typer.echo(f"model {job.model.name} (revision {job.model.revision or 'default'}), "
-               f"{len(job.tasks)} task(s), output {out}")
+    pre = preflight(job, clears(job, overwrite), resolve_rank(), dry=True)
+    done = pre.done()
+    typer.echo(f"job {pre.job.name}: {len(pre.shards)} shard(s), {len(done)} done, {len(pre.shards) - len(done)} "
+               "to label")
+    typer.echo(f"model {pre.job.model.name} (revision {pre.job.model.revision or 'default'}), "
+               f"{len(pre.job.tasks)} task(s), output {pre.layout.dir}")
 
 
 @app.command()
 def validate(job_file: Path = JOB_ARG) -> None:
     """Check JOB_FILE, its inputs and its output folder without loading a model."""
     job = _load(job_file)
+    from .dist import resolve_rank
+    from .run.preflight import clears, preflight
+
     try:
-        layout = Layout(Path(job.output.dir))
-        resume = job.output.mode == "resume" and layout.dir.is_dir()
-        if resume:
-            layout.check()
-        job, shards = _check(job, layout if resume else None)  # the shards a run would have
-        if resume:
-            manifest.check_settings(layout, job.label_fingerprint(), job.label_settings())
-    except user_errors() as e:
+        pre = preflight(job, clears(job, False), resolve_rank(), dry=True)
+    except (*user_errors(), ValueError) as e:  # ValueError: an inconsistent rank environment
         fail(str(e))
-    except ValueError as e:  # an inconsistent rank environment
-        fail(str(e))
-    sizes = [count_samples(s) for s in shards]
-    images = f"{sum(sizes)} image(s), " if None not in sizes else ""
+    job, shards, images = pre.job, pre.shards, pre.images()
+    images = f"{images} image(s), " if images is not None else ""
     skipped = f"; {skipped_note(shards.skipped)}" if shards.skipped else ""
     typer.echo(f"{job_file}: ok ({len(shards)} shard(s), {images}{len(job.tasks)} task(s), {job.model.device}, "
                f"{job.model.dtype}){skipped}")
@@ -226,7 +144,7 @@ def status(
     try:
         job = Output.open(target).job if target.is_dir() else _load(target)
         report = collect(job)
-    except (OutputError, SourceError, manifest.OutputConflict) as e:
+    except (OutputError, SourceError, OutputConflict) as e:
         fail(str(e))
     if as_json:
         typer.echo(json.dumps(report, indent=1))

@@ -12,6 +12,9 @@ Kubernetes podFailurePolicy, Ray's driver):
         ones are written first, unless a third Ctrl-C comes)
 
 Finished shards are kept whatever the code; the next run labels only what is left.
+
+A run's code is decided in one place for every launcher: RunSummary.end (run/summary.py) for a
+run that ended, errors.run_failure for one that failed.
 """
 
 EXIT_OK = 0

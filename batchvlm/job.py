@@ -222,7 +222,7 @@ class Job(Strict):
 
     def label_settings(self) -> dict[str, Any]:
         """Every setting that changes labels (not inputs, not speed knobs). `model.dtype` must
-        be resolved for the device first (run.py): `auto` means different precisions."""
+        be resolved for the device first (device.py, in preflight): `auto` means different precisions."""
         e = self.engine
         return {
             # the weights hash pins the family; a local folder is named by its real path

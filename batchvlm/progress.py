@@ -1,4 +1,4 @@
-"""Progress: a tqdm bar for people, JSON lines for a parent launcher (launch.py).
+"""Progress: a tqdm bar for people, JSON lines for a parent launcher (run/launch.py, run/ray.py).
 
 The bar's total is the images of the pending shards: exact where the container says (Parquet
 row counts, folder listings), else estimated from the shards finished so far (tar shards, in
@@ -17,6 +17,8 @@ from .data.sources import ShardRef, count_samples
 from .output.layout import Layout
 from .output.manifest import read_stats
 
+PROGRESS_ENV = "BATCHVLM_PROGRESS"  # "json": progress as JSON lines on stdout, for the launcher
+
 
 def shard_sizes(layout: Layout, mine: list[ShardRef], pending: list[ShardRef]) -> tuple[list[int | None], list[int]]:
     """(samples of each pending shard where known, samples of this rank's finished shards)."""
@@ -28,7 +30,7 @@ def shard_sizes(layout: Layout, mine: list[ShardRef], pending: list[ShardRef]) -
 class Progress:
     def __init__(self, name: str, total_shards: int,
                  sizes: tuple[list[int | None], list[int]] | None = None, enabled: bool = True):
-        self.json = os.environ.get("BATCHVLM_PROGRESS") == "json"
+        self.json = os.environ.get(PROGRESS_ENV) == "json"
         self.images = self.errors = 0
         self._pending = [0, 0]
         self._last = time.monotonic()

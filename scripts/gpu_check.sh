@@ -135,7 +135,7 @@ setup() {
 import importlib, sys
 need = ["torch", "numpy", "PIL", "pyarrow", "tokenizers", "safetensors", "huggingface_hub", "fsspec", "yaml",
         "tqdm", "typer", "pytest", "webdataset", "braceexpand", "pydantic", "pydantic_core", "annotated_types",
-        "typing_inspection", "transformers", "xgrammar", "batchvlm.run", "batchvlm.engine.engine",
+        "typing_inspection", "transformers", "xgrammar", "batchvlm.run.worker", "batchvlm.engine.engine",
         "batchvlm.attention.fused"]
 missing = []
 for name in need:

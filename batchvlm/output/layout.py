@@ -33,13 +33,17 @@ class OutputConflict(RuntimeError):
     pass
 
 
-def is_old_stats(path: Path) -> bool:
-    """A stats file batchvlm wrote (either layout) names its own shard."""
+def own_stats(path: Path) -> dict | None:
+    """The stats file at `path` if batchvlm wrote it (either layout): it names its own shard."""
     try:
         d = json.loads(path.read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(d, dict) and d.get("shard") == path.name.removesuffix(".stats.json")
+        return None
+    return d if isinstance(d, dict) and d.get("shard") == path.name.removesuffix(".stats.json") else None
+
+
+def is_old_stats(path: Path) -> bool:
+    return own_stats(path) is not None
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..data.sources import NO_IMAGE_KINDS
 from ..job import is_url, model_path
-from .layout import OLD_JOB_FILE, Layout, OutputConflict, is_old_stats
+from .layout import OLD_JOB_FILE, Layout, OutputConflict, is_old_stats, own_stats
 from .writer import atomic_write_bytes, output_stat
 
 if TYPE_CHECKING:
@@ -125,12 +125,8 @@ def written_by_us(path: Path) -> bool:
 
 
 def is_our_stats(path: Path) -> bool:
-    """A stats file batchvlm wrote (a done marker or a failure record) names its own shard."""
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(d, dict) and d.get("shard") == path.name.removesuffix(".stats.json") and "complete" in d
+    """A stats file batchvlm wrote: a done marker or a failure record."""
+    return (d := own_stats(path)) is not None and "complete" in d
 
 
 def clear_outputs(layout: Layout) -> None:

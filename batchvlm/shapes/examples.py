@@ -19,7 +19,6 @@ import io
 import math
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,11 +27,9 @@ from PIL import Image
 from ..models.decoding import INPUT_TOKEN
 from ..models.moondream.grammar import INPUT_COORD, INPUT_SIZE
 from ..models.moondream.preprocess import Preprocessor
+from .settings import TrainSettings
 from .vocab import ID, TEMPLATES
 from .world import COLOURS, COUNT_QUESTION, KINDS, TRAINING, Scene, colour_question, draw_scene
-
-if TYPE_CHECKING:
-    from .train import TrainSettings
 
 CONTINUE_ID = ID["<|coord|>"]  # what the model emits for "another object follows"
 EOS_ID = 0

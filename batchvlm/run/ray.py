@@ -1,8 +1,10 @@
 """`batchvlm run job.yaml --ray ADDRESS`: the ranks of a run as Ray actors across a cluster.
 
 One actor per GPU of the cluster (or, without GPUs, per CPU slot: 1 + loader.workers CPUs),
-each the usual run loop (run.py) as one rank with work stealing over the shared output folder, so
-ranks that start late or run slow simply take fewer shards. An actor that dies is restarted by
+each the usual run loop (worker.py) as one rank with work stealing over the shared output
+folder, so ranks that start late or run slow simply take fewer shards. The first actor checks
+the job before anything starts (preflight, where the ranks run: the driver may have neither
+their GPUs nor their mounts); a refused job clears nothing. An actor that dies is restarted by
 Ray, which retries its run: the new process takes over its predecessor's claims (same host: at
 once; another host: when this launch's ranks have all ended, `release_launch` frees them and one
 more round labels what is left). The driver draws one progress bar and exits with the usual
@@ -23,17 +25,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..data.sources import no_images_message
-from ..output.shardlist import plan
 from ..dist import Rank
+from ..errors import error_line, run_failure
 from ..exits import EXIT_FAILED, EXIT_JOB_ERROR, EXIT_OK, EXIT_STOPPED
 from ..job import Job
-from ..launch import PROGRESS_ENV
-from ..models.family import ModelFetchError
 from ..output import manifest
 from ..output.claims import LAUNCH_ENV, release_launch
 from ..output.layout import Layout
-from ..run import RunSummary, StopFlag, run_job
+from ..output.shardlist import plan
+from ..progress import PROGRESS_ENV
+from .log import log
+from .preflight import clears, preflight
+from .stop import StopFlag
+from .summary import RunSummary
+from .worker import run_job
 
 INSTALL = "pip install 'batchvlm[ray]'"
 MAX_RESTARTS = 3  # per actor: a rank that keeps dying (the same poison input) ends the run with 1
@@ -42,7 +47,7 @@ POLL_S = 0.5
 
 
 class _ProgressTap:
-    """The actor's stdout: counts the run loop's JSON progress lines (launch.py's protocol),
+    """The actor's stdout: counts the run loop's JSON progress lines (progress.py's protocol),
     passes anything else through."""
 
     def __init__(self, through):
@@ -83,19 +88,21 @@ class RankWorker:
     def request_stop(self) -> None:
         self.stop.event.set()
 
+    def check(self, clear: bool) -> None:
+        preflight(self.job, clear, self.rank)
+
     def clear(self) -> None:
         manifest.clear_outputs(Layout(Path(self.job.output.dir)))
 
     def run(self, limit: int | None, launch: str) -> dict[str, Any]:
-        from ..cli import user_errors  # the CLI's list of the errors a user can cause (cli imports this module)
-
         os.environ[LAUNCH_ENV] = launch  # in this rank's claims
         try:
             summary = run_job(self.job, limit=limit, rank=self.rank, progress=True, stop=self.stop)
-        except ModelFetchError as e:
-            return {"error": str(e), "code": EXIT_FAILED}
-        except user_errors() as e:
-            return {"error": str(e), "code": EXIT_JOB_ERROR}
+        except Exception as e:
+            if (failure := run_failure(e, self.job.output.dir)) is None:
+                raise  # a bug: Ray carries it to the driver
+            code, message = failure
+            return {"error": message, "code": code}
         return {"summary": summary, "who": self.progress()}
 
     def shards(self, ended: str | None = None) -> tuple[list[str], list[str], list[str]]:
@@ -131,10 +138,6 @@ class _Bar:
         return restarted
 
 
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def _slots(ray, job: Job) -> tuple[int, dict[str, float]]:
     """(actors, resources of each): a GPU each where the cluster has GPUs and the job may use them."""
     free = ray.available_resources()
@@ -146,38 +149,39 @@ def _slots(ray, job: Job) -> tuple[int, dict[str, float]]:
 
 
 def run_on_ray(job: Job, address: str, limit: int | None, overwrite: bool) -> int:
+    """-> the launch's exit code (exits.py)."""
     try:
         import ray
         from ray.exceptions import RayActorError, RayError
     except ImportError:
-        _log(f"batchvlm: error: --ray: Ray is not installed; {INSTALL}")
+        log(error_line(f"--ray: Ray is not installed; {INSTALL}"))
         return EXIT_JOB_ERROR
     t0 = time.time()
     try:
         ray.init(address=address, logging_level="WARNING", log_to_driver=True,
                  runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k == "BATCHVLM_DEBUG"}})
     except (ConnectionError, ValueError, RuntimeError) as e:
-        _log(f"batchvlm: error: --ray {address}: cannot reach a Ray cluster: {str(e).strip().splitlines()[0]}")
+        log(error_line(f"--ray {address}: cannot reach a Ray cluster: {str(e).strip().splitlines()[0]}"))
         return EXIT_FAILED
     try:
         world, resources = _slots(ray, job)
-        clear = overwrite or job.output.mode == "overwrite"
+        clear = clears(job, overwrite)
         job = job.model_copy(update={"runtime": job.runtime.model_copy(update={"work_stealing": True}),
                                      "output": job.output.model_copy(update={"mode": "resume"})})
         actor = ray.remote(max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS, max_concurrency=3,
                            **resources)(RankWorker)
         actors = [actor.remote(job, r, world) for r in range(world)]
+        _get(ray, actors[0].check.remote(clear))  # a refused job: its one line, from the CLI
         if clear:  # once, before any rank starts (a rank must not clear another's work)
             ray.get(actors[0].clear.remote())
         each = ", ".join(f"{n:g} {k.removeprefix('num_').upper()}" for k, n in resources.items())
-        _log(f"batchvlm: ray: {world} rank(s) of {each} on {len(ray.nodes())} node(s)")
+        log(f"batchvlm: ray: {world} rank(s) of {each} on {len(ray.nodes())} node(s)")
         return _drive(ray, (RayActorError, RayError), job, actors, limit, t0)
     finally:
         ray.shutdown()
 
 
 def _drive(ray, errors: tuple[type[Exception], ...], job: Job, actors: list, limit: int | None, t0: float) -> int:
-    actor_error, ray_error = errors
     world = len(actors)
     stop = {"asked": False}
 
@@ -201,37 +205,7 @@ def _drive(ray, errors: tuple[type[Exception], ...], job: Job, actors: list, lim
             launch = f"{base}-{round_}"
             shares = [max(1, limit // world + (i < limit % world)) if limit else None for i in range(world)]
             runs = {a.run.remote(shares[i], launch): i for i, a in enumerate(actors[:busy])}
-            results: dict[int, dict[str, Any]] = {}
-            polls: dict[Any, int] = {}  # progress calls in flight (one per rank; a dead rank's waits for its restart)
-            while runs:
-                if stop["asked"]:  # again on every pass: a rank Ray restarted since starts unstopped
-                    for a in actors:
-                        a.request_stop.remote()
-                ready, _ = ray.wait(list(runs), num_returns=len(runs), timeout=POLL_S)
-                for ref in ready:
-                    i = runs.pop(ref)
-                    try:
-                        results[i] = ray.get(ref)
-                        if "who" in results[i]:  # its last counts: a poll may have come before them
-                            bar.update(i, *results[i]["who"])
-                    except actor_error as e:  # restarted MAX_RESTARTS times and died again
-                        results[i] = {"error": f"rank {i} died ({type(e).__name__}) and was restarted "
-                                               f"{MAX_RESTARTS} times", "code": EXIT_FAILED}
-                    except ray_error as e:  # a bug in the rank: one line, like the CLI
-                        first = str(e).strip().splitlines()
-                        results[i] = {"error": f"rank {i}: {first[-1] if first else type(e).__name__}",
-                                      "code": EXIT_FAILED}
-                polled = set(polls.values())
-                polls |= {a.progress.remote(): i for i, a in enumerate(actors) if i in runs.values() and i not in polled}
-                done, _ = ray.wait(list(polls), num_returns=len(polls), timeout=POLL_S) if polls else ([], [])
-                for ref in done:
-                    i = polls.pop(ref)
-                    try:
-                        who, images, errs = ray.get(ref)
-                    except ray_error:
-                        continue  # died for good: its run's result says so
-                    if bar.update(i, who, images, errs):
-                        _log(f"batchvlm: ray: rank {i} was restarted by Ray ({who}); it resumes its shards")
+            results = _wait(ray, errors, actors, runs, stop, bar)
             code = _merge(results, total, code)
             if code != EXIT_OK or total.stopped_by_signal or limit is not None:
                 break
@@ -241,29 +215,59 @@ def _drive(ray, errors: tuple[type[Exception], ...], job: Job, actors: list, lim
             if not left:
                 break
             if not freed or round_ == MAX_ROUNDS - 1:
-                _log(f"batchvlm: ray: {len(left)} shard(s) are not done and held by another run "
-                     f"({', '.join(left[:3])}); run again once it ends")
+                log(f"batchvlm: ray: {len(left)} shard(s) are not done and held by another run "
+                    f"({', '.join(left[:3])}); run again once it ends")
                 code = EXIT_STOPPED  # nothing failed: as when another run holds a rank's lock
                 break
-            _log(f"batchvlm: ray: {len(freed)} shard(s) were held by ranks that died on another node; "
-                 "one more round labels them")
+            log(f"batchvlm: ray: {len(freed)} shard(s) were held by ranks that died on another node; "
+                "one more round labels them")
             busy = min(world, len(freed))
     finally:
         bar.bar.close()
         for s, h in previous.items():
             signal.signal(s, h)
     total.seconds = time.time() - t0
-    _log(total.line(job.output.dir))
-    if code != EXIT_OK:
-        return code
-    if total.stopped_by_signal:
-        return EXIT_STOPPED
-    if total.shards_failed or (total.shards_damaged and not job.input.allow_damaged):
-        return EXIT_FAILED
-    if total.no_images:
-        _log(f"batchvlm: error: {no_images_message(job.input, total.shards_total)}")
-        return EXIT_JOB_ERROR
-    return EXIT_OK
+    verdict = total.end(job)  # the summary line, always
+    return code if code != EXIT_OK else verdict
+
+
+def _wait(ray, errors: tuple[type[Exception], ...], actors: list, runs: dict[Any, int], stop: dict[str, bool],
+          bar: _Bar) -> dict[int, dict[str, Any]]:
+    """Wait for one round's runs (`runs`: each call -> its rank), drawing the ranks' progress and
+    passing on a stop; -> each rank's result."""
+    actor_error, ray_error = errors
+    results: dict[int, dict[str, Any]] = {}
+    polls: dict[Any, int] = {}  # progress calls in flight (one per rank; a dead rank's waits for its restart)
+    while runs:
+        if stop["asked"]:  # again on every pass: a rank Ray restarted since starts unstopped
+            for a in actors:
+                a.request_stop.remote()
+        ready, _ = ray.wait(list(runs), num_returns=len(runs), timeout=POLL_S)
+        for ref in ready:
+            i = runs.pop(ref)
+            try:
+                results[i] = ray.get(ref)
+                if "who" in results[i]:  # its last counts: a poll may have come before them
+                    bar.update(i, *results[i]["who"])
+            except actor_error as e:  # restarted MAX_RESTARTS times and died again
+                results[i] = {"error": f"rank {i} died ({type(e).__name__}) and was restarted "
+                                       f"{MAX_RESTARTS} times", "code": EXIT_FAILED}
+            except ray_error as e:  # a bug in the rank: one line, like the CLI
+                first = str(e).strip().splitlines()
+                results[i] = {"error": f"rank {i}: {first[-1] if first else type(e).__name__}",
+                              "code": EXIT_FAILED}
+        polled = set(polls.values())
+        polls |= {a.progress.remote(): i for i, a in enumerate(actors) if i in runs.values() and i not in polled}
+        done, _ = ray.wait(list(polls), num_returns=len(polls), timeout=POLL_S) if polls else ([], [])
+        for ref in done:
+            i = polls.pop(ref)
+            try:
+                who, images, errs = ray.get(ref)
+            except ray_error:
+                continue  # died for good: its run's result says so
+            if bar.update(i, who, images, errs):
+                log(f"batchvlm: ray: rank {i} was restarted by Ray ({who}); it resumes its shards")
+    return results
 
 
 def _get(ray, ref) -> Any:
@@ -276,24 +280,13 @@ def _get(ray, ref) -> Any:
         raise (e.cause if isinstance(e.cause, Exception) else e) from None
 
 
-def _merge(results: dict[int, dict[str, Any]], total, code: int) -> int:
+def _merge(results: dict[int, dict[str, Any]], total: RunSummary, code: int) -> int:
     """Add one round's rank results to `total`; -> the exit code so far (an error's, the worst)."""
     for message in dict.fromkeys(r["error"] for r in results.values() if "error" in r):  # all ranks, one line
-        _log(f"batchvlm: error: {message}")
+        log(error_line(message))
     for i in sorted(results):
-        r = results[i]
-        if "error" in r:
-            code = max(code, r["code"])
-            continue
-        s = r["summary"]
-        total.shards_total = max(total.shards_total, s.shards_total)
-        total.shards_written += [w for w in s.shards_written if w not in total.shards_written]
-        total.shards_partial += s.shards_partial
-        total.shards_failed += [f for f in s.shards_failed if f not in total.shards_failed]
-        total.shards_damaged = sorted(set(total.shards_damaged) | set(s.shards_damaged))
-        total.shards_no_images += [w for w in s.shards_no_images if w not in total.shards_no_images]
-        total.no_images |= s.no_images  # the rank that saw every shard done, none holding an image
-        total.images += s.images
-        total.errors += s.errors
-        total.stopped_by_signal |= s.stopped_by_signal
+        if "error" in results[i]:
+            code = max(code, results[i]["code"])
+        else:
+            total.add(results[i]["summary"])
     return code

@@ -1,4 +1,5 @@
-"""`batchvlm run` on a multi-GPU node: one worker process per GPU, one progress bar.
+"""`batchvlm run` on one node: this process is the one worker, or it starts one worker process per
+GPU (or `runtime.workers_per_node` on a CPU) and draws one progress bar.
 
 Workers are plain `batchvlm run` processes with BATCHVLM_LOCAL_RANK / _WORLD set (dist.py) and
 CUDA_VISIBLE_DEVICES narrowed to their GPU. They report progress as JSON lines on stdout;
@@ -17,11 +18,32 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .dist import LOCAL_RANK_ENV, LOCAL_WORLD_ENV, Rank
-from .exits import EXIT_STOPPED
-from .job import Job
+from ..dist import LOCAL_RANK_ENV, LOCAL_WORLD_ENV, Rank, resolve_rank
+from ..exits import EXIT_STOPPED
+from ..job import Job
+from ..output import manifest
+from ..progress import PROGRESS_ENV
+from .preflight import clears, preflight
+from .stop import StopFlag
+from .worker import run_job
 
-PROGRESS_ENV = "BATCHVLM_PROGRESS"
+
+def run_here(job_file: Path, job: Job, limit: int | None, overwrite: bool) -> int:
+    """Run `job` on this node; -> the exit code (exits.py)."""
+    rank = resolve_rank()
+    envs = worker_envs(job, rank)
+    clear = clears(job, overwrite)
+    if envs:  # one worker process per GPU of this node; they start after the clearing
+        pre = preflight(job, clear, rank)  # a refused job clears nothing
+        if clear:
+            manifest.clear_outputs(pre.layout)
+        return spawn(job_file, envs, limit, job.name)
+    if LOCAL_RANK_ENV in os.environ:  # a worker of the above: the launcher cleared already
+        clear = False
+        job = job.model_copy(update={"output": job.output.model_copy(update={"mode": "resume"})})
+    stop = StopFlag()
+    stop.install()
+    return run_job(job, limit=limit, overwrite=clear, rank=rank, stop=stop).end(job)
 
 
 def worker_envs(job: Job, rank: Rank) -> list[dict[str, str]]:

@@ -1,0 +1,215 @@
+"""One pass over the loader's stream: the rows of each image gathered by shard, each complete
+shard handed to the writer (ShardAssembly: its rows and its stats, the done marker)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from .. import __version__
+from ..data.loader import Sample, ShardEnd
+from ..data.sources import ShardRef, shown
+from ..job import Job
+from ..models.family import PARSE_FAILURES, Family, TaskSequence, WorkItem
+from ..output import manifest
+from ..output.claims import Claims
+from ..output.layout import Layout
+from ..output.rows import error_kind
+from ..output.writer import ShardOutput, WriterThread
+from ..progress import Progress
+from .log import log
+from .stop import Interrupted, StopFlag
+from .summary import RunSummary
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class ShardAssembly:
+    ref: ShardRef
+    started: float = field(default_factory=time.time)
+    rows: dict[int, dict[str, Any]] = field(default_factory=dict)
+    expected: int | None = None  # known once the loader has read the whole shard
+    damaged: str | None = None
+    failed: str | None = None
+    skipped: dict[str, int] | None = None  # a tar's members that are no sample's: reason -> count
+
+    @property
+    def complete(self) -> bool:
+        return self.expected is not None and len(self.rows) == self.expected
+
+    def output(self, complete: bool) -> ShardOutput:
+        rows = [self.rows[i] for i in sorted(self.rows)]
+        errors = Counter(error_kind(r["error"]) for r in rows if r["error"])
+        seconds = time.time() - self.started
+        stats = {"shard": self.ref.stem, "source": self.ref.url, "input": manifest.input_stat(self.ref),
+                 "complete": complete, "rows": len(rows),
+                 "ok": len(rows) - sum(errors.values()), "errors": sum(errors.values()),
+                 "error_kinds": dict(errors), "parse_failures": sum(r.get(PARSE_FAILURES, 0) for r in rows),
+                 "damaged": self.damaged, "skipped": self.skipped or {}, "seconds": round(seconds, 3),
+                 "images_per_s": round(len(rows) / seconds, 2) if seconds > 0 else None,
+                 "finished": now(), "batchvlm": __version__}
+        return ShardOutput(self.ref.stem, rows, stats)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What the row of a sample in the engine needs, without its pixels (the engine drops those
+    once the image is encoded): identity, size, kept input fields, the size the model saw."""
+
+    shard: int
+    index: int
+    key: str
+    width: int
+    height: int
+    meta: dict[str, Any] | None
+    seen: tuple[int, int] | None  # Prepared.seen: the family's columns read it
+
+    @classmethod
+    def of(cls, s: Sample) -> Ticket:
+        return cls(s.shard, s.index, s.key, s.width, s.height, s.meta, s.prepared.seen)
+
+
+def row_for(ref: ShardRef, s: Sample | Ticket, columns: dict[str, Any] | None, error: str | None) -> dict[str, Any]:
+    row = {"key": s.key, "source": shown(ref.url), "width": s.width or None, "height": s.height or None,
+           "status": "error" if error else "ok", "error": error}
+    return row | (columns or {}) | (s.meta or {})
+
+
+class Labelling:
+    """One pass over the loader's stream: rows gathered by shard, each complete shard handed to
+    the writer. The summary counts the rows of shards handed over (complete, or partial under
+    --limit) as images, those labelled in shards a stop or a failure left unfinished as dropped:
+    together they are what the progress bar counted."""
+
+    def __init__(self, layout: Layout, pending: list[ShardRef], summary: RunSummary, writer: WriterThread,
+                 bar: Progress, claims: Claims | None, stop: StopFlag, limit: int | None):
+        self.layout, self.summary, self.writer, self.bar = layout, summary, writer, bar
+        self.claims, self.stop, self.limit = claims, stop, limit
+        self.assemblies = {i: ShardAssembly(ref) for i, ref in enumerate(pending)}
+        self.claimed: set[str] = set()  # stems this rank holds claims on (work stealing)
+        self.beat_stop = threading.Event()
+        self.taken = 0
+        self.abandoned = False  # a third Ctrl-C: the finished shards not written yet are left
+
+    def run(self, stream, labeler, family: Family, job: Job, seqs: list[TaskSequence]) -> None:
+        if self.claims:
+            self.claims.keep_alive(self.claimed, self.beat_stop)
+        try:
+            self.label(stream, labeler, family, job, seqs)
+            self.writer.close()  # the last shards are written (a second Ctrl-C may come meanwhile)
+        except KeyboardInterrupt:
+            raise self.interrupted() from None
+        finally:
+            self.close()
+        self.summary.shards_written = [s for s in self.writer.written if s not in self.summary.shards_partial]
+
+    def label(self, stream, labeler, family: Family, job: Job, seqs: list[TaskSequence]) -> None:
+        for ticket, raws in labeler.label(self.items(stream)):
+            columns = family.columns(job.tasks, seqs, raws, ticket.seen)
+            self.add_row(ticket.shard, ticket.index, row_for(self.assemblies[ticket.shard].ref, ticket, columns, None))
+        if self.limit is not None and not self.stop.event.is_set():
+            # --limit: keep what was labelled, marked incomplete so the next run redoes it whole.
+            for i, a in list(self.assemblies.items()):
+                if a.rows and not a.failed:
+                    self.hand_over(i, complete=False)
+                    self.summary.shards_partial.append(a.ref.stem)
+        self.summary.dropped = sum(len(a.rows) for a in self.assemblies.values())
+
+    def interrupted(self) -> Interrupted:
+        """The second Ctrl-C: the shards whose rows are all in are written before the run ends (a
+        few atomic writes), those the writer holds and any not handed over yet; a third Ctrl-C
+        leaves them. -> the exception that names those left unwritten."""
+        finished = [a for a in self.assemblies.values() if a.complete and not self.writer.holds(a.ref.stem)]
+        waiting = self.writer.unwritten + [a.ref.stem for a in finished]
+        try:
+            if waiting:
+                log(f"\nbatchvlm: interrupted: writing {len(waiting)} finished shard(s) first ({', '.join(waiting[:3])}"
+                    f"{', ...' if len(waiting) > 3 else ''}); Ctrl-C again leaves them")
+            for a in finished:
+                self.writer.put(a.output(complete=True))
+            self.writer.close()
+        except KeyboardInterrupt:
+            self.abandoned = True
+            busy = self.writer.abandon()
+            return Interrupted([s for s in waiting if s not in self.writer.written and s != busy], busy)
+        return Interrupted([], None)
+
+    def close(self) -> None:
+        try:
+            if not self.abandoned:
+                self.writer.close()
+        finally:  # the bar's last line is the true final state, also after a failed write
+            self.bar.close(len(self.writer.written) - len(self.summary.shards_partial))
+            self.beat_stop.set()
+            if self.claims:
+                for stem in self.claimed - set(self.writer.written):
+                    self.claims.release(stem)
+
+    def hand_over(self, i: int, complete: bool) -> ShardOutput:
+        """Shard `i` to the writer; what stays in `assemblies` is never written (but by interrupted())."""
+        a = self.assemblies[i]
+        out = a.output(complete=complete)
+        self.summary.images += out.stats["rows"]
+        self.summary.errors += out.stats["errors"]
+        self.summary.found += manifest.images_in(out.stats)
+        if complete:
+            self.summary.skipped.update(out.stats["skipped"])
+        self.writer.put(out)  # a second Ctrl-C in its wait: the writer holds the shard already
+        del self.assemblies[i]
+        return out
+
+    def finish(self, i: int) -> None:
+        a = self.assemblies[i]
+        if a.damaged:
+            log(f"batchvlm: shard {a.ref.stem} is damaged ({a.damaged}); {len(a.rows)} sample(s) kept")
+            self.summary.shards_damaged.append(manifest.damaged_note(a.ref.stem, len(a.rows)))
+        self.bar.shard_size(i, len(a.rows))
+        if not manifest.images_in(self.hand_over(i, complete=True).stats) and not a.damaged:
+            self.summary.shards_no_images.append(a.ref.stem)
+
+    def add_row(self, i: int, index: int, row: dict[str, Any]) -> None:
+        a = self.assemblies[i]
+        a.rows[index] = row
+        self.bar.add(row["status"] == "error", len(self.writer.written))
+        if a.complete:
+            self.finish(i)
+
+    def shard_end(self, item: ShardEnd) -> None:
+        a = self.assemblies[item.shard]
+        a.expected, a.damaged, a.failed, a.skipped = item.n_samples, item.damaged, item.failed, item.skipped
+        if a.failed:  # recorded (not done) so `status` shows it; the next run retries it
+            self.bar.shard_size(item.shard, len(a.rows))
+            log(f"batchvlm: shard {a.ref.stem} failed: {a.failed}")
+            self.summary.shards_failed.append(a.ref.stem)
+            manifest.record_failure(self.layout, a.ref, a.failed)
+            a.expected = None
+        elif a.complete:
+            self.finish(item.shard)
+
+    def items(self, stream) -> Iterator[WorkItem]:
+        """The images to label; error samples and shard ends are taken care of on the way."""
+        try:
+            for item in stream:
+                if self.claims:
+                    self.claimed.add(self.assemblies[item.shard].ref.stem)
+                if isinstance(item, ShardEnd):
+                    self.shard_end(item)
+                    continue
+                if (self.limit is not None and self.taken >= self.limit) or self.stop.event.is_set():
+                    return
+                self.taken += 1
+                if item.error is not None:
+                    self.add_row(item.shard, item.index, row_for(self.assemblies[item.shard].ref, item, None, item.error))
+                else:
+                    yield WorkItem(Ticket.of(item), item.prepared, item.key)
+        except Exception:
+            if not self.stop.event.is_set():  # loader workers dying during a shutdown is expected
+                raise

@@ -1,0 +1,75 @@
+"""The one check before a run: `validate`, `run --dry-run`, `run` (each worker) and the launchers
+(local workers, Ray) all call `preflight`, so what validate accepts a run can do.
+
+Run by the process that will run the job (a worker, a launcher on its node, the first Ray actor),
+so the device is the one it will use. Nothing is loaded but the model's host side (config and tokenizer: every task's prompt rendered
+and measured against the context), and nothing is written: a refused job leaves no folder behind
+and clears nothing. In order: the output folder's layout, the inputs (listed; the first Parquet
+file's image column), where the output folder is (a folder, writable, apart from the inputs), the
+device, the tasks, and, for a folder labelled before, that the label-affecting settings match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..data.sources import SourceError, check_first_parquet, count_samples, list_files
+from ..dist import Rank
+from ..job import Job
+from ..output import manifest
+from ..output.layout import Layout
+from ..output.placement import check_apart_from_inputs, check_writable
+from ..output.shardlist import ShardList, plan
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """A job that passed: as it runs on this machine, with the shards a run would have."""
+
+    job: Job  # model.device and model.dtype concrete
+    layout: Layout
+    shards: ShardList  # the frozen list plus what is new (nothing written back)
+    clear: bool  # the run starts over (--overwrite, output.mode: overwrite)
+
+    def done(self) -> list:
+        """The shards a run would skip."""
+        return [] if self.clear else [s for s in self.shards if manifest.is_done(self.layout, s)]
+
+    def images(self) -> int | None:
+        """Images in all shards; None where a container does not say (tar)."""
+        sizes = [count_samples(s) for s in self.shards]
+        return None if None in sizes else sum(sizes)
+
+
+def clears(job: Job, overwrite: bool) -> bool:
+    """Whether a run starts over: `--overwrite`, or `output.mode: overwrite`."""
+    return overwrite or job.output.mode == "overwrite"
+
+
+def preflight(job: Job, clear: bool, rank: Rank, dry: bool = False) -> Preflight:
+    """Everything that can be checked before any work starts; `rank`: this process's, for the
+    device. `dry` (validate, --dry-run) also refuses shards that cannot be read, which a run
+    would fail one by one."""
+    from ..device import for_device
+    from ..models.registry import check_tasks
+
+    layout = Layout(Path(job.output.dir))
+    resume = not clear and layout.dir.is_dir()  # labels there count (a file there is refused below)
+    if resume:
+        layout.check()  # a folder of the first layout is refused before any of its files is touched
+    if job.input.kind == "parquet":
+        manifest.check_not_input(layout, list_files(job.input))
+    shards = plan(job.input, layout if resume else None)
+    if dry and (unreadable := [s for s in shards if not s.planned]):
+        field = "input.folder" if job.input.folder else "input.parquet"
+        more = f" (and {len(unreadable) - 1} more)" if len(unreadable) > 1 else ""
+        raise SourceError(f"{field}: cannot read {unreadable[0].url}{more}; a run would fail its shard(s)")
+    check_first_parquet(shards, job.input)  # a wrong image column is refused before the model loads
+    check_writable(layout.dir)
+    check_apart_from_inputs(layout.dir, job.input, [(s.stem, s.url) for s in shards])
+    job = for_device(job, rank)  # dtype resolved before any settings are compared
+    check_tasks(job.model, job.tasks, job.engine, job.output.constrain)
+    if resume:
+        manifest.check_settings(layout, job.label_fingerprint(), job.label_settings())
+    return Preflight(job, layout, shards, clear)

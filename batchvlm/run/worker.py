@@ -1,0 +1,197 @@
+"""The run loop of one rank: its pending shards -> loader -> engine -> one Parquet per shard.
+
+    run_job(job) ─ preflight ─ lock ─ clear / sweep ─ take mine ─ skip done ─ start loader ─ load model ─┐
+                                               freeze the shard list once nothing refuses ◀┘
+                                                                                   ▼
+      loader (Sample | ShardEnd) ──▶ items() ──▶ labeler.label() ──▶ results
+             error rows, shard ends ─────────────────────────────┐     │
+                                                                 ▼     ▼
+                                                    ShardAssembly (rows by shard, labelling.py)
+                                                                 │ complete shard
+                                                                 ▼
+                                                    WriterThread (tmp -> rename -> stats)
+
+A stop request (SIGTERM / SIGUSR1 / SIGINT, e.g. preemption) stops taking images; images in
+flight are finished, completed shards are written, and unfinished shards are dropped whole
+(never written, never marked done) for the next run. A second SIGINT ends the run at once, once
+the shards whose rows are all in are written (Labelling.interrupted).
+
+A run that is refused (other settings, other weights) changes nothing in the folder: the shard
+list is frozen only after the weights were checked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from functools import partial
+
+from .. import __version__
+from ..data.loader import Stealing, load
+from ..data.sources import ShardRef, keep_fields
+from ..dist import Rank, my_shards
+from ..engine.engine import EngineLabeler
+from ..job import Job
+from ..models import registry
+from ..models.family import EngineModel, Family, StaticModel, TaskSequence
+from ..output import manifest
+from ..output.claims import Claims
+from ..output.layout import Layout
+from ..output.lock import RunLock
+from ..output.shardlist import ShardList, plan
+from ..output.writer import WriterThread, schema
+from ..progress import Progress, shard_sizes
+from .labelling import Labelling, now
+from .log import log
+from .preflight import Preflight, clears, preflight
+from .stop import StopFlag
+from .summary import RunSummary
+
+
+def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: Rank | None = None,
+            progress: bool = True, stop: StopFlag | None = None) -> RunSummary:
+    t0 = time.time()
+    rank = rank or Rank(0, 1, 0)
+    pre = preflight(job, clears(job, overwrite), rank)  # a refused job writes nothing
+    if pre.clear and rank.world > 1:
+        raise manifest.OutputConflict("--overwrite with several ranks would let one rank delete another's "
+                                      "output; clear the output folder once before launching")
+    created_dir = not pre.layout.dir.exists()
+    lock = None if job.runtime.work_stealing else RunLock(pre.layout, rank.rank, rank.world)
+    if lock:
+        lock.acquire()  # in __batchvlm__/; before anything is cleared or labelled; released when the process ends
+    try:
+        return _run(pre, limit, rank, progress, stop or StopFlag(), t0)
+    except Exception:
+        if lock:
+            lock.release()
+        pre.layout.remove_if_unused(created_dir)  # a refused run leaves no folder behind
+        raise
+    finally:
+        if lock:
+            lock.release()
+
+
+def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: StopFlag, t0: float) -> RunSummary:
+    job, layout, shards = pre.job, pre.layout, pre.shards
+    _open_folder(layout, pre.clear)
+    claims = Claims(layout.meta) if job.runtime.work_stealing else None
+    mine = shards if claims else my_shards(shards, rank)  # with claims every rank may take any shard
+    summary = RunSummary(len(shards), 0, skipped=Counter(shards.skipped))
+    pending = _skip_done(layout, mine, summary)
+    if not pending:
+        plan(job.input, layout, freeze=True)
+        summary.no_images = _no_images(layout, shards, summary)
+        summary.seconds = time.time() - t0
+        return summary
+
+    family = registry.open_family(job.model)
+    seqs = family.sequences(job.tasks, job.engine, job.output.constrain)
+    stealing = (Stealing(partial(claims.take_pending, layout), offset=rank.rank * max(1, len(shards) // rank.world))
+                if claims else None)
+    stream = load(pending, job.input, job.loader, family.preprocessor(), stealing)  # workers decode while the model loads
+    try:
+        t_load = time.time()
+        model = family.load(job.model.dtype, job.model.device)
+        t_load = time.time() - t_load
+        manifest.check_weights(layout, model.info.weights_sha256)
+        _freeze(job, layout, pending)  # nothing refuses the run from here on
+        writer = _start_output(job, layout, rank, model, shards, claims)
+        t_engine = time.time()
+        labeler, how = _labeler(family, model, seqs, job)
+        info = model.info
+        log(f"batchvlm: rank {rank.rank}/{rank.world}: {len(pending)} shard(s) to label; model {info.name} "
+            f"({info.family}, {info.backend}, {info.dtype}, {info.device}) loaded in {t_load:.1f} s; labeler ready in "
+            f"{time.time() - t_engine:.1f} s ({how}, {len(seqs)} sequences per image)")
+        # with work stealing this rank's share is not known in advance: no total
+        bar = Progress(job.name, len(pending), None if claims else shard_sizes(layout, mine, pending), enabled=progress)
+        labelling = Labelling(layout, pending, summary, writer, bar, claims, stop, limit)
+        labelling.run(stream, labeler, family, job, seqs)
+        if isinstance(labeler, EngineLabeler):
+            log(f"batchvlm: rank {rank.rank}/{rank.world}: engine: {labeler.engine.summary()}")
+        if claims and not stop.event.is_set() and limit is None:
+            _report_held(layout, pending, writer.written, summary, claims)
+        summary.stopped_by_signal = stop.event.is_set()
+        summary.no_images = _no_images(layout, shards, summary)
+        summary.seconds = time.time() - t0
+        return summary
+    finally:
+        stream.close()  # on every way out: the workers ignore SIGTERM, so exit would wait on them
+
+
+def _open_folder(layout: Layout, clear: bool) -> None:
+    """Under this rank's lock: clear the folder (overwrite), or sweep what dead writers left."""
+    if clear:
+        manifest.clear_outputs(layout)
+    layout.meta.mkdir(parents=True, exist_ok=True)
+    manifest.sweep_temporaries(layout)
+
+
+def _skip_done(layout: Layout, mine: list[ShardRef], summary: RunSummary) -> list[ShardRef]:
+    """-> the shards of `mine` still to label; the done ones are counted (damaged ones noted)."""
+    pending = []
+    for s in mine:
+        if (stats := manifest.done_stats(layout, s)) is None:
+            pending.append(s)
+            continue
+        summary.shards_done_before += 1
+        summary.found += manifest.images_in(stats)
+        summary.skipped.update(stats.get("skipped") or {})
+        if stats.get("damaged"):  # reported by every run until the input is replaced
+            summary.shards_damaged.append(manifest.damaged_note(s.stem, stats.get("rows", 0)))
+    return pending
+
+
+def _no_images(layout: Layout, shards: list[ShardRef], summary: RunSummary) -> bool:
+    """Every shard of the job is done and none holds an image. Read from the done markers (other
+    ranks' shards too) only where this rank's hold none."""
+    return summary.found == 0 and all((stats := manifest.done_stats(layout, s)) is not None
+                                      and manifest.images_in(stats) == 0 for s in shards)
+
+
+def _freeze(job: Job, layout: Layout, pending: list[ShardRef]) -> None:
+    """Write the shard list back. Another rank may have extended it meanwhile (new images
+    appear last, which leaves every planned shard as it was); a shard this run is labelling
+    that the list now holds differently means the input changed under the launch."""
+    frozen = {s.stem: s for s in plan(job.input, layout, freeze=True)}
+    if changed := [s.stem for s in pending if s.planned and s.stem in frozen and not s.same_images(frozen[s.stem])]:
+        raise manifest.OutputConflict(f"input: shard {changed[0]} changed while this run started (another rank "
+                                      "planned it differently); run again")
+
+
+def _start_output(job: Job, layout: Layout, rank: Rank, model: EngineModel | StaticModel, shards: ShardList,
+                  claims: Claims | None) -> WriterThread:
+    """The job record (rank 0, or whoever comes first) and the writer of finished shards."""
+    info = model.info
+    meta = {"batchvlm": __version__, "job": job.name, "model": info.to_dict(),
+            "tasks": [t.model_dump() for t in job.tasks], "engine": job.engine.model_dump(), "started": now()}
+    if rank.rank == 0 or not layout.job_file.exists():
+        manifest.write_job_record(layout, meta | {"label_fingerprint": job.label_fingerprint(),
+                                                   "label_settings": job.label_settings(),
+                                                   "job_spec": job.model_dump(), "world_size": rank.world,
+                                                   "skipped_files": shards.skipped})
+    return WriterThread(layout, schema(job.tasks, meta, keep_fields(job.input, shards), job.output.raw_text),
+                        job.output.compression, on_written=claims.release if claims else None)
+
+
+def _labeler(family: Family, model: EngineModel | StaticModel, seqs: list[TaskSequence], job: Job):
+    """-> (the labeler, how it batches, for the log)."""
+    if isinstance(model, StaticModel):
+        return model.labeler(seqs, job.engine), "static batches"
+    labeler = EngineLabeler(model, seqs, job.engine, family.max_prefix_len(), log)
+    e = labeler.engine
+    return labeler, (f"batch {e.settings.max_batch_size}, {e.stats['kv_blocks']} KV blocks of {job.engine.block_size}, "
+                     f"{e.stats['rows']} rows, {'pipelined' if e.pipelined else 'synchronous'}"
+                     + (f", CUDA graphs captured in {e.stats['graph_capture_s']:.1f} s" if e.runner.graphs else "")
+                     + (f", flex_attention compiled {e.stats['compiled_shapes']} shapes in {e.stats['compile_s']:.1f} s"
+                        if e.stats["compiled_shapes"] else ""))
+
+
+def _report_held(layout: Layout, pending: list[ShardRef], written: list[str], summary: RunSummary,
+                 claims: Claims) -> None:
+    held = [s.stem for s in pending if s.stem not in written and not manifest.is_done(layout, s)
+            and s.stem not in summary.shards_failed]
+    if held:
+        log(f"batchvlm: {len(held)} shard(s) are still claimed by other ranks ({', '.join(held[:3])}): they "
+            f"finish them, or, if a rank on another host died, its claims expire after "
+            f"{claims.lease_s:.0f} s and a re-run takes them")
