@@ -7,11 +7,9 @@ fit every supported KV block size, and the job refuses other block sizes on CUDA
 
 import pytest
 import torch
-from helpers import LoadedMoondream, hub_folder, id_tokenizer, random_state
+from support.moondream import LoadedMoondream, TASKS, TINY, hub_folder, id_tokenizer, random_state
 from PIL import Image
-from test_engine import TASKS
-from test_fused_attention import one_thread, random_batch, run  # noqa: F401 (autouse fixture)
-from test_moondream_loading import TINY
+from support.paged_batches import random_batch, run
 
 from batchvlm.device import CUDA_BLOCK_SIZES, check_block_size
 from batchvlm.engine.engine import Engine

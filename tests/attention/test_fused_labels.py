@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import LoadedMoondream, hub_folder, id_tokenizer
+from support.moondream import LoadedMoondream, hub_folder, id_tokenizer, run_engine, upstream_tasks
 from PIL import Image
-from test_engine import run_engine
-from test_fused_attention import one_thread, random_batch, run  # noqa: F401 (autouse fixture)
-from test_moondream_parity import _tasks
+from support.paged_batches import random_batch, run
+from support.paths import DATA, REPO
 
 from batchvlm.job import load_job
 from batchvlm.output.layout import Layout
@@ -24,7 +23,6 @@ from batchvlm.attention import ReferenceAttention
 from batchvlm.attention.fused import FusedAttention
 from batchvlm.run import run_job
 
-ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 12  # demo-job images labelled with the fused path
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -42,7 +40,7 @@ def test_upstream_parity_with_the_fused_path(fixtures_dir, tmp_path, fused):
     md = LoadedMoondream(str(folder), dtype="float32")
     expected = json.loads((root / "expected.json").read_text())
     prepared = [md.preprocessor(Image.open(root / "images" / e["file"])) for e in expected["images"]]
-    seqs = md.sequences(_tasks(expected), max_new_tokens=20, max_objects=5)
+    seqs = md.sequences(upstream_tasks(expected), max_new_tokens=20, max_objects=5)
     # caches pick their backend on first use, through backend_for: the fused one here
     assert isinstance(attention.backend_for(torch.device("cpu")), FusedAttention)
     # Prefill steps run eagerly; decode-only steps run the CUDA-graph body (uncaptured): padding
@@ -57,8 +55,8 @@ def test_upstream_parity_with_the_fused_path(fixtures_dir, tmp_path, fused):
 
 
 def test_demo_job_labels_are_unchanged_with_the_fused_path(tmp_path, fused):
-    shutil.copytree(ROOT / "jobs" / "data", tmp_path / "data")
-    job = yaml.safe_load((ROOT / "jobs" / "demo.yaml").read_text())
+    shutil.copytree(REPO / "jobs" / "data", tmp_path / "data")
+    job = yaml.safe_load((REPO / "jobs" / "demo.yaml").read_text())
     job["engine"]["max_batch_size"] = 32  # labels do not depend on it; a smaller cache keeps eager flex quick
     (tmp_path / "demo.yaml").write_text(yaml.safe_dump(job))
     run_job(load_job(tmp_path / "demo.yaml"), limit=LIMIT, progress=False)  # eager flex is slow: the first images
@@ -69,7 +67,7 @@ def test_demo_job_labels_are_unchanged_with_the_fused_path(tmp_path, fused):
     table = ds.dataset(sorted(out.partial_dir.glob("*.parquet")), format="parquet").to_table()
     got = sorted(({"shard": Path(r["source"]).name} | {k: r[k] for k in ("key", "caption", "n_shapes", "detect", "point")}
                   for r in table.to_pylist()), key=lambda r: (r["shard"], r["key"]))
-    before = [json.loads(line) for line in (ROOT / "tests" / "data" / "demo-labels-before-family-boundary.jsonl").open()]
+    before = [json.loads(line) for line in (DATA / "demo-labels-before-family-boundary.jsonl").open()]
     assert len(got) >= LIMIT
     assert got == [r for r in before if (r["shard"], r["key"]) in {(g["shard"], g["key"]) for g in got}]
 

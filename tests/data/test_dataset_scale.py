@@ -15,7 +15,8 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
-from helpers import cli_app, encode_image, write_job, write_tar
+from support.cli import cli_app
+from support.inputs import encode_image, write_job, write_tar
 from PIL import Image
 
 from batchvlm.job import InputSpec, Job, load_job

@@ -21,14 +21,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from helpers import encode_image, inproc, png_header_only, write_tar
+from support.inputs import encode_image, png_header_only, write_tar
+from support.cli import inproc
+from support.paths import REPO
 from PIL import Image, features
 
 from batchvlm.data.sources import read_shard
 from batchvlm.job import InputSpec
 from batchvlm.output.shardlist import plan
 
-REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "batchvlm" / "models" / "demo"
 HEIC = b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic"  # the first bytes of an iPhone photo
 LFS = b"version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 12345\n"

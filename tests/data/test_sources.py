@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import encode_image, write_tar
+from support.inputs import encode_image, write_tar
 from PIL import Image
 
 from batchvlm.data.decode import decode

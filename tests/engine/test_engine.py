@@ -6,35 +6,15 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import LoadedMoondream, hub_folder, id_tokenizer, random_state
+from support.moondream import (TASKS, TINY, LoadedMoondream, hub_folder, id_tokenizer, random_state, run_engine,
+                               run_engine_outputs)
 from PIL import Image
-from test_moondream_loading import TINY
 
 from batchvlm.engine.engine import Engine
-from batchvlm.engine.graphs import DecodeGraphs
 from batchvlm.job import EngineSpec
-from batchvlm.models.decoding import RawOutput, sequence_seed
-from batchvlm.models.family import WorkItem
+from batchvlm.models.decoding import sequence_seed
 from batchvlm.models.moondream.config import MoondreamConfig
 from batchvlm.models.moondream.generate import generate
-from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
-
-
-def run_engine_outputs(md, prepared, seqs, fixed_shape_decode=False, **settings) -> list[list[RawOutput]]:
-    engine = Engine(md.engine, seqs, EngineSpec(**settings), md.P)
-    if fixed_shape_decode:  # the CUDA-graph decode body (padding, scratch row, null block), uncaptured
-        r = engine.runner
-        r.graphs = DecodeGraphs(r, -(-md.P // r.bs), max(engine.own_blocks), len(seqs), capture=False)
-    out = {im.ticket: [s.output for s in im.seqs]
-           for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
-    assert engine.scheduler.blocks.used == 0  # every block came back
-    return [out[i] for i in range(len(prepared))]
-
-
-def run_engine(md, prepared, seqs, fixed_shape_decode=False, **settings):
-    """-> (tokens, objects) of every sequence of every image."""
-    return [[(o.tokens, o.objects) for o in img]
-            for img in run_engine_outputs(md, prepared, seqs, fixed_shape_decode, **settings)]
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +26,6 @@ def tiny(tmp_path_factory):
     images = [Image.fromarray(torch.randint(0, 256, (40 + 37 * (i % 5), 60 + 29 * (i % 7), 3), generator=g,
                                             dtype=torch.uint8).numpy()) for i in range(11)]
     return md, [md.preprocessor(im) for im in images]
-
-
-TASKS = [CaptionTask(caption={"length": "short"}), QueryTask(query={"question": "11 12"}),
-         DetectTask(detect={"objects": ["20", "21 22"]}), PointTask(point={"objects": ["23"]})]
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +62,8 @@ def test_sampling_is_batch_invariant(tiny):
 
 
 def test_engine_matches_the_upstream_reference(fixtures_dir, tmp_path):
-    from helpers import id_tokenizer as idt
-    from test_moondream_parity import _tasks, wanted_more
+    from support.moondream import id_tokenizer as idt
+    from support.moondream import upstream_tasks, wanted_more
 
     root = fixtures_dir / "moondream-tiny"
     config = json.loads((root / "config.json").read_text())
@@ -95,7 +71,7 @@ def test_engine_matches_the_upstream_reference(fixtures_dir, tmp_path):
     md = LoadedMoondream(str(folder))
     expected = json.loads((root / "expected.json").read_text())
     prepared = [md.preprocessor(Image.open(root / "images" / e["file"])) for e in expected["images"]]
-    seqs = md.sequences(_tasks(expected), max_new_tokens=20, max_objects=5)
+    seqs = md.sequences(upstream_tasks(expected), max_new_tokens=20, max_objects=5)
     got = run_engine_outputs(md, prepared, seqs, max_batch_size=7, pipelined=True)
     for e, (cap, query, det, pt) in zip(expected["images"], got):
         assert cap.tokens == e["caption_normal"]["token_ids"] and query.tokens == e["query"]["token_ids"]

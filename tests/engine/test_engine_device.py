@@ -5,10 +5,8 @@ out of memory finishing in halves with every row written."""
 import numpy as np
 import pytest
 import torch
-from helpers import LoadedMoondream, hub_folder, id_tokenizer, random_state
+from support.moondream import LoadedMoondream, TASKS, TINY, hub_folder, id_tokenizer, random_state
 from PIL import Image
-from test_engine import TASKS
-from test_moondream_loading import TINY
 
 import batchvlm.engine.engine as engine_mod
 from batchvlm.engine.engine import Engine

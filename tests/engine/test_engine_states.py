@@ -5,8 +5,8 @@ prefix's snapshot) and a full-attention layer, and an encoder-decoder whose pref
 
 import pytest
 import torch
-from toy_family import PIXELS, ToyImage
-from toy_states import DEC_START, EncDecToy, HybridToy, encdec_reference, hybrid_reference
+from support.toy_family import PIXELS, ToyImage
+from support.toy_states import DEC_START, EncDecToy, HybridToy, encdec_reference, hybrid_reference
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec

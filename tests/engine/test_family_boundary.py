@@ -7,14 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from toy_family import PIXELS, ToyImage, ToyModel, reference
+from support.toy_family import PIXELS, ToyImage, ToyModel, reference
+from support.paths import REPO
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec
 from batchvlm.models.decoding import MODE_TEXT, SeqSpec
 from batchvlm.models.family import TaskSequence, WorkItem
 
-ROOT = Path(__file__).resolve().parents[1] / "batchvlm"
+ROOT = REPO / "batchvlm"
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,8 @@ import traceback
 
 import pytest
 import torch
-from helpers import LoadedMoondream, hub_folder, id_tokenizer, random_state
+from support.moondream import LoadedMoondream, TASKS, TINY, hub_folder, id_tokenizer, random_state, run_engine
 from PIL import Image
-from test_engine import TASKS, run_engine
-from test_fused_attention import one_thread  # noqa: F401 (autouse fixture)
-from test_moondream_loading import TINY
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from batchvlm.engine.engine import Engine
@@ -27,7 +24,8 @@ from batchvlm.models.family import WorkItem
 from batchvlm.attention.fused import FusedAttention
 from batchvlm.models.moondream.config import MoondreamConfig
 
-pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+              pytest.mark.usefixtures("one_thread")]
 aten = torch.ops.aten
 DATA_DEPENDENT = {aten.nonzero.default, aten.masked_select.default, aten.masked_scatter.default}
 
@@ -130,16 +128,16 @@ def test_qwen3_vl_hot_path_has_no_host_sync(tmp_path, monkeypatch, moe_path, con
     """Also the mixture-of-experts variant by its CUDA path, grouped GEMM (moe.py; CPU runs it too);
     constrained: a json task and output.constrain as well (the mask table, its uploads)."""
     pytest.importorskip("transformers")
-    from qwen3vl_fixture import write_checkpoint
-    from test_qwen3vl_engine import MOE
-    from test_qwen3vl_engine import TASKS as QWEN_TASKS
-    from test_qwen3vl_engine import images
+    from support.qwen3vl_fixture import write_checkpoint
+    from support.qwen_vl import MOE
+    from support.qwen_vl import TASKS as QWEN_TASKS
+    from support.qwen_vl import images
 
     from batchvlm.data.decode import decode
     from batchvlm.models.qwen_vl.moe import set_path
     from batchvlm.models.registry import open_family
     from batchvlm.tasks import JsonTask
-    from helpers import encode_image
+    from support.inputs import encode_image
 
     unaudited_flex(monkeypatch)
     folder = write_checkpoint(tmp_path / "qwen", seed=2, moe=MOE if moe_path else None)
@@ -173,9 +171,9 @@ def test_florence2_hot_path_has_no_host_sync(tmp_path, monkeypatch, constrained)
     constrained: a json task (the mask table, its uploads, the mask beside the ban) and a classify
     task (its scored decoder rows) as well."""
     pytest.importorskip("transformers")
-    from test_florence2 import TASKS as FLORENCE_TASKS
-    from test_florence2 import random_images, tasks_of
-    from tiny_vlms import florence2
+    from support.florence2 import TASKS as FLORENCE_TASKS
+    from support.florence2 import random_images, tasks_of
+    from support.tiny_vlms import florence2
 
     from batchvlm.models.registry import open_family
 
@@ -201,14 +199,14 @@ def test_qwen3_5_hot_path_has_no_host_sync(tmp_path, monkeypatch):
     forked from each image prefix, and classify's scored prompt rows (StepInputs.score_*), eager
     steps and the graph body."""
     pytest.importorskip("transformers")
-    from qwen35_fixture import write_checkpoint
-    from test_qwen3vl_engine import TASKS as QWEN_TASKS
-    from test_qwen3vl_engine import images
+    from support.qwen35_fixture import write_checkpoint
+    from support.qwen_vl import TASKS as QWEN_TASKS
+    from support.qwen_vl import images
 
     from batchvlm.data.decode import decode
     from batchvlm.models.registry import open_family
     from batchvlm.tasks import ClassifyTask
-    from helpers import encode_image
+    from support.inputs import encode_image
 
     unaudited_flex(monkeypatch)
     family = open_family(ModelSpec(name=str(write_checkpoint(tmp_path / "qwen35", seed=2))))

@@ -5,10 +5,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import LoadedMoondream, hub_folder, id_tokenizer, random_state
+from support.moondream import LoadedMoondream, TASKS, TINY, hub_folder, id_tokenizer, random_state, run_engine
 from PIL import Image
-from test_engine import TASKS, run_engine
-from test_moondream_loading import TINY
 
 from batchvlm.models.moondream.config import MoondreamConfig
 from batchvlm.models.moondream.generate import generate
@@ -47,7 +45,7 @@ def test_graphs_pipelining_and_eager_agree_on_cuda(tiny_cuda):
 
 
 def test_upstream_parity_on_cuda_float32(fixtures_dir, tmp_path):
-    from test_moondream_parity import _tasks
+    from support.moondream import upstream_tasks
 
     root = fixtures_dir / "moondream-tiny"
     config = json.loads((root / "config.json").read_text())
@@ -55,7 +53,7 @@ def test_upstream_parity_on_cuda_float32(fixtures_dir, tmp_path):
     md = LoadedMoondream(str(folder), device="cuda", dtype="float32")
     expected = json.loads((root / "expected.json").read_text())
     prepared = [md.preprocessor(Image.open(root / "images" / e["file"])) for e in expected["images"]]
-    seqs = md.sequences(_tasks(expected), max_new_tokens=20, max_objects=5)
+    seqs = md.sequences(upstream_tasks(expected), max_new_tokens=20, max_objects=5)
     got = run_engine(md, prepared, seqs, max_batch_size=64, pipelined=True, cuda_graphs=True)
     for e, (cap, query, det, pt) in zip(expected["images"], got):
         assert cap[0] == e["caption_normal"]["token_ids"] and query[0] == e["query"]["token_ids"]
@@ -191,11 +189,7 @@ def test_compiled_fused_attention_equals_the_reference_on_cuda(dtype, heads, kv_
     64 (MHA) and 128 (GQA, 4 query heads per KV head), 1 / 8 queries per row (the decode kernel)
     and 128 (the main kernel), own and shared-prefix parts. dynamo starts clean and a fallback to
     the unfused path is an error (fail_on_recompile_limit_hit)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from paged_step import paged_step
+    from paged_step import paged_step  # scripts/: on the path by pyproject.toml
 
     from batchvlm.attention import KVCache, ReferenceAttention, attend, backend_for, plan_groups
     from batchvlm.attention.fused import FusedAttention
@@ -226,9 +220,9 @@ def test_json_masks_on_cuda_agree_and_do_not_starve_the_device(tmp_path):
     on the device about as often with masks as without (masks are computed while it runs)."""
     pytest.importorskip("transformers")
     pytest.importorskip("xgrammar")
-    from qwen3vl_fixture import write_checkpoint
-    from structured_cases import SCHEMAS
-    from test_qwen3vl_engine import images
+    from support.qwen3vl_fixture import write_checkpoint
+    from support.structured_cases import SCHEMAS
+    from support.qwen_vl import images
 
     from batchvlm.data.decode import decode
     from batchvlm.engine.engine import Engine
@@ -236,7 +230,7 @@ def test_json_masks_on_cuda_agree_and_do_not_starve_the_device(tmp_path):
     from batchvlm.models.family import WorkItem
     from batchvlm.models.registry import open_family
     from batchvlm.tasks import CaptionTask, DetectTask, JsonTask
-    from helpers import encode_image
+    from support.inputs import encode_image
 
     folder = write_checkpoint(tmp_path / "qwen", seed=2, text_dim=512, heads=8, kv_heads=4, head_dim=64, layers=8,
                               section=(16, 8, 8))
@@ -313,13 +307,13 @@ def _case(name: str, folder):
     from batchvlm.job import ModelSpec
     from batchvlm.models.registry import open_family
     from batchvlm.tasks import ClassifyTask
-    from helpers import encode_image
+    from support.inputs import encode_image
 
     classify = ClassifyTask(classify={"question": "What is it?", "choices": ["red", "red car", "reddish", "blue"]})
     if name == "florence2":
-        from test_florence2 import TASKS as FLORENCE_TASKS
-        from test_florence2 import random_images, tasks_of
-        from tiny_vlms import florence2
+        from support.florence2 import TASKS as FLORENCE_TASKS
+        from support.florence2 import random_images, tasks_of
+        from support.tiny_vlms import florence2
 
         # head dim 64 (Triton-valid); the n-gram ban and a forced first token: the per-row token
         # history (RowState.row) and the prefixes' cross-attention K/V (CrossKV) in the graphs
@@ -329,17 +323,17 @@ def _case(name: str, folder):
         family = open_family(ModelSpec(name=str(folder)))
         pre = family.preprocessor()
         return family, tasks_of(FLORENCE_TASKS), [pre(im) for im in random_images(8, seed=3)], "float32"
-    from test_qwen3vl_engine import TASKS as QWEN_TASKS
-    from test_qwen3vl_engine import images
+    from support.qwen_vl import TASKS as QWEN_TASKS
+    from support.qwen_vl import images
 
     if name == "qwen3_5":  # Gated DeltaNet state (float32) forked per task, classify's scored rows
-        from qwen35_fixture import write_checkpoint
+        from support.qwen35_fixture import write_checkpoint
 
         folder = write_checkpoint(folder, seed=2, likely_stops=True, text_dim=256, heads=4, kv_heads=2, head_dim=64,
                                   section=(8, 4, 4))
         dtype = "float32"
     else:  # qwen3_vl_moe: the grouped-GEMM expert path (bfloat16) inside the graphs
-        from qwen3vl_fixture import write_checkpoint
+        from support.qwen3vl_fixture import write_checkpoint
 
         folder = write_checkpoint(folder, seed=2, likely_stops=True, text_dim=256, heads=4, kv_heads=2, head_dim=64,
                                   section=(16, 8, 8), moe=dict(experts=8, top_k=2, ff=64))

@@ -10,7 +10,9 @@ import sys
 import tarfile
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
+from support.paths import REPO
+
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
 
 
 def gpu_check(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, str]:

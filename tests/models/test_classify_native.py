@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import qwen35_fixture
-import qwen3vl_fixture
-from qwen3vl_fixture import IDS
-from structured_cases import CASES, assert_classify_columns
-from test_qwen3vl_engine import MOE, images, prepared
+from support import qwen35_fixture
+from support import qwen3vl_fixture
+from support.qwen3vl_fixture import IDS
+from support.structured_cases import CASES, assert_classify_columns
+from support.qwen_vl import MOE, images, prepared
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec

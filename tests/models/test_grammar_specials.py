@@ -10,9 +10,9 @@ import json
 
 import numpy as np
 import pytest
-from qwen3vl_fixture import IDS, VOCAB
-from qwen3vl_fixture import byte_tokenizer as qwen3vl_tokenizer
-from tiny_vlms import QWEN_SPECIALS, byte_tokenizer, florence2_tokenizer
+from support.qwen3vl_fixture import IDS, VOCAB
+from support.qwen3vl_fixture import byte_tokenizer as qwen3vl_tokenizer
+from support.tiny_vlms import QWEN_SPECIALS, byte_tokenizer, florence2_tokenizer
 
 from batchvlm.models.grammar import Grammars, fill_masks
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 
 import pytest
-from mask_trace import MaskTrace
-from qwen3vl_fixture import write_checkpoint
-from structured_cases import SCHEMAS, assert_finished_answers_validate
+from support.mask_trace import MaskTrace
+from support.qwen3vl_fixture import write_checkpoint
+from support.structured_cases import SCHEMAS, assert_finished_answers_validate
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
@@ -29,10 +29,10 @@ TASKS += [JsonTask(json={"prompt": "Describe it.", "schema": schema, "name": nam
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from test_qwen3vl_engine import images
+    from support.qwen_vl import images
 
     from batchvlm.data.decode import decode
-    from helpers import encode_image
+    from support.inputs import encode_image
 
     folder = write_checkpoint(tmp_path_factory.mktemp("qwen3vl"), seed=2)
     family = open_family(ModelSpec(name=str(folder)))

@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from helpers import cli_app, encode_image
+from support.cli import cli_app
+from support.inputs import encode_image
 from PIL import Image
-from qwen3vl_fixture import CHAT_TEMPLATE, hf_config, write_host_files
+from support.qwen3vl_fixture import CHAT_TEMPLATE, hf_config, write_host_files
 from safetensors.torch import save_file
 
 from batchvlm.job import EngineSpec, ModelSpec

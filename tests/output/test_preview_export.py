@@ -9,7 +9,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from helpers import cli_app, encode_image, write_job, write_tar
+from support.cli import cli_app
+from support.inputs import encode_image, write_job, write_tar
 from PIL import Image
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

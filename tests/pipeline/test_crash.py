@@ -9,7 +9,7 @@ import sys
 import time
 
 import pyarrow.parquet as pq
-from helpers import write_job
+from support.inputs import write_job
 
 from batchvlm.shapes.shards import write_shards
 

@@ -23,11 +23,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from helpers import encode_image, inproc, write_tar
+from support.inputs import encode_image, write_tar
+from support.cli import inproc
+from support.paths import REPO
 from PIL import Image
 
 
-REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "batchvlm" / "models" / "demo"
 
 

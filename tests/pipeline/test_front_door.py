@@ -15,7 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from helpers import cli_app as app, encode_image, write_job, write_tar
+from support.cli import cli_app as app
+from support.inputs import encode_image, write_job, write_tar
 from PIL import Image
 
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.paths import REPO
 
 from batchvlm.job import JobError, load_job
 
-ROOT = Path(__file__).resolve().parents[1]
 GOOD = {"name": "j", "input": {"shards": "data/x-{0..2}.tar"}, "tasks": [{"caption": {}}], "output": {"dir": "out"}}
 
 
@@ -75,11 +75,10 @@ def test_cli_rejects_a_bad_job_before_loading_any_model(tmp_path):
 
 
 def test_checked_in_schemas_are_fresh():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from gen_schemas import render
+    from gen_schemas import render  # scripts/: on the path by pyproject.toml
 
     for name, text in render().items():
-        assert (ROOT / "schemas" / name).read_text() == text, f"schemas/{name} is stale: run scripts/gen_schemas.py"
+        assert (REPO / "schemas" / name).read_text() == text, f"schemas/{name} is stale: run scripts/gen_schemas.py"
 
 
 def test_a_job_file_that_is_not_text_or_not_a_file(tmp_path):

@@ -6,59 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from helpers import cli_app, encode_image, png_header_only, write_job, write_tar
-from PIL import Image
+from support.cli import cli, cli_app
+from support.inputs import broken_shard, good_png, write_job, write_tar
 
 from batchvlm.output.rows import LabelRow
-
-
-def cli(*args, cwd=None, check=True):
-    r = subprocess.run([sys.executable, "-m", "batchvlm.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd)
-    if check and r.returncode != 0:
-        raise AssertionError(f"exit {r.returncode}\n{r.stderr}")
-    return r
-
-
-def good_png(w=200, h=150, colour=(220, 40, 40)) -> bytes:
-    im = Image.new("RGB", (w, h), (240, 240, 240))
-    im.paste(colour, (40, 40, 100, 100))
-    return encode_image(im, "PNG")
-
-
-def broken_shard(path: Path) -> dict[str, tuple[str, int | None, int | None, str | None]]:
-    """Writes a shard of good and broken images; returns key -> (status, width, height, error fragment)."""
-    jpeg = encode_image(Image.new("RGB", (300, 200), (10, 120, 200)), "JPEG", quality=90)
-    exif = Image.Exif()
-    exif[0x0112] = 6  # rotate 90: stored 300x200, shown 200x300
-    rotated = encode_image(Image.new("RGB", (300, 200), (200, 120, 10)), "JPEG", exif=exif.tobytes())
-    palette = Image.new("P", (64, 48), 0)
-    palette.putpalette([255, 0, 0] + [0, 255, 0] * 255)
-    pal_bytes = encode_image(palette, "PNG", transparency=0)
-    sixteen = Image.fromarray(np.arange(60 * 80, dtype=np.uint16).reshape(60, 80) * 13)
-    members = [
-        ("a_good.png", good_png()),
-        ("b_truncated.jpg", jpeg[: len(jpeg) // 2]),
-        ("c_empty.jpg", b""),
-        ("d_text.jpg", b"this is not an image at all"),
-        ("e_huge.png", png_header_only(60000, 50000)),
-        ("f_cmyk.jpg", encode_image(Image.new("CMYK", (120, 90), (0, 50, 100, 0)), "JPEG")),
-        ("g_sixteen.png", encode_image(sixteen, "PNG")),
-        ("h_palette.png", pal_bytes),
-        ("i_rotated.jpg", rotated),
-        ("j_noimage.txt", b"caption only"),
-        ("k_good.jpg", jpeg),
-    ]
-    write_tar(path, members)
-    return {
-        "a_good": ("ok", 200, 150, None), "b_truncated": ("error", None, None, "decode"),
-        "c_empty": ("error", None, None, "empty"), "d_text": ("error", None, None, "not an image"),
-        "e_huge": ("error", 60000, 50000, "too large"), "f_cmyk": ("ok", 120, 90, None),
-        "g_sixteen": ("ok", 80, 60, None), "h_palette": ("ok", 64, 48, None), "i_rotated": ("ok", 200, 300, None),
-        "j_noimage": ("error", None, None, "no image in sample"), "k_good": ("ok", 300, 200, None),
-    }
 
 
 def test_broken_images_become_rows(tmp_path):

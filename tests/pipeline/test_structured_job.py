@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from structured_cases import SCHEMAS
+from support.structured_cases import SCHEMAS
 
 from batchvlm.job import JobError, parse_job
 from batchvlm.output.writer import schema

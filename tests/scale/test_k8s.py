@@ -12,14 +12,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from helpers import write_job
+from support.inputs import write_job
+from support.paths import REPO
 
 from batchvlm.exits import EXIT_JOB_ERROR, EXIT_STOPPED
 from batchvlm.job import parse_job
 from batchvlm.shapes.shards import write_shards
 
-ROOT = Path(__file__).resolve().parents[1]
-MANIFEST = ROOT / "scripts" / "k8s" / "batchvlm-indexed-job.yaml"
+MANIFEST = REPO / "scripts" / "k8s" / "batchvlm-indexed-job.yaml"
 CMD = [sys.executable, "-m", "batchvlm.cli", "run"]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from helpers import write_job
+from support.inputs import write_job
 
 from batchvlm.shapes.shards import write_shards
 

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from helpers import cli_app, write_job
+from support.cli import cli_app
+from support.inputs import write_job
+from support.paths import REPO
 
 from batchvlm.dist import Rank, my_shards, resolve_rank
 from batchvlm.shapes.shards import write_shards
 
-ROOT = Path(__file__).resolve().parents[1]
 N_SHARDS, PER_SHARD = 7, 3
 
 
@@ -136,7 +137,7 @@ def test_sigterm_mid_shard_then_rerun(tmp_path):
 
 
 def test_sbatch_template_is_valid_bash():
-    for script in (ROOT / "scripts" / "slurm").glob("*.sbatch"):
+    for script in (REPO / "scripts" / "slurm").glob("*.sbatch"):
         subprocess.run(["bash", "-n", str(script)], check=True)
 
 

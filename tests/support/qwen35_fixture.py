@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from qwen3vl_fixture import CHAT_TEMPLATE, IDS, VOCAB, moe_fields, save, write_host_files
+from support.qwen3vl_fixture import CHAT_TEMPLATE, IDS, VOCAB, moe_fields, save, write_host_files
 
 THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
     "{{- '<|im_start|>assistant\\n' -}}",

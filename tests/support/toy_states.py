@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from toy_family import DIM, HEAD_DIM, HEADS, KV_HEADS, STOP, ToyImage, ToyModel, prefix_positions, rotate
+from support.toy_family import DIM, HEAD_DIM, HEADS, KV_HEADS, STOP, ToyImage, ToyModel, prefix_positions, rotate
 
 from batchvlm.cache.specs import CrossKV, PagedKV, Recurrent
 from batchvlm.attention import AttentionBatch, PrefixGroup, Reads, attend, plan_groups, prefix_self_attention

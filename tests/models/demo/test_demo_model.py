@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pyarrow.dataset as ds
 import yaml
-from helpers import LoadedMoondream
+from support.moondream import LoadedMoondream
+from support.paths import DATA, REPO
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, load_job
@@ -18,12 +19,11 @@ from batchvlm.models.moondream.generate import generate
 from batchvlm.shapes.evaluate import score_model, score_output
 from batchvlm.shapes.world import SPEC, draw_scene
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_job_meets_the_quality_bar(tmp_path):
-    job = yaml.safe_load((ROOT / "jobs" / "demo.yaml").read_text())
-    shutil.copytree(ROOT / "jobs" / "data", tmp_path / "data")
+    job = yaml.safe_load((REPO / "jobs" / "demo.yaml").read_text())
+    shutil.copytree(REPO / "jobs" / "data", tmp_path / "data")
     (tmp_path / "demo.yaml").write_text(yaml.safe_dump(job))
     r = subprocess.run([sys.executable, "-m", "batchvlm.cli", "run", str(tmp_path / "demo.yaml")],
                        capture_output=True, text=True)
@@ -35,7 +35,7 @@ def test_demo_job_meets_the_quality_bar(tmp_path):
     table = ds.dataset(sorted((tmp_path / "out" / "shapes-demo").glob("*.parquet")), format="parquet").to_table()
     got = sorted(({"shard": Path(r["source"]).name} | {k: r[k] for k in ("key", "caption", "n_shapes", "detect", "point")}
                   for r in table.to_pylist()), key=lambda r: (r["shard"], r["key"]))
-    before = [json.loads(line) for line in (ROOT / "tests" / "data" / "demo-labels-before-family-boundary.jsonl").open()]
+    before = [json.loads(line) for line in (DATA / "demo-labels-before-family-boundary.jsonl").open()]
     assert got == before
 
 
@@ -46,7 +46,7 @@ def test_fresh_scenes_meet_the_quality_bar():
 
 
 def test_demo_labels_identical_across_engine_modes_and_the_simple_generation():
-    job = load_job(ROOT / "jobs" / "demo.yaml")
+    job = load_job(REPO / "jobs" / "demo.yaml")
     md = LoadedMoondream("demo")
     seqs = md.sequences(job.tasks, job.engine.max_new_tokens, job.engine.max_objects)
     rng = random.Random(77)

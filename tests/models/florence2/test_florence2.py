@@ -13,14 +13,12 @@ import json
 import random
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from helpers import cli_app
-from PIL import Image
-from pydantic import TypeAdapter
+from support.cli import cli_app
+from support.florence2 import NEW_TOKENS, TASKS, Reference, random_images, tasks_of, tf
 
 from batchvlm.engine import memory
 from batchvlm.engine.engine import Engine
@@ -30,18 +28,10 @@ from batchvlm.models import grounding
 from batchvlm.models.family import FamilyError, WorkItem
 from batchvlm.models.florence2 import prompts
 from batchvlm.models.registry import open_family
-from batchvlm.tasks import Task
-from tiny_vlms import florence2
+from support.tiny_vlms import florence2
 
-TASKS = [{"caption": {"length": "short"}}, {"query": {"question": "What is it?"}},
-         {"detect": {"objects": ["car", "dog"]}}, {"ocr": {}}, {"regions": {}}]
 TEXTS = ["<CAPTION>", "What is it?", "<OPEN_VOCABULARY_DETECTION>car", "<OPEN_VOCABULARY_DETECTION>dog", "<OCR>",
          "<DENSE_REGION_CAPTION>"]  # what the processor gets for each sequence of TASKS
-NEW_TOKENS = 10
-
-
-def tf():
-    return pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
@@ -58,44 +48,9 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {"a": florence2(root / "a"), "b": b}
 
 
-class Reference:
-    """transformers' model and processor for one checkpoint."""
-
-    def __init__(self, folder: Path):
-        from batchvlm.models.transformers_backend.processor import load_processor
-
-        self.model = tf().Florence2ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
-        self.processor = load_processor(tf(), "florence2", folder)
-        self.eos = self.model.generation_config.eos_token_id
-
-    def inputs(self, image: Image.Image, text: str):
-        return self.processor(images=image, text=text, return_tensors="pt")
-
-    @torch.inference_mode()
-    def generate(self, images: list[Image.Image], text: str, budget: int = NEW_TOKENS) -> list[tuple[int, ...]]:
-        """Greedy tokens of each image with one prompt, in one batched call: every row has the
-        same prompt, so nothing is padded."""
-        enc = self.processor(images=images, text=[text] * len(images), return_tensors="pt")
-        out = []
-        for ids in self.model.generate(**enc, do_sample=False, num_beams=1, max_new_tokens=budget)[:, 1:].tolist():
-            out.append(tuple(ids[: ids.index(self.eos)] if self.eos in ids else ids))
-        return out
-
-
 @pytest.fixture(scope="module")
 def refs(checkpoints) -> dict[str, Reference]:
     return {k: Reference(v) for k, v in checkpoints.items()}
-
-
-def random_images(n: int, seed: int = 0) -> list[Image.Image]:
-    """Images of varied sizes and aspect ratios (the resize to the square input is exercised)."""
-    rng = np.random.default_rng(seed)
-    return [Image.fromarray(rng.integers(0, 256, (int(rng.integers(20, 120)), int(rng.integers(20, 120)), 3),
-                                        dtype=np.uint8)) for _ in range(n)]
-
-
-def tasks_of(specs: list[dict]) -> list:
-    return [TypeAdapter(Task).validate_python(t) for t in specs]
 
 
 def test_prompts_are_the_processors(checkpoints, refs):
@@ -119,7 +74,7 @@ def test_prompts_are_the_processors(checkpoints, refs):
 
 
 def test_qwen3_vl_reads_text_by_prompt_and_refuses_regions(tmp_path):
-    from qwen3vl_fixture import write_checkpoint
+    from support.qwen3vl_fixture import write_checkpoint
 
     family = open_family(ModelSpec(name=str(write_checkpoint(tmp_path / "q"))))
     (seq,) = family.sequences(tasks_of([{"ocr": {}}]), EngineSpec())

@@ -23,11 +23,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from helpers import cli_app
-from mask_trace import MaskTrace
-from structured_cases import CASES, SCHEMAS, assert_classify_columns, assert_finished_answers_validate
-from test_florence2 import Reference, random_images
-from tiny_vlms import florence2
+from support.cli import cli_app
+from support.mask_trace import MaskTrace
+from support.structured_cases import CASES, SCHEMAS, assert_classify_columns, assert_finished_answers_validate
+from support.florence2 import Reference, random_images
+from support.tiny_vlms import florence2
 
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from helpers import LoadedMoondream
+from support.moondream import LoadedMoondream
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec

@@ -8,8 +8,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers import LoadedMoondream
-from structured_cases import SCHEMAS, assert_finished_answers_validate
+from support.moondream import LoadedMoondream
+from support.structured_cases import SCHEMAS, assert_finished_answers_validate
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec

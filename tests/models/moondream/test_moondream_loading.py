@@ -5,25 +5,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import LoadedMoondream, hub_folder, id_tokenizer, random_state
+from support.moondream import LoadedMoondream, TINY, hub_folder, id_tokenizer, random_state
 from PIL import Image
 
 from batchvlm.models.moondream.config import ConfigError, MoondreamConfig
 from batchvlm.models.moondream.model import MoondreamModel
 from batchvlm.models.family import ModelLoadError
 from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
-
-TINY = {
-    "text": {"dim": 32, "ff_dim": 64, "n_layers": 2, "vocab_size": 64, "n_heads": 2, "n_kv_heads": 2, "max_context": 512},
-    "vision": {"enc_dim": 16, "enc_patch_size": 14, "enc_n_layers": 1, "enc_ff_dim": 32, "enc_n_heads": 2,
-               "proj_out_dim": 32, "crop_size": 56, "max_crops": 4, "overlap_margin": 1, "proj_inner_dim": 32},
-    "region": {"dim": 32, "coord_feat_dim": 16, "coord_out_dim": 64, "size_feat_dim": 16, "size_out_dim": 64,
-               "inner_dim": 32},
-    "tokenizer": {"templates": {"caption": {"short": [1, 2, 3], "normal": [1, 2, 3], "long": [1, 2, 3]},
-                                "query": {"prefix": [1, 8], "suffix": [3]}, "detect": {"prefix": [1, 9], "suffix": [3]},
-                                "point": {"prefix": [1, 10], "suffix": [3]}}},
-}
-
 
 def test_full_size_config_matches_checkpoint_keys(fixtures_dir):
     keys = json.loads((fixtures_dir / "moondream2-keys.json").read_text())["tensors"]

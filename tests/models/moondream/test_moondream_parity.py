@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from helpers import LoadedMoondream, hub_folder, id_tokenizer
+from support.moondream import LoadedMoondream, hub_folder, id_tokenizer, upstream_tasks, wanted_more
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -15,7 +15,6 @@ from batchvlm.attention import AttentionBatch, PrefixGroup, SharedPrefix, TaskGr
 from batchvlm.models.moondream.generate import encode_images, generate
 from batchvlm.models.moondream.image_crops import select_tiling
 from batchvlm.models.moondream.vision import n_crops
-from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
 
 VARIANTS = ["base", "variant-text-4heads"]
 
@@ -115,27 +114,13 @@ def test_prefill_logits_and_spatial_heads(case, vision):
             torch.testing.assert_close(first_x, tensors[f"img{i}.{kind}_coord_logits"][0], atol=1e-4, rtol=1e-4)
 
 
-def _tasks(expected):
-    question = " ".join(map(str, expected["question_ids"]))
-    obj = " ".join(map(str, expected["object_ids"]))
-    return [CaptionTask(caption={"length": "normal"}), QueryTask(query={"question": question}),
-            DetectTask(detect={"objects": [obj]}), PointTask(point={"objects": [obj]})]
-
-
-def wanted_more(e: dict, kind: str, n: int, eos: int) -> bool:
-    """The reference's decision after its n-th object (decisions[0] is the prompt's): another
-    object, not EOS. A run with max_objects = n is truncated exactly then."""
-    decisions = e[kind]["decisions"]
-    return len(decisions) > n and decisions[n]["token"] != eos
-
-
 @pytest.fixture(scope="module")
 def generated(case):
     """The simple generation of the four tasks (max_new_tokens 20, max_objects 5, as the
     reference ran), with detect at max_objects 1 and point at the k points img3 finds beside
     them: (sequences, their specs, outputs[image][spec], k)."""
     md, expected, _, images = case
-    seqs = md.sequences(_tasks(expected), max_new_tokens=20, max_objects=5)
+    seqs = md.sequences(upstream_tasks(expected), max_new_tokens=20, max_objects=5)
     k = len(expected["images"][3]["point"]["points"])  # img3 finds k points, then EOS
     specs = [s.spec for s in seqs]
     specs += [replace(specs[2], limit=1), replace(specs[3], limit=k)]
@@ -165,7 +150,7 @@ def test_generation_matches_reference(case, generated):
 def test_labels_clamp_boxes_and_keep_model_order(case, generated):
     md, expected, _, _ = case
     seqs, _, outs, _ = generated
-    rows = [md.family.columns(_tasks(expected), seqs, raws[: len(seqs)]) for raws in outs]
+    rows = [md.family.columns(upstream_tasks(expected), seqs, raws[: len(seqs)]) for raws in outs]
     eos = md.config.tokenizer.eos_id
     for e, row in zip(expected["images"], rows):
         assert row["caption"] == " ".join(map(str, e["caption_normal"]["token_ids"]))

@@ -7,9 +7,9 @@ exact."""
 from __future__ import annotations
 
 import pytest
-from helpers import heavy_imports_of_loading
-from qwen35_fixture import write_checkpoint
-from test_qwen3vl_engine import MAX_NEW, MOE, PROMPTS, TASKS, cli_rows, images, prepared, reference_tokens
+from support.cli import heavy_imports_of_loading
+from support.qwen35_fixture import write_checkpoint
+from support.qwen_vl import MAX_NEW, MOE, PROMPTS, TASKS, cli_rows, images, prepared, reference_columns, reference_tokens
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
@@ -82,7 +82,13 @@ def test_forked_state_is_exact(setup, batch, n_images):
 
 
 def test_cli_on_a_sharded_hub_folder(setup, tmp_path):
-    cli_rows(setup, tmp_path)
+    assert len(list(setup["folder"].glob("*.safetensors"))) > 1
+    rows, meta = cli_rows(setup, tmp_path)
+    assert meta["model"]["family"] == "qwen3_5" and meta["model"]["backend"] == "native"
+    assert len(rows) == len(setup["images"])
+    for key, want in reference_columns(setup).items():  # every row's texts are the reference tokens'
+        assert rows[key]["status"] == "ok"
+        assert {c: rows[key][c] for c in want} == want, key
 
 
 def test_json_and_constrained_detect(setup):
@@ -92,7 +98,7 @@ def test_json_and_constrained_detect(setup):
     import json
 
     import jsonschema
-    from structured_cases import SCHEMAS
+    from support.structured_cases import SCHEMAS
 
     from batchvlm.models.qwen_vl.labels import parses_cleanly
     from batchvlm.tasks import DetectTask, JsonTask

@@ -14,9 +14,9 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from qwen35_fixture import write_checkpoint
-from qwen3vl_fixture import IDS
-from test_qwen3vl_parity import ours_uint8, sample_images
+from support.qwen35_fixture import write_checkpoint
+from support.qwen3vl_fixture import IDS
+from support.qwen_vl import ours_uint8, sample_images
 from tokenizers import Tokenizer
 
 from batchvlm.models.hub import weight_files

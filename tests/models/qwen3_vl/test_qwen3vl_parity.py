@@ -7,17 +7,13 @@ logits within float32 tolerance.
 
 from __future__ import annotations
 
-import io
-
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from PIL import Image
-from qwen3vl_fixture import IDS, write_checkpoint
+from support.qwen3vl_fixture import IDS, write_checkpoint
+from support.qwen_vl import ours_uint8, sample_images
 from tokenizers import Tokenizer
 
-from batchvlm.data.decode import decode
 from batchvlm.models.hub import weight_files
 from batchvlm.models.qwen_vl.vision import DeepStack
 from batchvlm.models.qwen_vl.chat import ChatTemplate, read_template, special_tokens
@@ -43,25 +39,6 @@ CONFIGS = {
 }
 
 
-def sample_images() -> list[Image.Image]:
-    """Eight sizes and aspect ratios, RGB, grey, RGBA and palette."""
-    rng = np.random.default_rng(0)
-
-    def rgb(h: int, w: int) -> Image.Image:
-        return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-    rgba = Image.fromarray(rng.integers(0, 256, (90, 60, 4), dtype=np.uint8), "RGBA")
-    grey = Image.fromarray(rng.integers(0, 256, (75, 120), dtype=np.uint8), "L")
-    return [rgb(50, 70), rgb(100, 40), rgb(64, 64), rgb(30, 260), rgb(300, 180), rgb(12, 20), grey, rgba,
-            rgb(64, 64).convert("P")]
-
-
-def png(im: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    im.save(buf, format="PNG")
-    return buf.getvalue()
-
-
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def case(request, tmp_path_factory):
     from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
@@ -79,12 +56,6 @@ def case(request, tmp_path_factory):
     return dict(name=request.param, folder=folder, config=config, model=model,
                 pre=Preprocessor.create(config.vision, settings), ref=ref.eval(),
                 processor=processor, hf_tok=AutoTokenizer.from_pretrained(folder))
-
-
-def ours_uint8(case, im: Image.Image) -> torch.Tensor:
-    """Through batchvlm's decode (as the loader does it) and preprocessor."""
-    d = decode(png(im), 10**8)
-    return case["pre"](d.image, d.width, d.height).pixels
 
 
 def test_smart_resize_bounds():

@@ -10,10 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from helpers import cli_app
+from support.cli import cli_app
 from PIL import Image
-from structured_cases import SCHEMAS
-from tiny_vlms import qwen3_vl
+from support.structured_cases import SCHEMAS
+from support.tiny_vlms import qwen3_vl
 
 SHARED = ["red", "red car", "reddish", "blue"]  # choices that share leading tokens
 FIFTY = [f"option {i}" for i in range(50)]

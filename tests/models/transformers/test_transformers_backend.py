@@ -16,9 +16,9 @@ import pytest
 import torch
 import yaml
 from PIL import Image
-from helpers import inproc
-from test_pipeline import broken_shard
-from tiny_vlms import BUILDERS, mistral3
+from support.cli import inproc
+from support.inputs import broken_shard
+from support.tiny_vlms import BUILDERS, mistral3
 
 from batchvlm.models import grounding
 from batchvlm.models.transformers_backend.processor import load_processor
