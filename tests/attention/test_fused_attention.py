@@ -1,7 +1,7 @@
 """The fused paged attention (attention/fused.py) equals the reference on random paged
 batches, and reads the cache in place. On CPU flex_attention runs eagerly (compile=False): the
 same block masks and mask_mods as the compiled CUDA kernel, without minutes of C++ compiles on
-a shared CPU; the compiled kernel itself is checked by tests/test_gpu.py."""
+a shared CPU; the compiled kernel itself is checked by tests/gpu/test_gpu.py."""
 
 import pytest
 import torch

@@ -78,7 +78,7 @@ def _cache_reads(backend) -> list[str]:
     batch, N = random_batch(6, False, n_pad_rows=2)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         run(backend, batch, N, 6)
-    cache_shape = [96 * 4, 2, 8]  # N_BLOCKS * BS slots, HKV, D (tests/test_fused_attention.py)
+    cache_shape = [96 * 4, 2, 8]  # N_BLOCKS * BS slots, HKV, D (tests/support/paged_batches.py)
     views = {"aten::select", "aten::unsqueeze", "aten::transpose", "aten::as_strided", "aten::view",
              "aten::expand", "aten::index_copy_", "aten::randn", "aten::to", "aten::_to_copy", "aten::copy_",
              "aten::empty_strided", "aten::lift_fresh", "aten::detach", "aten::alias"}

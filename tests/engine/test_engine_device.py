@@ -41,7 +41,7 @@ def test_emission_views_are_contiguous_and_backed_by_the_slot():
         assert ints.is_contiguous() and floats.is_contiguous()
         assert ints.data_ptr() == slot.out_ints.data_ptr() and floats.data_ptr() == slot.out_floats.data_ptr()
         assert ints.untyped_storage().data_ptr() == slot.out_ints.untyped_storage().data_ptr()
-    assert not slot.pinned and not slot.out_ints.is_pinned()  # pinned on CUDA only (tests/test_gpu.py)
+    assert not slot.pinned and not slot.out_ints.is_pinned()  # pinned on CUDA only (tests/gpu/test_gpu.py)
 
 
 def test_each_vision_batch_has_its_event_and_a_prefill_waits_only_on_its_own(tiny):

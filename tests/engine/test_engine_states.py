@@ -1,5 +1,5 @@
 """The engine's state kinds through the real engine, against dense one-sequence references
-(tests/toy_states.py): a hybrid of linear-attention layers (recurrent state forked from the image
+(tests/support/toy_states.py): a hybrid of linear-attention layers (recurrent state forked from the image
 prefix's snapshot) and a full-attention layer, and an encoder-decoder whose prefixes are
 (image, prompt) encodings read by cross-attention. Nothing leaks: blocks, rows, snapshots."""
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 
 def cli(*args, cwd=None, check=True):
+    """`batchvlm ARGS` in a fresh process; a nonzero exit raises with its stderr unless check=False."""
     r = subprocess.run([sys.executable, "-m", "batchvlm.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd)
     if check and r.returncode != 0:
         raise AssertionError(f"exit {r.returncode}\n{r.stderr}")
