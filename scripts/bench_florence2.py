@@ -33,7 +33,7 @@ from PIL import Image
 from pydantic import TypeAdapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the random hub-layout checkpoint
-from tiny_vlms import florence2  # noqa: E402
+from support.tiny_vlms import florence2  # noqa: E402
 
 from batchvlm.engine.engine import EngineLabeler  # noqa: E402
 from batchvlm.job import EngineSpec, ModelSpec  # noqa: E402

@@ -7,7 +7,7 @@ The vocabulary: a byte-level BPE of --vocab tokens (default 151,643, Qwen's size
 Compared, the libraries alternated (A B, then B A) so both see the same machine load:
 
 - setup: the tokenizer's preparation (once per job), and its memory;
-- per test schema (tests/structured_cases.py): compile time, the first mask (llguidance builds its
+- per test schema (tests/support/structured_cases.py): compile time, the first mask (llguidance builds its
   lexer lazily), and the mask time per row per step at batch 1 / 64 / 256, rows filled together as
   the engine does (the mean over a walk's steps), each row on its own random walk: at each step
   a token drawn uniformly from the row's allowed tokens, until the stop token (a random model at
@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from structured_cases import SCHEMAS  # noqa: E402  (schema, a valid answer, a bad one)
+from support.structured_cases import SCHEMAS  # noqa: E402  (schema, a valid answer, a bad one)
 
 from batchvlm.json_schema import KEYWORDS  # noqa: E402
 

@@ -39,9 +39,8 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the random hub-layout checkpoints
-import qwen3vl_fixture  # noqa: E402
-import qwen35_fixture  # noqa: E402
-from qwen3vl_fixture import IDS  # noqa: E402
+from support import qwen3vl_fixture, qwen35_fixture  # noqa: E402
+from support.qwen3vl_fixture import IDS  # noqa: E402
 
 from batchvlm.engine.engine import Engine  # noqa: E402
 from batchvlm.job import EngineSpec, ModelSpec  # noqa: E402

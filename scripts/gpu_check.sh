@@ -57,7 +57,7 @@ KV_BLOCKS=8192  # one KV size for every bench_engine row: 8192 x 16 tokens, 25.8
 STEPS=(
     "environment      10  10 env.txt              nvidia-smi, python / torch / CUDA / Triton versions; torch sees the GPU"
     "flex_smoke       90  90 flex_smoke.log       compiled flex at Moondream 2 / Qwen3-VL-2B / 8B-GQA / Qwen3.5-2B (head dim 256) shapes, bf16 + fp32, 1-128 queries, vs the reference, one call replayed in a CUDA graph"
-    "gpu_tests       180 150 gpu_tests.log        pytest -m gpu tests/test_gpu.py: graphs vs eager, upstream parity, bf16, json masks, Qwen3.5, Qwen3-VL-MoE (grouped GEMM), Florence-2, classify; a skipped test fails"
+    "gpu_tests       180 150 gpu_tests.log        pytest -m gpu tests/gpu/test_gpu.py: graphs vs eager, upstream parity, bf16, json masks, Qwen3.5, Qwen3-VL-MoE (grouped GEMM), Florence-2, classify; a skipped test fails"
     "bench_engine    120  90 bench.log            Moondream 2 shapes, random bf16 weights, ${KV_BLOCKS} KV blocks: mixed/256, mixed@1024x768/256, caption/256; engine sync + pipelined vs static vs one-at-a-time; busy / graph-step share, compile s"
     "bench_qwen3vl   120  90 bench_qwen3vl.log    Qwen3-VL-2B shapes, random bf16 weights, 64 images: engine (built untimed) vs transformers' batched generate"
     "bench_moe        40  40 bench_moe.log        MoE MLP, 4 Qwen3-VL-30B-A3B-shaped layers (128 x 768, top 8): grouped / gathered / loop vs dense SwiGLU, graph replays vs eager"
@@ -184,11 +184,11 @@ flex_smoke() { $PY scripts/flex_smoke.py $( (( DRY )) && echo --small ); }
 
 gpu_tests() {  # any skipped GPU test is a failure: a GPU run that skips proves nothing
     if (( DRY )); then
-        $PY -m pytest -q -m gpu -p no:cacheprovider --collect-only tests/test_gpu.py 2>&1 | tail -3
+        $PY -m pytest -q -m gpu -p no:cacheprovider --collect-only tests/gpu/test_gpu.py 2>&1 | tail -3
         return "${PIPESTATUS[0]}"
     fi
     # -v: each test's line as it ends, so a timeout still says which ran; durations of the slow ones
-    $PY -m pytest -v -m gpu -p no:cacheprovider -rs --durations=15 tests/test_gpu.py 2>&1 | tee /tmp/gpu_tests.out
+    $PY -m pytest -v -m gpu -p no:cacheprovider -rs --durations=15 tests/gpu/test_gpu.py 2>&1 | tee /tmp/gpu_tests.out
     local rc=${PIPESTATUS[0]}
     if tail -1 /tmp/gpu_tests.out | grep -q "skipped"; then echo "!! GPU tests were skipped"; return 1; fi
     return "$rc"

@@ -1,12 +1,10 @@
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs one worker per core: one thread each, and the same for the CLI processes the
@@ -49,3 +47,12 @@ def fixtures_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_expected(fixtures_dir):
     return json.loads((fixtures_dir / "moondream-tiny" / "expected.json").read_text())
+
+
+@pytest.fixture
+def one_thread():
+    """Eager flex runs many small ops, which two threads on a shared CPU make several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

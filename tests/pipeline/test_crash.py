@@ -1,0 +1,91 @@
+"""kill -9 at arbitrary moments, then re-run: every sample exactly once, nothing finished redone."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+from support.inputs import write_job
+
+from batchvlm.shapes.shards import write_shards
+
+
+def _complete(out) -> int:
+    n = 0
+    for stats in (out / "__batchvlm__").glob("*.stats.json"):
+        try:
+            n += json.loads(stats.read_text())["complete"]
+        except ValueError:
+            pass
+    return n
+
+
+def test_kill_9_then_rerun(tmp_path):
+    n_shards, per_shard = 16, 6
+    write_shards(tmp_path / "data", n_shards, per_shard, seed=11)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", loader={"workers": 2, "prefetch": 2},
+                    engine={"max_batch_size": 8})  # small batches: shards finish one by one
+    out = tmp_path / "out"
+    rng = random.Random(1234)
+    finished: dict[str, int] = {}
+    cmd = [sys.executable, "-m", "batchvlm.cli", "run", str(job)]
+    kills_mid_run = 0
+    for attempt in range(4):
+        log = tmp_path / f"run-{attempt}.log"
+        with log.open("w") as f:
+            p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, start_new_session=True)
+        # Wait for this run to finish one more shard (or to end), then kill it at a random moment
+        # soon after: inside the next shard's labelling, its Parquet write, or its rename.
+        target = len(finished) + 1
+        deadline = time.time() + 60
+        while time.time() < deadline and p.poll() is None and _complete(out) < target:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.2))
+        if p.poll() is None:
+            kills_mid_run += 1
+            os.killpg(p.pid, signal.SIGKILL)  # the run and its loader workers
+        assert p.wait() <= 0, log.read_text()  # one that ended on its own (a fast machine) ended well
+        for stem, mtime in finished.items():  # what was done stays untouched
+            assert (out / f"{stem}.parquet").stat().st_mtime_ns == mtime
+        for stats in (out / "__batchvlm__").glob("*.stats.json"):
+            d = json.loads(stats.read_text())
+            parquet = out / f"{d['shard']}.parquet"
+            # the marker is written before the rename: a kill between them leaves it naming no file
+            if d["complete"] and parquet.exists() and parquet.stat().st_size == d["output"]["size"]:
+                finished.setdefault(d["shard"], parquet.stat().st_mtime_ns)
+    assert kills_mid_run >= 2 and 0 < len(finished) < n_shards
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    for stem, mtime in finished.items():
+        assert (out / f"{stem}.parquet").stat().st_mtime_ns == mtime
+    assert not list(out.glob("*.tmp-*")) and not list((out / "__batchvlm__").glob("*.tmp-*"))
+    for s in range(n_shards):
+        keys = pq.read_table(out / f"shapes-{s:06d}.parquet", columns=["key"]).column("key").to_pylist()
+        assert keys == [f"{s:06d}_{i:04d}" for i in range(per_shard)]
+        assert json.loads((out / "__batchvlm__" / f"shapes-{s:06d}.stats.json").read_text())["complete"]
+
+
+def test_sweep_spares_other_live_writers(tmp_path):
+    import socket
+
+    from batchvlm.output.layout import Layout
+    from batchvlm.output.manifest import sweep_temporaries
+
+    host = socket.gethostname()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    layout = Layout(tmp_path)
+    layout.meta.mkdir()
+    live_here = layout.meta / f"a.parquet.tmp-{host}-{os.getpid()}"
+    dead_here = layout.meta / f"b.parquet.tmp-{host}-{dead.pid}"
+    other_host = layout.meta / "c.parquet.tmp-node17-123"  # maybe writing right now on another node
+    stale = layout.meta / "d.parquet.tmp-node17-456"
+    for p in (live_here, dead_here, other_host, stale):
+        p.write_text("partial")
+    os.utime(stale, (time.time() - 7200,) * 2)
+    assert sorted(sweep_temporaries(layout)) == sorted([dead_here.name, stale.name])
+    assert live_here.exists() and other_host.exists()
