@@ -40,7 +40,7 @@ JOB_ARG = typer.Argument(..., help="The job file (YAML).")
 def user_errors() -> tuple[type[Exception], ...]:
     """The failures a user can cause. Imported by the commands that open a model only: status,
     preview, export, --help and --version start without torch (most of a run's start-up)."""
-    from .models.family import FamilyError, ModelLoadError
+    from .models.base.errors import FamilyError, ModelLoadError
 
     return JobError, SourceError, ModelLoadError, FamilyError, manifest.OutputConflict
 
@@ -88,7 +88,7 @@ def run(
     """Label every pending shard of JOB_FILE (finished shards are skipped)."""
     job = _load(job_file)  # a job file refused here never waits for torch to import
     from .data.loader import SharedMemoryFull
-    from .models.family import ModelFetchError
+    from .models.base.errors import ModelFetchError
 
     try:
         if dry_run:

@@ -43,7 +43,7 @@ from .dist import Rank, my_shards
 from .engine.engine import EngineLabeler
 from .job import Job
 from .models import registry
-from .models.family import PARSE_FAILURES, EngineModel, Family, StaticModel, TaskSequence, WorkItem
+from .models.base.contract import PARSE_FAILURES, EngineModel, Family, StaticModel, TaskSequence, WorkItem
 from .output import manifest
 from .output.claims import Claims
 from .output.layout import Layout

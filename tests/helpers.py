@@ -15,7 +15,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from batchvlm.job import EngineSpec
 from batchvlm.models.moondream.config import MoondreamConfig
-from batchvlm.models.moondream.family import Moondream, MoondreamEngineModel
+from batchvlm.models.moondream.host import Moondream
+from batchvlm.models.moondream.device import MoondreamEngineModel
 from batchvlm.models.moondream.generate import generate
 from batchvlm.models.moondream.model import MoondreamModel
 

@@ -18,7 +18,7 @@ from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs, buckets
 from batchvlm.job import EngineSpec, JobError
 from batchvlm.attention import reference as attention
-from batchvlm.models.family import WorkItem
+from batchvlm.models.base.contract import WorkItem
 from batchvlm.attention.fused import COMPILED, Q_BLOCK, FusedAttention, bucket, flex_tiles
 from batchvlm.models.moondream.config import MoondreamConfig
 from batchvlm.models.moondream.generate import generate

@@ -13,8 +13,8 @@ from test_moondream_loading import TINY
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs
 from batchvlm.job import EngineSpec
-from batchvlm.models.decoding import RawOutput, sequence_seed
-from batchvlm.models.family import WorkItem
+from batchvlm.models.base.decoding import RawOutput, sequence_seed
+from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.moondream.config import MoondreamConfig
 from batchvlm.models.moondream.generate import generate
 from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask

@@ -26,8 +26,9 @@ from batchvlm.engine import memory
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models import grounding
-from batchvlm.models.family import FamilyError, WorkItem
+from batchvlm.models.base import grounding
+from batchvlm.models.base.errors import FamilyError
+from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.florence2 import prompts
 from batchvlm.models.registry import open_family
 from batchvlm.tasks import Task

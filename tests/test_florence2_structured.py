@@ -32,8 +32,9 @@ from tiny_vlms import florence2
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models.decoding import RowState
-from batchvlm.models.family import FamilyError, WorkItem
+from batchvlm.models.base.decoding import RowState
+from batchvlm.models.base.errors import FamilyError
+from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.florence2 import decoding
 from batchvlm.models.florence2.config import GenerationSettings
 from batchvlm.models.registry import open_family

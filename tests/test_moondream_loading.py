@@ -8,9 +8,10 @@ import torch
 from helpers import LoadedMoondream, hub_folder, id_tokenizer, random_state
 from PIL import Image
 
-from batchvlm.models.moondream.config import ConfigError, MoondreamConfig
+from batchvlm.models.base.errors import ConfigError
+from batchvlm.models.moondream.config import MoondreamConfig
 from batchvlm.models.moondream.model import MoondreamModel
-from batchvlm.models.family import ModelLoadError
+from batchvlm.models.base.errors import ModelLoadError
 from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
 
 TINY = {

@@ -13,7 +13,7 @@ from test_qwen3vl_engine import MAX_NEW, MOE, PROMPTS, TASKS, cli_rows, images, 
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models.family import WorkItem
+from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.registry import open_family
 from batchvlm.tasks import CaptionTask, QueryTask
 

@@ -24,8 +24,8 @@ from ..cache.blocks import BlockManager, SnapshotSlots
 from ..cache.specs import bytes_per_slot, bytes_per_state, has_recurrent, prefix_view_bytes
 from ..cache.tensors import EngineCache
 from ..job import EngineSpec
-from ..models.decoding import MODE_SCORE, Decision, RawOutput, sequence_seed
-from ..models.family import EngineModel, TaskSequence, WorkItem
+from ..models.base.decoding import MODE_SCORE, Decision, RawOutput, sequence_seed
+from ..models.base.contract import EngineModel, TaskSequence, WorkItem
 from ..attention import reference as attention
 from ..attention.fused import COMPILED, FusedAttention, MaskBounds
 from .memory import available_bytes

@@ -19,7 +19,7 @@ import torch
 
 from ..cache.spans import StateSpans
 from ..attention import AttentionBatch, bucket
-from ..models.decoding import Decision
+from ..models.base.decoding import Decision
 from .inputs import NO_DECODE, DecodeInputs, decode_inputs, pad_decode
 from .plan import StepPlan
 from .staging import Staging

@@ -29,7 +29,7 @@ from ..dist import Rank
 from ..exits import EXIT_FAILED, EXIT_JOB_ERROR, EXIT_OK, EXIT_STOPPED
 from ..job import Job
 from ..launch import PROGRESS_ENV
-from ..models.family import ModelFetchError
+from ..models.base.errors import ModelFetchError
 from ..output import manifest
 from ..output.claims import LAUNCH_ENV, release_launch
 from ..output.layout import Layout

@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..decoding import EMIT_NONE, EMIT_SCORE, EMIT_TOKEN, Decision, RawOutput, RowState, SeqSpec, sample_tokens
-from ..grammar import apply_mask_
+from ..base.decoding import EMIT_NONE, EMIT_SCORE, EMIT_TOKEN, Decision, RawOutput, RowState, SeqSpec, sample_tokens
+from ..base.grammar import apply_mask_
 from .config import GenerationSettings
 
 # Emission code beside EMIT_NONE / EMIT_TOKEN: the forced end token cut the answer (nothing

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from ...tasks import box_values, column_of, kind_of, raw_column, truncated_column
-from ..columns import TaskOutputs
-from ..grounding import florence2_boxes, florence2_regions
+from ..base.columns import TaskOutputs
+from ..base.grounding import florence2_boxes, florence2_regions
 
 
 def task_values(tokenizer, forced_first: bool, o: TaskOutputs) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .config import ConfigError
+from ..base.errors import ConfigError
 
 RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.Resampling.BILINEAR,
             3: Image.Resampling.BICUBIC, 4: Image.Resampling.BOX, 5: Image.Resampling.HAMMING}

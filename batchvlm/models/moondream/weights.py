@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-from ..family import ModelLoadError
-from ..hub import empty_on, load_strict, read_json
-from .config import ConfigError, MoondreamConfig
+from ..base.errors import ModelLoadError
+from ..base.hub import empty_on, load_strict, read_json
+from ..base.errors import ConfigError
+from .config import MoondreamConfig
 from .model import MoondreamModel
 
 MODEL_TYPE = "moondream1"

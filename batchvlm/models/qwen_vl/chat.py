@@ -25,8 +25,8 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..qwen_prompts import TEMPLATE_VARIABLES
-from .config import ConfigError
+from .prompts import TEMPLATE_VARIABLES
+from ..base.errors import ConfigError
 
 
 def read_template(folder: Path) -> str:

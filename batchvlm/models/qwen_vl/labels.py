@@ -17,10 +17,10 @@ import re
 from typing import Any
 
 from ...tasks import box_values, column_of, kind_of, point_values, raw_column, truncated_column
-from ..columns import TaskOutputs
-from ..family import PARSE_FAILURES
-from ..grounding import qwen3_boxes, qwen3_points
-from ..qwen_prompts import answer_text
+from ..base.columns import TaskOutputs
+from ..base.contract import PARSE_FAILURES
+from ..base.grounding import qwen3_boxes, qwen3_points
+from .prompts import answer_text
 
 _FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL)
 

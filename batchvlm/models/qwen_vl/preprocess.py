@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .config import ConfigError, VisionConfig
+from ..base.errors import ConfigError
+from .config import VisionConfig
 
 MAX_ASPECT = 200
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from .. import grounding
-from ..qwen_prompts import QWEN3, QWEN25
+from ..base import grounding
+from ..qwen_vl.prompts import QWEN3, QWEN25
 from ..florence2.prompts import DETECT_TOKEN as FLORENCE2_DETECT
 
 Style = Literal["chat", "paligemma", "florence2"]

@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...tasks import Task, args_of, kind_of
-from ..family import FamilyError, TaskSequence
+from ..base.errors import FamilyError
+from ..base.contract import TaskSequence
 from ..florence2 import prompts as florence2
-from ..qwen_prompts import CAPTIONS, OCR, TEMPLATE_VARIABLES
+from ..qwen_vl.prompts import CAPTIONS, OCR, TEMPLATE_VARIABLES
 from .architectures import GroundingFormat, Style, supported_formats
 
 CHAT_CAPTIONS = CAPTIONS  # every chat model: the words the native Qwen families use

@@ -20,8 +20,9 @@ from dataclasses import replace
 import torch
 
 from ...tasks import Task, args_of, kind_of
-from ..family import FamilyError, TaskSequence
-from ..grammar import RowGrammars, Vocabulary, apply_mask_
+from ..base.errors import FamilyError
+from ..base.contract import TaskSequence
+from ..base.grammar import RowGrammars, Vocabulary, apply_mask_
 
 
 def end_of_turn(tokenizer) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..qwen_vl.host import QwenVLHost
 from .config import Qwen35Config
-from .engine_model import Qwen35EngineModel
+from .device import Qwen35EngineModel
 from .model import Qwen35Model
 
 
@@ -18,5 +18,5 @@ class Qwen35(QwenVLHost):
     title = "Qwen3.5"
     config_class = Qwen35Config
     model_class = Qwen35Model
-    engine_class = Qwen35EngineModel
+    device_class = Qwen35EngineModel
     skip_prefixes = ("mtp.",)  # the multi-token prediction head of the released checkpoints: not run here

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..qwen_vl.host import QwenVLHost
 from .config import Qwen3VLConfig
-from .engine_model import Qwen3VLEngineModel
+from .device import Qwen3VLEngineModel
 from .model import Qwen3VLModel
 
 
@@ -15,4 +15,4 @@ class Qwen3VL(QwenVLHost):
     title = "Qwen3-VL"
     config_class = Qwen3VLConfig
     model_class = Qwen3VLModel
-    engine_class = Qwen3VLEngineModel
+    device_class = Qwen3VLEngineModel

@@ -16,8 +16,8 @@ import torch
 from ...cache.specs import PagedKV, Recurrent
 from ...cache.tensors import EngineCache
 from ...attention import AttentionBatch, attend, plan_groups
-from ..family import PrefixInputs
-from ..qwen_vl.engine import QwenVLEngineModel
+from ..base.contract import PrefixInputs
+from ..qwen_vl.device import QwenVLEngineModel
 from .linear_state import LinearState, Segments
 from .model import Qwen35Model
 

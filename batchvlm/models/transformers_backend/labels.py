@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 from ...tasks import box_values, column_of, kind_of, point_values, raw_column, truncated_column
-from ..columns import TaskOutputs
-from ..grounding import florence2_regions
-from ..qwen_prompts import answer_text
+from ..base.columns import TaskOutputs
+from ..base.grounding import florence2_regions
+from ..qwen_vl.prompts import answer_text
 from .architectures import GroundingFormat
 
 

@@ -9,8 +9,8 @@ import torch
 from ...cache.specs import PagedKV
 from ...cache.tensors import EngineCache
 from ...attention import AttentionBatch, attend, plan_groups
-from ..family import PrefixInputs
-from ..qwen_vl.engine import QwenVLEngineModel
+from ..base.contract import PrefixInputs
+from ..qwen_vl.device import QwenVLEngineModel
 from .model import Qwen3VLModel
 
 
