@@ -185,13 +185,13 @@ class EngineModel(Protocol):
     def forward(self, embeds_NC: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, cache: EngineCache,
                 prefix: PrefixInputs | None = None) -> torch.Tensor:
         """Flat tokens -> hidden states [N, C]; writes every token's state into `cache` (K/V by
-        `attend`, recurrent states by `run_recurrent`)."""
+        `attend`, recurrent states by the family's scan over `batch.states`)."""
 
     def decide(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
                heads: tuple[torch.Tensor, ...] | None, prompt: PromptRows | None = None) -> Decision:
         """One step of every row's decoding; updates `state` in place. `heads[b]`: the rows whose
         head schedule (SeqSpec.heads) needs head b this step (None: every row, every head).
-        `prompt`: the scored prompt rows, in a step with MODE_SCORE sequences (note (c))."""
+        `prompt`: the scored prompt rows, in a step with MODE_SCORE sequences (docs/adding-a-family.md, classify)."""
 
     def emit(self, out: RawOutput, spec: SeqSpec, code: int, token: int, v0: float, v1: float) -> None:
         """The host half of the grammar: apply one emission of a sequence (one step behind)."""
@@ -199,4 +199,4 @@ class EngineModel(Protocol):
     # A family whose sequences may carry a SeqSpec.grammar also has
     #   fill_masks(states: list[Any], out_MW: np.ndarray) -> None
     # (the next-token masks of those grammar states into out_MW's first rows, int32) and its
-    # `decide` takes `mask_BW` (note (d)).
+    # `decide` takes `mask_BW` (docs/adding-a-family.md, json masks).

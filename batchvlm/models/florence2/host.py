@@ -1,7 +1,7 @@
 """Florence-2's host side (base/contract.py Family); its device side: device.py.
 
 Every sequence is one (image, prompt) pair: the prompt (`<s>` instruction `</s>`, prompts.py) is
-read by the encoder after the image tokens (`SeqSpec.prefix_prompt`: engine contract v2's prefix
+read by the encoder after the image tokens (`SeqSpec.prefix_prompt`: the contract's prefix
 segment), and the decoder writes the answer from the decoder start token (`SeqSpec.prompt`), its
 own tokens at positions 0, 1, ... for every sequence.
 

@@ -42,7 +42,7 @@ def decide(
 
     `heads` = (token rows, coordinate rows, size rows): the rows whose grammar phase needs that
     output head (known to the caller); other rows get zeros there, which their phase ignores.
-    None computes every head for every row. `mask_BW`: json token masks (models/grammar.py), in
+    None computes every head for every row. `mask_BW`: json token masks (base/grammar.py), in
     jobs with json tasks; rows without a grammar allow every token.
     """
     tk = model.config.tokenizer

@@ -96,7 +96,7 @@ class Moondream(FamilyHost):
 
     def _choices(self, t: int, a) -> list[tuple[str, SeqSpec]]:
         """One sequence per choice: the query's prompt minus its last token is the shared prefix
-        prompt (after the image, read causally: models/family.py (c)); own tokens are that last
+        prompt (after the image, read causally: docs/adding-a-family.md, classify); own tokens are that last
         token and the choice's tokens (after the answer ids: the same alone as in context), all
         scored, then the end token."""
         tpl = self.config.tokenizer.templates.get("query")

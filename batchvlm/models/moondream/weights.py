@@ -1,4 +1,4 @@
-"""Reading a Moondream 2 checkpoint folder (found by models/hub.py).
+"""Reading a Moondream 2 checkpoint folder (found by base/hub.py).
 
 A model folder is laid out like the hub repository:
     config.json        {"model_type": "moondream1", "config": {text, vision, region, tokenizer}}

@@ -1,4 +1,4 @@
-"""Qwen3.5 behind the family interface: the device side the engine drives (contract v2).
+"""Qwen3.5 behind the family interface: the device side the engine drives.
 
 Image prefix of an image (qwen_vl/positions.py): [template head][gh * gw image tokens]
 [vision_end], causal, 3-D rotary positions; own tokens get 1-D positions from `next_pos` on.

@@ -1,8 +1,8 @@
 """Qwen3.5 (`qwen3_5`, and `qwen3_5_moe`: the same family with sparse MLPs and a shared expert)
-behind the family interface (models/family.py): the host side shared with Qwen3-VL
+behind the family interface (base/contract.py): the host side shared with Qwen3-VL
 (qwen_vl/host.py: prompts, sequences, JSON grounding columns), this family's config, module tree
 and device side. The checkpoints' chat template thinks by default; labels take its non-thinking
-form (qwen_prompts.TEMPLATE_VARIABLES: an empty thinking block after the assistant header, part
+form (qwen_vl/prompts.py TEMPLATE_VARIABLES: an empty thinking block after the assistant header, part
 of every task's own prompt)."""
 
 from __future__ import annotations

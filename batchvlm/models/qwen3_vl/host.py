@@ -1,5 +1,5 @@
 """Qwen3-VL (`qwen3_vl`, and `qwen3_vl_moe`: the same family with sparse MLPs) behind the family
-interface (models/family.py): the host side shared with Qwen3.5 (qwen_vl/host.py), this
+interface (base/contract.py): the host side shared with Qwen3.5 (qwen_vl/host.py), this
 family's config, module tree and device side."""
 
 from __future__ import annotations
