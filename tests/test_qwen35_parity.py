@@ -22,7 +22,8 @@ from tokenizers import Tokenizer
 from batchvlm.models.base.hub import weight_files
 from batchvlm.models.qwen3_5.config import Qwen35Config
 from batchvlm.models.qwen3_5.delta_rule import chunked, l2_normalize, recurrent_step
-from batchvlm.models.qwen3_5.linear_state import ZERO, LinearState, Segments
+from batchvlm.cache.spans import ZERO
+from batchvlm.models.qwen3_5.linear_state import LinearState, Segments
 from batchvlm.models.qwen3_5.model import Qwen35Model
 from batchvlm.models.qwen_vl.chat import ChatTemplate, read_template, special_tokens
 from batchvlm.models.base.errors import ConfigError

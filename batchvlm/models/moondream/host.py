@@ -96,9 +96,9 @@ class Moondream(FamilyHost):
 
     def _choices(self, t: int, a) -> list[tuple[str, SeqSpec]]:
         """One sequence per choice: the query's prompt minus its last token is the shared prefix
-        prompt (after the image, read causally: docs/adding-a-family.md, classify); own tokens are that last
-        token and the choice's tokens (after the answer ids: the same alone as in context), all
-        scored, then the end token."""
+        prompt (after the image, read causally: docs/adding-a-family.md, classify); own tokens
+        are that last token and the choice's tokens (after the answer ids: the same alone as in
+        context), all scored, then the end token."""
         tpl = self.config.tokenizer.templates.get("query")
         if tpl is None:
             raise FamilyError("tasks: the model has no query template")

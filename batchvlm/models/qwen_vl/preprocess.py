@@ -22,6 +22,7 @@ from PIL import Image
 from ..base.errors import ConfigError
 from ..base.pixels import level_table
 from .config import VisionConfig
+from .positions import next_position
 
 MAX_ASPECT = 200
 
@@ -92,7 +93,7 @@ class PreparedImage:
 
     @property
     def next_pos(self) -> int:
-        return self.head_len + max(self.grid) + 1
+        return next_position(self.head_len, self.grid)
 
     @property
     def cost(self) -> int:
