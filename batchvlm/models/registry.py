@@ -17,7 +17,7 @@ from .base.hub import read_json, resolve_dir
 
 DEMO_DIR = Path(__file__).parent / "demo"
 
-# model_type -> "module:class" of its family's host side (base/host.py FamilyHost), opened with
+# model_type -> "module:class" of its family's host side (base/host.py FamilyBase), opened with
 # `open(folder, spec, resolved revision)`
 FAMILIES: dict[str, str] = {
     "moondream1": "batchvlm.models.moondream.host:Moondream",

@@ -15,7 +15,7 @@ from .grammar import fill_masks
 from .pinned import PinnedUpload
 
 
-class DeviceModel(ABC):
+class EngineModelBase(ABC):
     """`end_id`: the token that ends a classify choice (scored after its last token, never fed).
     Defaults suit a family whose prefix is the image then the prefix prompt, with scalar
     positions; a family overrides what differs."""

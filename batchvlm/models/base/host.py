@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .contract import EngineModel, StaticModel
 
 
-class FamilyHost(ABC):
+class FamilyBase(ABC):
     """A family's host side (contract.Family) with its checkpoint: a subclass sets `name`,
     `folder`, `model_name` and `revision` and says how to build, fill and wrap its model."""
 

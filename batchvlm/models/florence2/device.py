@@ -21,7 +21,7 @@ from ...cache.specs import CrossKV, PagedKV, StateSpec
 from ...cache.tensors import EngineCache
 from ...attention import AttentionBatch, PrefixGroup, Reads, attend, plan_groups
 from ..base.decoding import Decision, RowState
-from ..base.device import DeviceModel
+from ..base.device import EngineModelBase
 from ..base.contract import ModelInfo, PrefixInputs
 from . import decoding
 from .config import GenerationSettings
@@ -30,7 +30,7 @@ from .model import Florence2Model
 from .preprocess import PreparedImage
 
 
-class Florence2EngineModel(DeviceModel):
+class Florence2EngineModel(EngineModelBase):
     causal_prefix = False  # the encoder reads its (image, prompt) rows bidirectionally
 
     def __init__(self, model: Florence2Model, info: ModelInfo, generation: GenerationSettings, image_tokens: int,

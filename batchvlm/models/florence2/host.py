@@ -28,7 +28,7 @@ from ..base.columns import task_columns
 from ..base.decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
 from ..base.errors import FamilyError, ModelLoadError
 from ..base.contract import ModelInfo, TaskSequence
-from ..base.host import FamilyHost, check_kinds, refuse_constrain
+from ..base.host import FamilyBase, check_kinds, refuse_constrain
 from ..base.grammar import Grammars
 from ..base.hub import load_tokenizer, read_json
 from ..base.errors import ConfigError
@@ -92,7 +92,7 @@ def image_token_count(config: Florence2Config, settings: PixelSettings) -> int:
     return 1 + h * w
 
 
-class Florence2(FamilyHost):
+class Florence2(FamilyBase):
     name = "florence2"
 
     def __init__(self, config: Florence2Config, settings: PixelSettings, generation: GenerationSettings,

@@ -10,14 +10,14 @@ from ...cache.specs import PagedKV
 from ...cache.tensors import EngineCache
 from ..base.contract import ModelInfo, PrefixInputs
 from ..base.decoding import Decision, RowState
-from ..base.device import DeviceModel
+from ..base.device import EngineModelBase
 from . import grammar
 from .decoding import decide
 from .model import MoondreamModel
 from .preprocess import PreparedImage
 
 
-class MoondreamEngineModel(DeviceModel):
+class MoondreamEngineModel(EngineModelBase):
     causal_prefix = False  # the image part: [BOS][image tokens]
     causal_prefix_prompt = True  # a prefix prompt after it (classify's shared prompt) is text: causal
     model: MoondreamModel

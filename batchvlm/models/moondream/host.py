@@ -15,7 +15,7 @@ from ..base.contract import ModelInfo, TaskSequence
 from ..base.decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
 from ..base.errors import FamilyError, ModelLoadError
 from ..base.grammar import Grammars
-from ..base.host import FamilyHost, check_context, check_kinds
+from ..base.host import FamilyBase, check_context, check_kinds
 from ..base.hub import TokenizerAdapter, load_tokenizer
 from . import grammar
 from .config import MoondreamConfig
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 KINDS = ("caption", "query", "point", "detect", "classify", "json")
 
 
-class Moondream(FamilyHost):
+class Moondream(FamilyBase):
     name = "moondream"
 
     def __init__(self, config: MoondreamConfig, tokenizer, folder: Path, model_name: str, revision: str | None,

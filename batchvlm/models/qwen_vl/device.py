@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base.decoding import Decision, RowState, decide_text, emit_text
-from ..base.device import DeviceModel
+from ..base.device import EngineModelBase
 from ..base.contract import ModelInfo, PrefixInputs
 from ..base.grammar import apply_mask_
 from .model import QwenVLModel
@@ -34,7 +34,7 @@ class ImageFeatures:
     grid: tuple[int, int]
 
 
-class QwenVLEngineModel(DeviceModel):
+class QwenVLEngineModel(EngineModelBase):
     causal_prefix = True
 
     def __init__(self, model: QwenVLModel, info: ModelInfo, head: list[int], stop_ids: list[int],

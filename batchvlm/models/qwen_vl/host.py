@@ -25,7 +25,7 @@ from ..base.contract import ModelInfo, TaskSequence
 from ..base.decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
 from ..base.errors import ConfigError, FamilyError, ModelLoadError
 from ..base.grammar import Grammars
-from ..base.host import FamilyHost, check_context, check_kinds
+from ..base.host import FamilyBase, check_context, check_kinds
 from ..base.hub import TokenizerAdapter, load_tokenizer
 from .chat import ChatTemplate, read_template, special_tokens
 from .config import QwenVLConfig, VisionConfig
@@ -80,7 +80,7 @@ class QwenConfig(Protocol):
         """The width of the model's logits (json masks are that wide)."""
 
 
-class QwenVLHost(FamilyHost):
+class QwenVLHost(FamilyBase):
     title: str  # in messages: "Qwen3-VL"
     kinds: tuple[str, ...] = KINDS  # the task kinds the family runs
     config_class: ClassVar[type[QwenVLConfig]]

@@ -19,7 +19,7 @@ from ..base.columns import task_columns
 from ..base.decoding import RawOutput
 from ..base.contract import ModelInfo, TaskSequence
 from ..base.errors import ModelLoadError
-from ..base.host import FamilyHost, refuse_constrain
+from ..base.host import FamilyBase, refuse_constrain
 from ..qwen_vl.prompts import refuse_thinking_only
 from . import architectures
 from .device import StaticModel
@@ -30,7 +30,7 @@ from .labels import task_values
 from .structured import with_choices
 
 
-class TransformersFamily(FamilyHost):
+class TransformersFamily(FamilyBase):
     backend = "transformers"
 
     def __init__(self, host: HostSide, model_name: str, revision: str | None):
