@@ -15,6 +15,7 @@ from .errors import FamilyError
 from .hub import resolve_device, resolve_dtype, weight_files, weights_sha256
 
 if TYPE_CHECKING:
+    from ...job import ModelSpec
     from ...tasks import Task
     from .contract import EngineModel, StaticModel
 
@@ -28,6 +29,12 @@ class FamilyBase(ABC):
     folder: Path
     model_name: str
     revision: str | None
+
+    @classmethod
+    @abstractmethod
+    def open(cls, folder: Path, spec: ModelSpec, revision: str | None) -> FamilyBase:
+        """The host side of the checkpoint in `folder` (what registry.open_family calls); raises
+        ModelLoadError naming the file or the job field."""
 
     def load(self, dtype: str = "auto", device: str = "auto") -> EngineModel | StaticModel:
         """device / dtype -> weight files -> build -> load weights -> ModelInfo -> device side."""
