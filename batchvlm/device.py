@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .dist import Rank
 from .job import EngineSpec, Job, JobError
-from .models.hub import resolve_device, resolve_dtype
+from .models.base.hub import resolve_device, resolve_dtype
 
 CUDA_BLOCK_SIZES = (16, 32, 64, 128)  # KV block sizes whose tiles the Triton attention kernels divide
 

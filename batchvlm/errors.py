@@ -22,7 +22,7 @@ def user_errors() -> tuple[type[Exception], ...]:
     """A job that cannot run as written: the job file, its inputs, the model, the output folder."""
     from .data.sources import SourceError
     from .job import JobError
-    from .models.family import FamilyError, ModelLoadError
+    from .models.base.errors import FamilyError, ModelLoadError
     from .output.layout import OutputConflict
 
     return JobError, SourceError, ModelLoadError, FamilyError, OutputConflict
@@ -31,7 +31,7 @@ def user_errors() -> tuple[type[Exception], ...]:
 def run_failure(e: Exception, out_dir: str) -> tuple[int, str] | None:
     """-> (exit code, one line) for a run that ended on `e`; None for a bug (its traceback stands)."""
     from .data.loader import SharedMemoryFull
-    from .models.family import ModelFetchError
+    from .models.base.errors import ModelFetchError
     from .output.lock import RunLockHeld
     from .output.writer import OutputWriteError, write_failure
 

@@ -39,10 +39,11 @@ def one(batch: int, images: int, full: bool, device: str, max_new_tokens: int) -
 
     from batchvlm.engine.engine import Engine
     from batchvlm.job import EngineSpec
-    from batchvlm.models.family import ModelInfo, WorkItem
-    from batchvlm.models.hub import resolve_device, resolve_dtype
+    from batchvlm.models.base.contract import ModelInfo, WorkItem
+    from batchvlm.models.base.hub import resolve_device, resolve_dtype
     from batchvlm.models.moondream.config import MoondreamConfig
-    from batchvlm.models.moondream.family import Moondream, MoondreamEngineModel
+    from batchvlm.models.moondream.host import Moondream
+    from batchvlm.models.moondream.device import MoondreamEngineModel
     from batchvlm.models.moondream.weights import build_model
     from batchvlm.shapes.world import SPEC, draw_scene
     from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask

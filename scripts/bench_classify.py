@@ -27,7 +27,7 @@ import torch
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models.family import WorkItem
+from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.registry import open_family
 from batchvlm.shapes.world import COUNT_QUESTION, NUMBERS, SPEC, draw_scene
 from batchvlm.tasks import ClassifyTask, QueryTask

@@ -35,8 +35,9 @@ import torch
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models.family import WorkItem
-from batchvlm.models.moondream.family import Moondream, MoondreamEngineModel
+from batchvlm.models.base.contract import WorkItem
+from batchvlm.models.moondream.host import Moondream
+from batchvlm.models.moondream.device import MoondreamEngineModel
 from batchvlm.models.moondream.generate import generate
 from batchvlm.models.moondream.preprocess import Preprocessor
 from batchvlm.models.registry import open_family
@@ -81,8 +82,8 @@ def full_random(device: str) -> Bench:
     """Full-size Moondream 2 shapes with random weights (no checkpoint needed)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from batchvlm.models.family import ModelInfo
-    from batchvlm.models.hub import resolve_device, resolve_dtype
+    from batchvlm.models.base.contract import ModelInfo
+    from batchvlm.models.base.hub import resolve_device, resolve_dtype
     from batchvlm.models.moondream.config import MoondreamConfig
     from batchvlm.models.moondream.weights import build_model
 

@@ -37,7 +37,7 @@ from support.tiny_vlms import florence2  # noqa: E402
 
 from batchvlm.engine.engine import EngineLabeler  # noqa: E402
 from batchvlm.job import EngineSpec, ModelSpec  # noqa: E402
-from batchvlm.models.family import WorkItem  # noqa: E402
+from batchvlm.models.base.contract import WorkItem  # noqa: E402
 from batchvlm.models.registry import open_family  # noqa: E402
 from batchvlm.tasks import Task  # noqa: E402
 

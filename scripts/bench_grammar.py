@@ -154,7 +154,7 @@ class XGrammarUtf8:
     name = "xgrammar+utf8"
 
     def __init__(self, tok, stop: int):
-        from batchvlm.models import grammar
+        from batchvlm.models.base import grammar
 
         self.g, self.vocab = grammar, grammar.Vocabulary(tok, tok.get_vocab_size(), [stop])
 

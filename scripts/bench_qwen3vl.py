@@ -44,7 +44,7 @@ from support.qwen3vl_fixture import IDS  # noqa: E402
 
 from batchvlm.engine.engine import Engine  # noqa: E402
 from batchvlm.job import EngineSpec, ModelSpec  # noqa: E402
-from batchvlm.models.family import WorkItem  # noqa: E402
+from batchvlm.models.base.contract import WorkItem  # noqa: E402
 from batchvlm.models.registry import open_family  # noqa: E402
 from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask  # noqa: E402
 

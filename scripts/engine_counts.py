@@ -32,7 +32,7 @@ def measure(images: int, batch: int, pipelined: bool) -> dict:
 
     from batchvlm.engine.engine import Engine
     try:
-        from batchvlm.models.family import WorkItem
+        from batchvlm.models.base.contract import WorkItem
     except ImportError:  # a tree from before WorkItem moved beside the family interface
         from batchvlm.engine.labeler import WorkItem
     from batchvlm.job import EngineSpec, ModelSpec

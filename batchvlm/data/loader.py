@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..job import InputSpec, LoaderSpec
-from ..models.family import Prepared, Preprocessor
+from ..models.base.contract import Prepared, Preprocessor
 from .decode import decode
 from .sources import Encoded, ShardRef, TarSkipped, read_shard
 

@@ -24,8 +24,8 @@ from ..attention.backend import COMPILED
 from ..cache.blocks import BlockManager, SnapshotSlots
 from ..cache.tensors import EngineCache
 from ..job import EngineSpec
-from ..models.decoding import RawOutput, sequence_seed
-from ..models.family import EngineModel, TaskSequence, WorkItem
+from ..models.base.decoding import RawOutput, sequence_seed
+from ..models.base.contract import EngineModel, TaskSequence, WorkItem
 from .plan import StepPlan
 from .runner import Runner
 from .scheduler import Scheduler

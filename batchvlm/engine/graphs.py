@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..attention import bucket
-from ..models.decoding import Decision
+from ..models.base.decoding import Decision
 from .inputs import NO_DECODE, DecodeInputs, decode_inputs, pad_decode
 from .plan import StepPlan
 from .staging import Staging

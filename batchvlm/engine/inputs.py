@@ -15,7 +15,7 @@ import numpy as np
 
 from ..cache.spans import ZERO
 from ..attention import PAD
-from ..models.decoding import MODE_SCORE, N_HEADS, SCORE_END
+from ..models.base.decoding import MODE_SCORE, N_HEADS, SCORE_END
 from .plan import StepPlan
 from .staging import rows_by_image
 

@@ -29,8 +29,8 @@ import torch
 from ..cache.spans import StateSpans
 from ..cache.tensors import EngineCache
 from ..attention import AttentionBatch, PrefixGroup, PrefixView, SharedPrefix, TaskGroup, slot_of
-from ..models.decoding import MODE_SCORE, Decision, PromptRows, RowState
-from ..models.family import EngineModel
+from ..models.base.decoding import MODE_SCORE, Decision, PromptRows, RowState
+from ..models.base.contract import EngineModel
 from .graphs import DecodeGraphs, DecodePadding
 from .inputs import DecodeInputs, step_inputs
 from .plan import Emissions, StepPlan

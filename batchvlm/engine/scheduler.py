@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..cache.blocks import BlockManager, SnapshotSlots
-from ..models.decoding import RawOutput, SeqSpec, emit_text
+from ..models.base.decoding import RawOutput, SeqSpec, emit_text
 from .plan import PREFILL_TOKENS_PER_STEP, Emissions, StepPlan
 from .sequence import ImageWork, Prefix, SeqState, Sequence
 

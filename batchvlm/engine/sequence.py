@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from ..models.decoding import RawOutput, SeqSpec
-from ..models.family import Prepared
+from ..models.base.decoding import RawOutput, SeqSpec
+from ..models.base.contract import Prepared
 
 
 class SeqState(Enum):

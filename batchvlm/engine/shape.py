@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from ..attention.backend import MaskBounds
 from ..cache.specs import has_recurrent
 from ..job import EngineSpec
-from ..models.decoding import MODE_SCORE
-from ..models.family import EngineModel, TaskSequence
+from ..models.base.decoding import MODE_SCORE
+from ..models.base.contract import EngineModel, TaskSequence
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from ..attention import dispatch
 from ..cache.specs import bytes_per_slot, bytes_per_state, prefix_view_bytes
 from ..cache.tensors import EngineCache
 from ..job import EngineSpec
-from ..models.decoding import Decision
-from ..models.family import EngineModel
+from ..models.base.decoding import Decision
+from ..models.base.contract import EngineModel
 from .memory import available_bytes
 from .plan import PREFILL_TOKENS_PER_STEP
 from .runner import Runner

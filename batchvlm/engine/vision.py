@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..models.family import EngineModel, Prepared
+from ..models.base.contract import EngineModel, Prepared
 
 
 class HostEvent:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..models.decoding import MODE_SCORE, MODE_TEXT, N_HEADS
+from ..models.base.decoding import MODE_SCORE, MODE_TEXT, N_HEADS
 from .plan import PREFILL_TOKENS_PER_STEP, StepPlan
 
 

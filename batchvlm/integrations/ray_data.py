@@ -43,7 +43,7 @@ class Labeler:
         default the job's, else a hash of the image bytes."""
         from ..engine.engine import EngineLabeler
         from ..models import registry
-        from ..models.family import StaticModel
+        from ..models.base.contract import StaticModel
         from ..output.writer import schema
 
         if isinstance(job, dict):
@@ -65,7 +65,7 @@ class Labeler:
         self.schema = pa.schema([f for f in full if f.name not in IDENTITY])
 
     def __call__(self, batch: Any) -> pa.Table:
-        from ..models.family import WorkItem
+        from ..models.base.contract import WorkItem
 
         table = _to_arrow(batch)
         if self.input.image_column not in table.column_names:

@@ -15,7 +15,7 @@ from .. import __version__
 from ..data.loader import Sample, ShardEnd
 from ..data.sources import ShardRef, shown
 from ..job import Job
-from ..models.family import PARSE_FAILURES, Family, TaskSequence, WorkItem
+from ..models.base.contract import PARSE_FAILURES, Family, TaskSequence, WorkItem
 from ..output import manifest
 from ..output.claims import Claims
 from ..output.layout import Layout

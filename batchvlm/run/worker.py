@@ -33,7 +33,7 @@ from ..dist import Rank, my_shards
 from ..engine.engine import EngineLabeler
 from ..job import Job
 from ..models import registry
-from ..models.family import EngineModel, Family, StaticModel, TaskSequence
+from ..models.base.contract import EngineModel, Family, StaticModel, TaskSequence
 from ..output import manifest
 from ..output.claims import Claims
 from ..output.layout import Layout

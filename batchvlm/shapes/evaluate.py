@@ -7,7 +7,7 @@ import random
 
 from PIL import Image
 
-from ..models.decoding import MODE_TEXT, SeqSpec
+from ..models.base.decoding import MODE_TEXT, SeqSpec
 from ..models.moondream.grammar import MODE_DETECT, MODE_POINT, spec
 from ..models.moondream.generate import generate
 from ..models.moondream.model import MoondreamModel

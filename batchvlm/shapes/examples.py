@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..models.decoding import INPUT_TOKEN
+from ..models.base.decoding import INPUT_TOKEN
 from ..models.moondream.grammar import INPUT_COORD, INPUT_SIZE
 from ..models.moondream.preprocess import Preprocessor
 from .settings import TrainSettings

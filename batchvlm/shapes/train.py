@@ -151,7 +151,7 @@ class Trainer:
         return score_model(self.model, self.tokenizer_adapter(), self.pre, n_images, seed)
 
     def tokenizer_adapter(self):
-        from ..models.hub import TokenizerAdapter
+        from ..models.base.hub import TokenizerAdapter
 
         return TokenizerAdapter(self.tokenizer)
 

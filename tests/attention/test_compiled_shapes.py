@@ -17,7 +17,7 @@ from batchvlm.engine.graphs import buckets
 from batchvlm.engine.sizing import Sizer
 from batchvlm.job import EngineSpec, JobError
 from batchvlm.attention import dispatch as attention
-from batchvlm.models.family import WorkItem
+from batchvlm.models.base.contract import WorkItem
 from batchvlm.attention.fused import COMPILED, FusedAttention, bucket
 from batchvlm.attention.paged_mask import Q_BLOCK, flex_tiles
 from batchvlm.models.moondream.config import MoondreamConfig

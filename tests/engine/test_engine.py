@@ -12,7 +12,7 @@ from PIL import Image
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec
-from batchvlm.models.decoding import sequence_seed
+from batchvlm.models.base.decoding import sequence_seed
 from batchvlm.models.moondream.config import MoondreamConfig
 from batchvlm.models.moondream.generate import generate
 

@@ -14,8 +14,9 @@ from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs, buckets, key_of
 from batchvlm.engine.runner import Runner
 from batchvlm.engine.staging import Staging
+from batchvlm.cache.specs import bytes_per_slot
 from batchvlm.job import EngineSpec
-from batchvlm.models.family import WorkItem
+from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.moondream.config import MoondreamConfig
 from batchvlm.models.moondream.generate import generate
 
@@ -129,7 +130,7 @@ def test_batched_admission_raises_the_share_of_decode_only_steps(tiny):
 
 def test_cpu_kv_cache_is_bounded_by_available_memory(tiny, monkeypatch):
     md, _, seqs, _ = tiny
-    per_block = md.engine.kv_bytes_per_token() * 16
+    per_block = bytes_per_slot(md.engine.state_specs()) * 16
     unbounded = Engine(md.engine, seqs, EngineSpec(max_batch_size=64), md.P)
     assert unbounded.stats["rows"] == 64
     monkeypatch.setattr(sizing_mod, "available_bytes", lambda device: 40 * per_block)
@@ -169,7 +170,7 @@ def test_out_of_memory_steps_run_in_halves_and_lose_no_row(tiny, pipelined):
 
 
 def test_vision_upload_on_cpu_is_one_concatenation():
-    from batchvlm.models.pinned import PinnedUpload
+    from batchvlm.models.base.pinned import PinnedUpload
 
     parts = [torch.arange(12, dtype=torch.uint8).view(2, 2, 3), torch.zeros(1, 2, 3, dtype=torch.uint8)]
     out = PinnedUpload(torch.device("cpu"))(parts)

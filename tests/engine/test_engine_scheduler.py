@@ -10,7 +10,7 @@ from batchvlm.cache.blocks import BlockManager, OutOfBlocks
 from batchvlm.engine.plan import Emissions
 from batchvlm.engine.scheduler import Scheduler
 from batchvlm.engine.sequence import ImageWork, Prefix, SeqState, Sequence
-from batchvlm.models.decoding import EMIT_NONE, MODE_TEXT, SeqSpec
+from batchvlm.models.base.decoding import EMIT_NONE, MODE_TEXT, SeqSpec
 from batchvlm.models.moondream.grammar import MODE_DETECT, MODE_POINT, spec
 
 

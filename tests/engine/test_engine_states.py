@@ -10,8 +10,8 @@ from support.toy_states import DEC_START, EncDecToy, HybridToy, encdec_reference
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec
-from batchvlm.models.decoding import MODE_TEXT, SeqSpec
-from batchvlm.models.family import TaskSequence, WorkItem
+from batchvlm.models.base.decoding import MODE_TEXT, SeqSpec
+from batchvlm.models.base.contract import TaskSequence, WorkItem
 
 LENGTHS = [3, 23, 5, 14, 8]
 

@@ -12,8 +12,8 @@ from support.paths import REPO
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec
-from batchvlm.models.decoding import MODE_TEXT, SeqSpec
-from batchvlm.models.family import TaskSequence, WorkItem
+from batchvlm.models.base.decoding import MODE_TEXT, SeqSpec
+from batchvlm.models.base.contract import TaskSequence, WorkItem
 
 ROOT = REPO / "batchvlm"
 
@@ -47,7 +47,7 @@ def test_nothing_outside_models_imports_a_family():
     """engine/, run/, tasks.py, data/ and output/ reach models only through the interface (the
     family boundary, decoding, the attention backends, the registry)."""
     paths = [ROOT / "tasks.py"] + [p for d in ("run", "engine", "data", "output") for p in (ROOT / d).rglob("*.py")]
-    family_import = re.compile(r"^\s*(from|import)\s+\S*models\.(?!family\b|decoding\b|attention\b|fused_attention\b|registry\b)\w+",
+    family_import = re.compile(r"^\s*(from|import)\s+\S*models\.(?!base\.(contract|decoding|errors)\b|registry\b)\w+",
                                re.M)
     offenders = [str(p.relative_to(ROOT)) for p in paths if family_import.search(p.read_text())]
     assert offenders == []

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
 from batchvlm.attention import dispatch as attention
-from batchvlm.models.family import WorkItem
+from batchvlm.models.base.contract import WorkItem
 from batchvlm.attention.fused import FusedAttention
 from batchvlm.models.moondream.config import MoondreamConfig
 

@@ -72,6 +72,7 @@ def test_demo_model_in_bfloat16_still_labels_right():
 def test_kv_cache_is_sized_from_free_memory(tiny_cuda, monkeypatch):
     import batchvlm.engine.sizing as sizing_mod
     from batchvlm.engine.engine import Engine
+    from batchvlm.cache.specs import bytes_per_slot
     from batchvlm.engine.sizing import Sizer
     from batchvlm.job import EngineSpec
 
@@ -80,7 +81,7 @@ def test_kv_cache_is_sized_from_free_memory(tiny_cuda, monkeypatch):
     settings = EngineSpec(max_batch_size=8, kv_memory_fraction=0.5)
     roomy = Engine(md.engine, seqs, settings, md.P)
     wanted = roomy.stats["kv_blocks"]  # a tiny model on a big GPU: everything it asks for
-    per_block = md.engine.kv_bytes_per_token() * settings.block_size
+    per_block = bytes_per_slot(md.engine.state_specs()) * settings.block_size
     reserve, rows = Sizer(md.engine, roomy.shape, roomy.settings, print).warmup_peak_bytes(8)
     assert reserve > 0 and rows == 8
     del roomy
@@ -110,7 +111,7 @@ def test_graphs_are_captured_at_start_up_and_replayed(tiny_cuda):
     from batchvlm.engine.engine import Engine
     from batchvlm.engine.graphs import buckets
     from batchvlm.job import EngineSpec
-    from batchvlm.models.family import WorkItem
+    from batchvlm.models.base.contract import WorkItem
 
     md, prepared = tiny_cuda
     seqs = md.sequences(TASKS, max_new_tokens=9, max_objects=3)
@@ -145,7 +146,7 @@ def test_engine_agrees_with_itself_in_bfloat16(tmp_path):
 
 
 def test_vision_inputs_go_up_through_reused_pinned_buffers():
-    from batchvlm.models.pinned import PinnedUpload
+    from batchvlm.models.base.pinned import PinnedUpload
 
     up = PinnedUpload(torch.device("cuda"))
     g = torch.Generator().manual_seed(0)
@@ -177,7 +178,7 @@ def test_warm_up_halves_the_rows_until_the_largest_step_fits(tiny_cuda, monkeypa
     engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=64), md.P, log=logged.append)
     assert engine.stats["rows"] == 8 and len(logged) == 3
     reference = [[(o.tokens, o.objects) for o in img] for img in generate(md.model, prepared, [s.spec for s in seqs])]
-    from batchvlm.models.family import WorkItem
+    from batchvlm.models.base.contract import WorkItem
 
     out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
            for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
@@ -229,7 +230,7 @@ def test_json_masks_on_cuda_agree_and_do_not_starve_the_device(tmp_path):
     from batchvlm.data.decode import decode
     from batchvlm.engine.engine import Engine
     from batchvlm.job import EngineSpec, ModelSpec
-    from batchvlm.models.family import WorkItem
+    from batchvlm.models.base.contract import WorkItem
     from batchvlm.models.registry import open_family
     from batchvlm.tasks import CaptionTask, DetectTask, JsonTask
     from support.inputs import encode_image
@@ -276,7 +277,7 @@ def _labels(family, model, tasks, prepared, **engine) -> tuple[list[dict], dict]
     """The finished columns of every image, and the engine's stats."""
     from batchvlm.engine.engine import Engine
     from batchvlm.job import EngineSpec
-    from batchvlm.models.family import WorkItem
+    from batchvlm.models.base.contract import WorkItem
 
     settings = EngineSpec(**engine)
     seqs = family.sequences(tasks, settings)

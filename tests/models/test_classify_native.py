@@ -16,7 +16,7 @@ from support.qwen_vl import MOE, images, prepared
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models.family import WorkItem
+from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.registry import open_family
 from batchvlm.tasks import ClassifyTask, choice_values
 

@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from batchvlm.models.grammar import apply_mask_, mask_words
+from batchvlm.models.base.grammar import apply_mask_, mask_words
 
 
 class NewBytes(TorchDispatchMode):

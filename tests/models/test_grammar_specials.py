@@ -14,7 +14,7 @@ from support.qwen3vl_fixture import IDS, VOCAB
 from support.qwen3vl_fixture import byte_tokenizer as qwen3vl_tokenizer
 from support.tiny_vlms import QWEN_SPECIALS, byte_tokenizer, florence2_tokenizer
 
-from batchvlm.models.grammar import Grammars, fill_masks
+from batchvlm.models.base.grammar import Grammars, fill_masks
 
 xgr = pytest.importorskip("xgrammar")
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from batchvlm.models.grounding import (florence2_boxes, florence2_regions, internvl_boxes, json_objects, paligemma_boxes,
-                                       qwen3_boxes, qwen3_points, qwen25_boxes, qwen25_points)
+from batchvlm.models.base.grounding import (florence2_boxes, florence2_regions, internvl_boxes, json_objects,
+                                            paligemma_boxes, qwen3_boxes, qwen3_points, qwen25_boxes, qwen25_points)
 
 
 def close(got, want):

@@ -13,7 +13,7 @@ from support.structured_cases import SCHEMAS, assert_finished_answers_validate
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models.family import WorkItem
+from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.qwen_vl.labels import parses_cleanly
 from batchvlm.models.registry import open_family
 from batchvlm.tasks import DetectTask, JsonTask, PointTask

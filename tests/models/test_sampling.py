@@ -4,8 +4,8 @@ draws that stay on the greedy token when the model is sure, even at the extreme 
 import pytest
 import torch
 
-import batchvlm.models.decoding as decoding
-from batchvlm.models.decoding import RowState, sample_tokens, uniform, uniform_from_bits
+import batchvlm.models.base.decoding as decoding
+from batchvlm.models.base.decoding import RowState, sample_tokens, uniform, uniform_from_bits
 
 EXTREMES = torch.tensor([0, 1, 2**31, 2**32 - 129, 2**32 - 128, 2**32 - 2, 2**32 - 1], dtype=torch.long)
 

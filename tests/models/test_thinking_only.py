@@ -16,7 +16,7 @@ from support.qwen3vl_fixture import CHAT_TEMPLATE, hf_config, write_host_files
 from safetensors.torch import save_file
 
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models.family import ModelLoadError
+from batchvlm.models.base.errors import ModelLoadError
 from batchvlm.models.registry import check_tasks
 from batchvlm.tasks import CaptionTask
 

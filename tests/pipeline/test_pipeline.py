@@ -187,7 +187,7 @@ def test_a_shard_that_breaks_the_reader_fails_alone(tmp_path):
     # traceback keeps the loader alive into interpreter exit, which must not wait on the workers.
     job = write_job(tmp_path / "job.yaml", "unused", input={"parquet": "many-*.parquet", "shards": None},
                     output={"dir": "labels3"}, loader={"workers": 2, "prefetch": 1})
-    script = ("import sys\nfrom batchvlm.job import load_job\nfrom batchvlm.models.moondream.family import Moondream\n"
+    script = ("import sys\nfrom batchvlm.job import load_job\nfrom batchvlm.models.moondream.host import Moondream\n"
               "from batchvlm.run import run_job\n"
               "def broken(*args): raise RuntimeError('injected fault')\n"
               "Moondream.load = broken\nrun_job(load_job(sys.argv[1]), progress=False)\n")

@@ -5,13 +5,13 @@ import errno
 import json
 
 import pytest
-from helpers import write_job
+from support.inputs import write_job
 
 from batchvlm.dist import Rank
 from batchvlm.errors import run_failure
 from batchvlm.exits import EXIT_FAILED, EXIT_JOB_ERROR, EXIT_OK, EXIT_STOPPED
 from batchvlm.job import JobError, load_job
-from batchvlm.models.family import ModelFetchError
+from batchvlm.models.base.errors import ModelFetchError
 from batchvlm.output.layout import OutputConflict
 from batchvlm.output.lock import RunLockHeld
 from batchvlm.run import RunSummary, run_job

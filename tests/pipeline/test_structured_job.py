@@ -84,7 +84,7 @@ def test_choice_values_are_a_softmax_in_choice_order():
 
 
 def test_moondream_builds_classify_and_json_sequences():
-    from batchvlm.models.decoding import MODE_SCORE
+    from batchvlm.models.base.decoding import MODE_SCORE
     from batchvlm.models.registry import open_family
 
     job = _job({"caption": {}}, {"classify": {"question": "How many shapes are there?", "choices": ["one", "two"]}})

@@ -90,8 +90,8 @@ def test_a_bad_job_file_exits_with_the_do_not_retry_code(tmp_path):
 
 
 def test_a_model_missing_from_an_offline_cache_is_final_not_a_hub_hiccup():
-    from batchvlm.models.family import ModelFetchError, ModelLoadError
-    from batchvlm.models.hub import resolve_dir
+    from batchvlm.models.base.errors import ModelFetchError, ModelLoadError
+    from batchvlm.models.base.hub import resolve_dir
 
     assert os.environ.get("HF_HUB_OFFLINE") == "1"  # conftest
     with pytest.raises(ModelLoadError, match="cannot fetch") as e:

@@ -14,10 +14,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec
-from batchvlm.models.decoding import RawOutput
-from batchvlm.models.family import WorkItem
+from batchvlm.models.base.decoding import RawOutput
+from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.moondream.config import MoondreamConfig
-from batchvlm.models.moondream.family import Moondream, MoondreamEngineModel
+from batchvlm.models.moondream.host import Moondream
+from batchvlm.models.moondream.device import MoondreamEngineModel
 from batchvlm.models.moondream.generate import generate
 from batchvlm.models.moondream.model import MoondreamModel
 from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask

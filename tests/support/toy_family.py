@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from batchvlm.cache.specs import PagedKV
 from batchvlm.attention import AttentionBatch, attend, plan_groups
-from batchvlm.models.decoding import MODE_TEXT, RowState, SeqSpec, decide_text, emit_text
-from batchvlm.models.family import ModelInfo, PrefixInputs
+from batchvlm.models.base.decoding import MODE_TEXT, RowState, SeqSpec, decide_text, emit_text
+from batchvlm.models.base.contract import ModelInfo, PrefixInputs
 
 DIM, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB, PIXELS = 32, 4, 2, 8, 2, 40, 6
 STOP = 1  # the stop token

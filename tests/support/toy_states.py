@@ -11,19 +11,54 @@ one-sequence-at-a-time reference (no paging, no cache, no batching, no snapshots
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from support.toy_family import DIM, HEAD_DIM, HEADS, KV_HEADS, STOP, ToyImage, ToyModel, prefix_positions, rotate
 
+from batchvlm.cache.spans import ZERO, StateSpans
 from batchvlm.cache.specs import CrossKV, PagedKV, Recurrent
 from batchvlm.attention import AttentionBatch, PrefixGroup, Reads, attend, plan_groups, prefix_self_attention
-from batchvlm.models.decoding import MODE_TEXT, SeqSpec
-from batchvlm.models.family import PrefixInputs
-from batchvlm.models.recurrent import run_recurrent
+from batchvlm.models.base.decoding import MODE_TEXT, SeqSpec
+from batchvlm.models.base.contract import PrefixInputs
 
 KERNEL, LIN_HEADS, KEY_DIM, VALUE_DIM = 3, 2, 4, 8
 CONV_C = LIN_HEADS * (2 * KEY_DIM + VALUE_DIM)
 KINDS = ("linear", "full", "linear")
+
+
+# The toy's scan over a step's state spans (cache/spans.py): prefix spans from zero into their
+# snapshot, prompt spans from a copy of their prefix's snapshot into their row, step tokens in place.
+State = dict[str, torch.Tensor]  # part -> one layer's state of some sequences [B, *shape]
+Scan = Callable[[torch.Tensor, State], tuple[torch.Tensor, State]]  # ([T, C] tokens, [1, ...] state)
+
+
+def run_recurrent(x_NC: torch.Tensor, spans: StateSpans, state: dict[str, torch.Tensor], layer: int,
+                  scan: Scan, step: Scan) -> torch.Tensor:
+    """Run one recurrent layer over a step: `scan` once per span (its tokens in order, from its
+    starting state, [1, ...] states), `step` once for all step tokens ([D, ...] states, one token
+    each). `state[part]` is [n_states, n_layers, *shape]; writes the end states. -> [N, C_out]."""
+    parts: list[tuple[int, torch.Tensor]] = []
+    for start, n, read, write in zip(spans.scan_start, spans.scan_len, spans.scan_read, spans.scan_write):
+        s0 = {p: (t.new_zeros(1, *t.shape[2:]) if read == ZERO else t[read : read + 1, layer].clone())
+              for p, t in state.items()}
+        y, s1 = scan(x_NC[start : start + n], s0)
+        for p, t in state.items():
+            t[write, layer] = s1[p][0]
+        parts.append((start, y))
+    rows = spans.step_rows
+    if rows.shape[0]:
+        y, s1 = step(x_NC[spans.first_step :], {p: t[rows, layer] for p, t in state.items()})
+        for p, t in state.items():
+            t[rows, layer] = s1[p]
+        parts.append((spans.first_step, y))
+    if not parts:
+        return x_NC.new_zeros(0)
+    out = parts[0][1].new_empty(x_NC.shape[0], *parts[0][1].shape[1:])
+    for start, y in parts:
+        out[start : start + y.shape[0]] = y
+    return out
 
 
 def _dense(q, k, v, causal: bool = True):

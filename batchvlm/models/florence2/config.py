@@ -8,13 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..base.errors import ConfigError
+
 # The image tokens are one spatially pooled token, then every cell of the last DaViT stage
 # (pooled over the single frame). transformers 5 hard-codes this; older configs spell it out.
 FEATURE_SOURCE = ["spatial_avg_pool", "temporal_avg_pool"]
-
-
-class ConfigError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ applied in transformers' order to every row's logits, without a host round trip:
                     RawOutput.cut), unless the model chose the end token itself.
 Otherwise as decoding.py's `decide_text`: a row that writes its limit-th token finishes (cut).
 
-json rows (a grammar mask `mask_BW`, models/grammar.py) meet these settings so:
+json rows (a grammar mask `mask_BW`, base/grammar.py) meet these settings so:
   forced_bos        not grammar text: it is written (EMIT_FORCED, kept in the tokens like every
                     row's) but not fed to the grammar, whose first mask holds for the next token;
   forced_eos        at the limit the answer is cut, grammar or not (`<name>_truncated`); the
@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..decoding import EMIT_NONE, EMIT_SCORE, EMIT_TOKEN, Decision, RawOutput, RowState, SeqSpec, sample_tokens
-from ..grammar import apply_mask_
+from ..base.decoding import EMIT_NONE, EMIT_SCORE, EMIT_TOKEN, Decision, RawOutput, RowState, SeqSpec, sample_tokens
+from ..base.grammar import apply_mask_
 from .config import GenerationSettings
 
 # Emission code beside EMIT_NONE / EMIT_TOKEN: the forced end token cut the answer (nothing

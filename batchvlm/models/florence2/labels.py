@@ -2,7 +2,7 @@
 them: captions, answers and OCR are the text without special tokens (stripped); a json answer is
 the text exactly as its grammar read it (every token but the forced first one, no clean-up:
 nothing the grammar allowed is dropped or changed; it allows no special token); detect and
-regions read the text with its <loc_N> tokens (models/grounding.py, the processor's rules). A
+regions read the text with its <loc_N> tokens (base/grounding.py, the processor's rules). A
 detect box is labelled with the object asked for, a region with its own phrase; at most
 max_objects of them, in the order the model wrote them. Detect text is `<name>_raw` too.
 """
@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from ...tasks import box_values, column_of, kind_of, raw_column, truncated_column
-from ..columns import TaskOutputs
-from ..grounding import florence2_boxes, florence2_regions
+from ..base.columns import TaskOutputs
+from ..base.grounding import florence2_boxes, florence2_regions
 
 
 def task_values(tokenizer, forced_first: bool, o: TaskOutputs) -> dict[str, Any]:
-    """One task's columns (models/columns.py). `forced_first`: every answer starts with the
+    """One task's columns (base/columns.py). `forced_first`: every answer starts with the
     checkpoint's forced first token (not grammar text)."""
     kind, cut = kind_of(o.task), o.cut
     out: dict[str, Any] = {}

@@ -17,25 +17,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..base.layers import Towers
 from .config import Florence2Config
 from .language import LanguageModel
 from .preprocess import normalize
 from .vision import DaViT, Projector
 
 
-class Towers(nn.Module):
-    def __init__(self, config: Florence2Config):
-        super().__init__()
-        self.vision_tower = DaViT(config.vision)
-        self.multi_modal_projector = Projector(config.vision)
-        self.language_model = LanguageModel(config.text)
-
-
 class Florence2Model(nn.Module):
     def __init__(self, config: Florence2Config):
         super().__init__()
         self.config = config
-        self.model = Towers(config)
+        self.model = Towers(vision_tower=DaViT(config.vision), multi_modal_projector=Projector(config.vision),
+                            language_model=LanguageModel(config.text))
         self.register_buffer("lut", torch.zeros(3, 256), persistent=False)  # uint8 level -> pixel value
 
     @property

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .config import ConfigError
+from ..base.errors import ConfigError
+from ..base.pixels import level_table
 
 RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.Resampling.BILINEAR,
             3: Image.Resampling.BICUBIC, 4: Image.Resampling.BOX, 5: Image.Resampling.HAMMING}
@@ -58,12 +59,7 @@ class PixelSettings:
                    bool(raw.get("do_normalize", True)), int(raw.get("image_seq_length", 577)))
 
     def lookup_table(self) -> np.ndarray:
-        """[3, 256] float32: the processed value of each uint8 level in each channel."""
-        levels = np.broadcast_to(np.arange(256, dtype=np.uint8), (3, 256))
-        x = (levels.astype(np.float64) * self.rescale).astype(np.float32) if self.rescale else levels.astype(np.float32)
-        if self.normalize:
-            x = (x - np.array(self.mean, np.float32)[:, None]) / np.array(self.std, np.float32)[:, None]
-        return np.ascontiguousarray(x, dtype=np.float32)
+        return level_table(self.rescale, self.normalize, self.mean, self.std)
 
 
 def normalize(pixels_BHW3: torch.Tensor, lut_3L: torch.Tensor) -> torch.Tensor:

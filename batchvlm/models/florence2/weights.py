@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 
-from ..family import ModelLoadError
-from ..hub import load_strict, read_json
-from .config import ConfigError, Florence2Config
+from ..base.errors import ModelLoadError
+from ..base.hub import load_strict, read_json
+from ..base.errors import ConfigError
+from .config import Florence2Config
 from .model import Florence2Model
 
 # Copies of the shared embedding a checkpoint may store beside it (tied; not read).

@@ -11,9 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class ConfigError(ValueError):
-    pass
+from ..base.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from ..decoding import EMIT_NONE, EMIT_TOKEN, INPUT_TOKEN, MODE_TEXT, Decision, RowState, sample_tokens
-from ..grammar import apply_mask_
+from ..base.decoding import EMIT_NONE, EMIT_TOKEN, INPUT_TOKEN, MODE_TEXT, Decision, RowState, sample_tokens
+from ..base.grammar import apply_mask_
 from .grammar import EMIT_MORE, EMIT_SIZE, EMIT_X, EMIT_Y, INPUT_COORD, INPUT_SIZE, MODE_DETECT, MODE_POINT
 from .model import MoondreamModel
 
@@ -42,7 +42,7 @@ def decide(
 
     `heads` = (token rows, coordinate rows, size rows): the rows whose grammar phase needs that
     output head (known to the caller); other rows get zeros there, which their phase ignores.
-    None computes every head for every row. `mask_BW`: json token masks (models/grammar.py), in
+    None computes every head for every row. `mask_BW`: json token masks (base/grammar.py), in
     jobs with json tasks; rows without a grammar allow every token.
     """
     tk = model.config.tokenizer

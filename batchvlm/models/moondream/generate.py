@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ...attention import PAD, AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
-from ..decoding import RawOutput, RowState, SeqSpec
+from ..base.decoding import RawOutput, RowState, SeqSpec
 from .grammar import apply_decision
 from .decoding import decide
 from .model import MoondreamModel

@@ -10,7 +10,7 @@ nothing of that object is kept), else it ended by itself.
 
 from __future__ import annotations
 
-from ..decoding import EMIT_SCORE, EMIT_TOKEN, MODE_TEXT, Decision, RawOutput, SeqSpec
+from ..base.decoding import EMIT_SCORE, EMIT_TOKEN, MODE_TEXT, Decision, RawOutput, SeqSpec
 
 MODE_POINT, MODE_DETECT = 1, 2
 EMIT_X, EMIT_Y, EMIT_SIZE, EMIT_MORE = 2, 3, 4, 5

@@ -1,4 +1,4 @@
-"""Reading a Moondream 2 checkpoint folder (found by models/hub.py).
+"""Reading a Moondream 2 checkpoint folder (found by base/hub.py).
 
 A model folder is laid out like the hub repository:
     config.json        {"model_type": "moondream1", "config": {text, vision, region, tokenizer}}
@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-from ..family import ModelLoadError
-from ..hub import empty_on, load_strict, read_json
-from .config import ConfigError, MoondreamConfig
+from ..base.errors import ModelLoadError
+from ..base.hub import empty_on, load_strict, read_json
+from ..base.errors import ConfigError
+from .config import MoondreamConfig
 from .model import MoondreamModel
 
 MODEL_TYPE = "moondream1"

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..qwen_vl import config as shared
-from ..qwen_vl.config import ConfigError, QwenVLConfig
+from ..base.errors import ConfigError
+from ..qwen_vl.config import QwenVLConfig
 
 LINEAR, FULL = "linear_attention", "full_attention"
 

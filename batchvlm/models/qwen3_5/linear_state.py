@@ -20,9 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ...cache.spans import ZERO  # `read` of a run that starts from zero state
 from .config import TextConfig
-
-ZERO = -1  # `read` of a run that starts from zero state
 
 
 @dataclass

@@ -19,27 +19,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..hub import embedding_table
+from ..base.hub import embedding_table
+from ..base.layers import RMSNorm
 from ..qwen_vl.attend import Attend
 from ..qwen_vl.moe import layer_mlp
 from ..qwen_vl.rotary import TextRotary, apply_rotary
 from .config import FULL, TextConfig
 from .linear_attention import GatedDeltaNet
 from .linear_state import LinearState, Segments
-
-
-class RMSNorm(nn.Module):
-    """Zero-centred: scales by 1 + weight, in float32."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class GatedAttention(nn.Module):
@@ -50,8 +37,8 @@ class GatedAttention(nn.Module):
         self.k_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=c.attention_bias)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_eps)
-        self.k_norm = RMSNorm(c.head_dim, c.rms_eps)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_eps, centred=True)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_eps, centred=True)
 
     def forward(self, h_NC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
                 kv_layer: int) -> torch.Tensor:
@@ -74,8 +61,8 @@ class DecoderLayer(nn.Module):
         else:
             self.linear_attn = GatedDeltaNet(c)
         self.mlp = layer_mlp(c, layer)
-        self.input_layernorm = RMSNorm(c.dim, c.rms_eps)
-        self.post_attention_layernorm = RMSNorm(c.dim, c.rms_eps)
+        self.input_layernorm = RMSNorm(c.dim, c.rms_eps, centred=True)
+        self.post_attention_layernorm = RMSNorm(c.dim, c.rms_eps, centred=True)
 
 
 class TextModel(nn.Module):
@@ -84,7 +71,7 @@ class TextModel(nn.Module):
         self.config = c
         self.embed_tokens = embedding_table(c.vocab_size, c.dim)
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.n_layers))
-        self.norm = RMSNorm(c.dim, c.rms_eps)
+        self.norm = RMSNorm(c.dim, c.rms_eps, centred=True)
         # per layer: its index among the full-attention layers (K/V) or among the linear ones (state)
         self.slot_of = [c.full_layers.index(i) if t == FULL else c.linear_layers.index(i)
                         for i, t in enumerate(c.layer_types)]

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..qwen_vl import config as shared
-from ..qwen_vl.config import ConfigError, QwenVLConfig
+from ..qwen_vl.config import QwenVLConfig
 
-__all__ = ["ConfigError", "Qwen3VLConfig", "TextConfig"]
+__all__ = ["Qwen3VLConfig", "TextConfig"]
 
 
 @dataclass(frozen=True, kw_only=True)

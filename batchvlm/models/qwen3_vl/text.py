@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..hub import embedding_table
+from ..base.hub import embedding_table
+from ..base.layers import RMSNorm
 from ..qwen_vl.attend import Attend
 from ..qwen_vl.moe import layer_mlp
 from ..qwen_vl.rotary import TextRotary, apply_rotary
@@ -24,18 +25,6 @@ from ..qwen_vl.vision import DeepStack
 from .config import TextConfig
 
 __all__ = ["TextModel"]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
 
 
 class SelfAttention(nn.Module):

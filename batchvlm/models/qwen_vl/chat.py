@@ -10,7 +10,7 @@ template whose head depends on the task text cannot share a prefix and is refuse
 The template comes from tokenizer_config.json (`chat_template`: a string, or a list of named
 templates, "default" taken), else chat_template.jinja, else chat_template.json. The sandbox
 refuses attribute access to Python internals: a hostile template cannot run code. The turn is
-rendered with models/qwen_prompts.py's TEMPLATE_VARIABLES (thinking off, where the template has
+rendered with qwen_vl/prompts.py's TEMPLATE_VARIABLES (thinking off, where the template has
 the switch), as the transformers backend renders it.
 """
 
@@ -25,8 +25,8 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..qwen_prompts import TEMPLATE_VARIABLES
-from .config import ConfigError
+from .prompts import TEMPLATE_VARIABLES
+from ..base.errors import ConfigError
 
 
 def read_template(folder: Path) -> str:

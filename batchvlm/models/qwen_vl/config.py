@@ -1,17 +1,14 @@
 """What the Qwen vision-language families share in `config.json`: the vision tower's settings
 (Qwen3-VL's tower; Qwen3.5 has the same one without DeepStack), the text model's attention,
 rotary and MLP settings (dense or mixture-of-experts: the `*_moe` model types differ from the
-dense ones only by their MLP), the family config around both, and the error type of a config
-that cannot be served."""
+dense ones only by their MLP) and the family config around both."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-
-class ConfigError(ValueError):
-    pass
+from ..base.errors import ConfigError
 
 
 @dataclass(frozen=True)

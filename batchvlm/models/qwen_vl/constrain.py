@@ -6,7 +6,7 @@ The grounding format is what the Qwen3-VL cookbook's prompts ask for, written co
 whitespace, no ```json fence; the parser reads both): a list of objects in the order
 `{"bbox_2d":[x1,y1,x2,y2],"label":"<object>"}` (points: `"point_2d":[x,y]`), coordinates
 integers 0-1000, the label the object asked for. The list may be empty: "none here" stays
-sayable. Every schema is compiled once per job for the checkpoint's vocabulary (models/grammar.py `Grammars`).
+sayable. Every schema is compiled once per job for the checkpoint's vocabulary (base/grammar.py `Grammars`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The host side both native Qwen families share (models/family.py): tokenizer, chat template,
-the sequences a task becomes (their words: models/qwen_prompts.py, shared with the transformers
+"""The host side both native Qwen families share (base/contract.py Family): tokenizer, chat
+template, the sequences a task becomes (their words: prompts.py, shared with the transformers
 backend) and their columns.
 
 Every task is one user turn [image, text] in the checkpoint's chat template with the generation
@@ -20,23 +20,25 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 import torch
 
 from ...tasks import args_of, kind_of
-from ..columns import task_columns
-from ..decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
-from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence, check_kinds
-from ..hub import TokenizerAdapter, load_tokenizer, resolve_device, resolve_dtype, weight_files, weights_sha256
-from ..qwen_prompts import QWEN3, refuse_thinking_only
+from ..base.columns import task_columns
+from ..base.contract import ModelInfo, TaskSequence
+from ..base.decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
+from ..base.errors import ConfigError, FamilyError, ModelLoadError
+from ..base.grammar import Grammars
+from ..base.host import FamilyBase, check_context, check_kinds
+from ..base.hub import TokenizerAdapter, load_tokenizer
 from .chat import ChatTemplate, read_template, special_tokens
-from .config import ConfigError, QwenVLConfig, VisionConfig
-from ..grammar import Grammars
+from .config import QwenVLConfig, VisionConfig
 from .constrain import grounding_schema
 from .labels import task_values
 from .preprocess import PixelSettings, Preprocessor
+from .prompts import QWEN3, refuse_thinking_only
 from .weights import build_model, load_weights, read_config
 
 if TYPE_CHECKING:
     from ...job import EngineSpec, ModelSpec
     from ...tasks import Task
-    from .engine import QwenVLEngineModel
+    from .device import QwenVLEngineModel
     from .model import QwenVLModel
 
 KINDS = ("caption", "query", "point", "detect", "ocr", "classify", "json")
@@ -78,14 +80,12 @@ class QwenConfig(Protocol):
         """The width of the model's logits (json masks are that wide)."""
 
 
-class QwenVLHost:
-    backend = "native"
-    name: str
+class QwenVLHost(FamilyBase):
     title: str  # in messages: "Qwen3-VL"
     kinds: tuple[str, ...] = KINDS  # the task kinds the family runs
     config_class: ClassVar[type[QwenVLConfig]]
     model_class: ClassVar[type[QwenVLModel]]
-    engine_class: ClassVar[type[QwenVLEngineModel]]
+    device_class: ClassVar[type[QwenVLEngineModel]]
     skip_prefixes: ClassVar[tuple[str, ...]] = ()  # checkpoint tensors the family does not run
 
     def __init__(self, config: QwenConfig, settings: PixelSettings, tokenizer, folder: Path, model_name: str,
@@ -113,14 +113,14 @@ class QwenVLHost:
         except ConfigError as e:
             raise ModelLoadError(str(e)) from e
 
-    def load(self, dtype: str = "auto", device: str = "auto") -> QwenVLEngineModel:
-        dev = resolve_device(device)
-        dt = resolve_dtype(dtype, dev)
-        files = weight_files(self.folder)
-        model = build_model(self.model_class, self.config, torch.from_numpy(self.settings.lookup_table()), dev, dt)
+    def build(self, device: torch.device, dtype: torch.dtype) -> QwenVLModel:
+        return build_model(self.model_class, self.config, torch.from_numpy(self.settings.lookup_table()), device, dtype)
+
+    def load_weights(self, model: QwenVLModel, files: list[Path]) -> None:
         load_weights(model, files, self.skip_prefixes)
-        info = self.model_info(weights_sha256(files), str(dt).removeprefix("torch."), str(dev))
-        return self.engine_class(model, info, self.head, self.stop_ids, self.pre, self.tokenizer.id_of("<|im_end|>"))
+
+    def device_side(self, model: QwenVLModel, info: ModelInfo) -> QwenVLEngineModel:
+        return self.device_class(model, info, self.head, self.stop_ids, self.pre, self.tokenizer.id_of("<|im_end|>"))
 
     def preprocessor(self) -> Preprocessor:
         return self.pre
@@ -152,20 +152,15 @@ class QwenVLHost:
                 prompt = tuple(self.tokenizer.encode(self.template.split(text)[1]))
                 seqs.append(TaskSequence(t, label, SeqSpec(MODE_TEXT, prompt, limit, engine.temperature,
                                                            engine.top_p, grammar=grammar), kept))
-        P, n_ctx = self.max_prefix_len(), self.config.max_context
-        for s in seqs:
-            n_prompt = len(s.spec.prefix_prompt) + len(s.spec.prompt)
-            if P + n_prompt + s.spec.budget > n_ctx:
-                raise FamilyError(
-                    f"tasks.{s.task}: a {n_prompt}-token prompt and up to {s.spec.budget} generated tokens "
-                    f"after an image prefix of up to {P} tokens exceed the model's context of {n_ctx}; lower "
-                    "model.max_pixels or engine.max_new_tokens")
+        P = self.max_prefix_len()
+        check_context(seqs, P, self.config.max_context, f"an image prefix of up to {P} tokens",
+                      "lower model.max_pixels or engine.max_new_tokens")
         return seqs
 
     def _choices(self, t: int, a) -> list[TaskSequence]:
         """One sequence per choice: the query's prompt minus its last token is the shared prefix
         prompt; own tokens are that last token and the choice's tokens encoded in context, all
-        scored, then <|im_end|> (models/family.py (c))."""
+        scored, then <|im_end|> (docs/adding-a-family.md, classify)."""
         text = self.template.split(QWEN3.words("query", a))[1]
         base = self.tokenizer.encode(text)
         seqs: list[TaskSequence] = []
@@ -184,7 +179,3 @@ class QwenVLHost:
     def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput],
                 seen: tuple[int, int] | None = None) -> dict[str, Any]:
         return task_columns(tasks, seqs, raws, seen, partial(task_values, self.tokenizer.decode))
-
-    def model_info(self, files_sha256: str, dtype: str, device: str) -> ModelInfo:
-        return ModelInfo(self.model_name, self.revision, str(self.folder), files_sha256, dtype, device, self.name,
-                         self.backend)

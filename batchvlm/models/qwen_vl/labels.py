@@ -1,8 +1,8 @@
 """Qwen3-VL's generated tokens -> one image's column values.
 
-Every answer is read by models/qwen_prompts.py's rule (special tokens skipped, stripped), as
+Every answer is read by qwen_vl/prompts.py's rule (special tokens skipped, stripped), as
 the transformers backend reads it. Captions and answers are that text. Detect / point
-answers are JSON text; models/grounding.py reads the boxes / points (0-1000, clamped, at most
+answers are JSON text; base/grounding.py reads the boxes / points (0-1000, clamped, at most
 max_objects per object name, labelled with the name asked for) and the text itself becomes
 `<name>_raw` (written with output.raw_text). An answer counts as a parse failure unless it is
 one clean JSON value (fenced or bare) whose every item carries the coordinate key with the
@@ -17,10 +17,10 @@ import re
 from typing import Any
 
 from ...tasks import box_values, column_of, kind_of, point_values, raw_column, truncated_column
-from ..columns import TaskOutputs
-from ..family import PARSE_FAILURES
-from ..grounding import qwen3_boxes, qwen3_points
-from ..qwen_prompts import answer_text
+from ..base.columns import TaskOutputs
+from ..base.contract import PARSE_FAILURES
+from ..base.grounding import qwen3_boxes, qwen3_points
+from .prompts import answer_text
 
 _FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL)
 
@@ -38,7 +38,7 @@ def parses_cleanly(text: str, key: str, n: int) -> bool:
 
 
 def task_values(decode, o: TaskOutputs) -> dict[str, Any]:
-    """One task's columns (models/columns.py); `decode`: the tokenizer's, special tokens skipped."""
+    """One task's columns (base/columns.py); `decode`: the tokenizer's, special tokens skipped."""
     kind = kind_of(o.task)
     texts = [answer_text(decode, r.tokens) for r in o.raws]
     if kind in ("caption", "query", "ocr", "json"):  # json: compact JSON as the grammar let it be written

@@ -8,14 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..base.layers import Towers
 from .vision import VisionTower
-
-
-class Towers(nn.Module):
-    def __init__(self, vision: VisionTower, text: nn.Module):
-        super().__init__()
-        self.visual = vision
-        self.language_model = text
 
 
 class QwenVLModel(nn.Module):
@@ -25,7 +19,7 @@ class QwenVLModel(nn.Module):
     def __init__(self, config, text: nn.Module):
         super().__init__()
         self.config = config
-        self.model = Towers(VisionTower(config.vision), text)
+        self.model = Towers(visual=VisionTower(config.vision), language_model=text)
         if not config.text.tie_embeddings:
             self.lm_head = nn.Linear(config.text.dim, config.text.vocab_size, bias=False)
 

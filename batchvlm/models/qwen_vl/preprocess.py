@@ -19,7 +19,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .config import ConfigError, VisionConfig
+from ..base.errors import ConfigError
+from ..base.pixels import level_table
+from .config import VisionConfig
+from .positions import next_position
 
 MAX_ASPECT = 200
 
@@ -72,13 +75,7 @@ class PixelSettings:
                    bool(raw.get("do_normalize", True)))
 
     def lookup_table(self) -> np.ndarray:
-        """[3, 256] float32: the processed value of each uint8 level in each channel."""
-        levels = np.broadcast_to(np.arange(256, dtype=np.uint8), (3, 256))
-        x = (levels.astype(np.float64) * self.rescale).astype(np.float32) if self.rescale else levels.astype(np.float32)
-        if self.normalize:
-            mean, std = np.array(self.mean, np.float32)[:, None], np.array(self.std, np.float32)[:, None]
-            x = (x - mean) / std
-        return np.ascontiguousarray(x, dtype=np.float32)
+        return level_table(self.rescale, self.normalize, self.mean, self.std)
 
 
 @dataclass
@@ -96,7 +93,7 @@ class PreparedImage:
 
     @property
     def next_pos(self) -> int:
-        return self.head_len + max(self.grid) + 1
+        return next_position(self.head_len, self.grid)
 
     @property
     def cost(self) -> int:

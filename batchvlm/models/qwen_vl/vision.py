@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..hub import embedding_table
+from ..base.hub import embedding_table
 from .config import VisionConfig
 from .rotary import apply_rotary, inverse_frequencies, vision_cos_sin
 

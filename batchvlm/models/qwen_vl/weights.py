@@ -21,9 +21,10 @@ from typing import TypeVar
 import torch
 from safetensors import safe_open
 
-from ..family import ModelLoadError
-from ..hub import empty_on, load_strict, read_json
-from .config import ConfigError, QwenVLConfig
+from ..base.errors import ModelLoadError
+from ..base.hub import empty_on, load_strict, read_json
+from ..base.errors import ConfigError
+from .config import QwenVLConfig
 from .model import QwenVLModel
 from .moe import SparseMoE, path_for, set_path
 

@@ -2,8 +2,8 @@
 into words for it, and in which format (if any) it writes boxes and points.
 
 caption / query work for every image-text-to-text model; detect / point only where the
-model's grounding format is known (one parser per format in models/grounding.py). The Qwen
-formats take their words from models/qwen_prompts.py, the table the native Qwen families use.
+model's grounding format is known (one parser per format in base/grounding.py). The Qwen
+formats take their words from qwen_vl/prompts.py, the table the native Qwen families use.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from .. import grounding
-from ..qwen_prompts import QWEN3, QWEN25
+from ..base import grounding
+from ..qwen_vl.prompts import QWEN3, QWEN25
 from ..florence2.prompts import DETECT_TOKEN as FLORENCE2_DETECT
 
 Style = Literal["chat", "paligemma", "florence2"]
@@ -28,7 +28,7 @@ class GroundingFormat:
     points: Callable[..., list[grounding.Point]] | None = None
     absolute: bool = False  # coordinates are pixels of the image as the model saw it (after its resize)
     # Coordinates may be special tokens (Florence-2's <loc_N>, PaliGemma's <locNNNN>): the text is
-    # decoded with them. False: ordinary text, read by qwen_prompts.answer_text.
+    # decoded with them. False: ordinary text, read by qwen_vl/prompts.py answer_text.
     special_tokens: bool = True
 
 

@@ -24,8 +24,8 @@ import torch
 from PIL import Image
 
 from ...job import EngineSpec
-from ..decoding import RawOutput, sequence_seed
-from ..family import TaskSequence, WorkItem
+from ..base.decoding import RawOutput, sequence_seed
+from ..base.contract import TaskSequence, WorkItem
 from .prompts import Prompt
 from .structured import GrammarLogits, end_of_turn, score_choices
 
@@ -66,7 +66,7 @@ class StaticLabeler:
         """Each json prompt's grammar, compiled once per job for the model's vocabulary."""
         if not any(schemas):
             return [None] * len(schemas)
-        from ..grammar import Vocabulary
+        from ..base.grammar import Vocabulary
 
         tok = self.processor.tokenizer
         vocab = Vocabulary(tok.backend_tokenizer, self.model.get_output_embeddings().weight.shape[0],

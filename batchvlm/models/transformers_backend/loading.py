@@ -14,8 +14,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..family import ModelLoadError
-from ..hub import read_json, weight_files
+from ..base.errors import ModelLoadError
+from ..base.hub import read_json, weight_files
 from .processor import load_processor, missing_backends
 
 INSTALL = "pip install 'batchvlm[transformers]'"

@@ -1,9 +1,9 @@
 """Tasks in words: the text each task's sequences hand the processor, beside the image.
 
 Chat models get one user turn (the image, then the instruction) through the processor's own
-chat template, ending with the assistant header, rendered with qwen_prompts.TEMPLATE_VARIABLES
+chat template, ending with the assistant header, rendered with qwen_vl/prompts.py TEMPLATE_VARIABLES
 where the template reads them (thinking off); their caption words and the Qwen grounding words
-are models/qwen_prompts.py's, the native Qwen families' table. PaliGemma gets its task prefixes
+are qwen_vl/prompts.py's, the native Qwen families' table. PaliGemma gets its task prefixes
 ("caption en", "answer en ...", "detect ..."; the processor adds the image tokens, BOS and the newline);
 Florence-2 gets its task tokens (models/florence2/prompts.py, shared with the native family; the
 processor turns them into its instructions). `ocr` is an instruction (PaliGemma: its "ocr" prefix);
@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...tasks import Task, args_of, kind_of
-from ..family import FamilyError, TaskSequence
+from ..base.errors import FamilyError
+from ..base.contract import TaskSequence
 from ..florence2 import prompts as florence2
-from ..qwen_prompts import CAPTIONS, OCR, TEMPLATE_VARIABLES
+from ..qwen_vl.prompts import CAPTIONS, OCR, TEMPLATE_VARIABLES
 from .architectures import GroundingFormat, Style, supported_formats
 
 CHAT_CAPTIONS = CAPTIONS  # every chat model: the words the native Qwen families use

@@ -8,7 +8,7 @@ of the whole batch: [left-padded prompt | choice ids, right-padded]; the log-pro
 tokens (float32 log-softmax) are summed per row. Padding after a row's choice is masked out and
 comes after every scored position, so it changes nothing.
 
-json: a `LogitsProcessor` holds one grammar matcher per row (models/grammar.py); `generate` calls
+json: a `LogitsProcessor` holds one grammar matcher per row (base/grammar.py); `generate` calls
 it synchronously, so here the mask of step k is computed after forward k (the native engines
 overlap the two: engine/scheduler.py).
 """
@@ -20,8 +20,9 @@ from dataclasses import replace
 import torch
 
 from ...tasks import Task, args_of, kind_of
-from ..family import FamilyError, TaskSequence
-from ..grammar import RowGrammars, Vocabulary, apply_mask_
+from ..base.errors import FamilyError
+from ..base.contract import TaskSequence
+from ..base.grammar import RowGrammars, Vocabulary, apply_mask_
 
 
 def end_of_turn(tokenizer) -> int:

@@ -14,7 +14,7 @@ from support.paths import DATA, REPO
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, load_job
-from batchvlm.models.family import WorkItem
+from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.moondream.generate import generate
 from batchvlm.shapes.evaluate import score_model, score_output
 from batchvlm.shapes.world import SPEC, draw_scene

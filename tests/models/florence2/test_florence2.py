@@ -23,8 +23,9 @@ from support.florence2 import NEW_TOKENS, TASKS, Reference, random_images, tasks
 from batchvlm.engine import memory
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models import grounding
-from batchvlm.models.family import FamilyError, WorkItem
+from batchvlm.models.base import grounding
+from batchvlm.models.base.errors import FamilyError
+from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.florence2 import prompts
 from batchvlm.models.registry import open_family
 from support.tiny_vlms import florence2

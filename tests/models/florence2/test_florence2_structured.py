@@ -31,8 +31,9 @@ from support.tiny_vlms import florence2
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models.decoding import RowState
-from batchvlm.models.family import FamilyError, WorkItem
+from batchvlm.models.base.decoding import RowState
+from batchvlm.models.base.errors import FamilyError
+from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.florence2 import decoding
 from batchvlm.models.florence2.config import GenerationSettings
 from batchvlm.models.registry import open_family

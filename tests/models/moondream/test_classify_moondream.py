@@ -15,7 +15,7 @@ from support.moondream import LoadedMoondream
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec
 from batchvlm.attention import AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
-from batchvlm.models.family import WorkItem
+from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.moondream.generate import encode_images
 from batchvlm.shapes.world import COUNT_QUESTION, NUMBERS, SPEC, draw_scene
 from batchvlm.tasks import ClassifyTask, choice_values
@@ -92,18 +92,18 @@ def test_only_the_scored_rows_get_logits(setup, monkeypatch):
     choices' scored rows alone, not for every prompt row of the step, and once per distinct
     context: the prompt's last token, which every choice repeats, and tokens that choices begin
     with alike, get one row."""
-    from batchvlm.models.moondream import family as moondream_family
+    from batchvlm.models.base import device as base_device
     from batchvlm.tasks import CaptionTask
 
     md = setup["md"]
     rows = []
-    real = moondream_family.choice_scores
+    real = base_device.choice_scores
 
     def counting(logits_fn, prompt, state, end_id):
         rows.append((prompt.hidden_UC.shape[0], prompt.pick_N.shape[0]))
         return real(logits_fn, prompt, state, end_id)
 
-    monkeypatch.setattr(moondream_family, "choice_scores", counting)
+    monkeypatch.setattr(base_device, "choice_scores", counting)
     tasks = [CaptionTask(caption={"length": "short"}), TASKS[0]]
     seqs = md.sequences(tasks)
     engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=64, max_new_tokens=4), md.P)

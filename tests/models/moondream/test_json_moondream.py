@@ -13,7 +13,7 @@ from support.structured_cases import SCHEMAS, assert_finished_answers_validate
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec
-from batchvlm.models.family import WorkItem
+from batchvlm.models.base.contract import WorkItem
 from batchvlm.shapes.world import SPEC, draw_scene
 from batchvlm.tasks import JsonTask
 

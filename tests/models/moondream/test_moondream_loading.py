@@ -8,9 +8,10 @@ import torch
 from support.moondream import LoadedMoondream, TINY, hub_folder, id_tokenizer, random_state
 from PIL import Image
 
-from batchvlm.models.moondream.config import ConfigError, MoondreamConfig
+from batchvlm.models.base.errors import ConfigError
+from batchvlm.models.moondream.config import MoondreamConfig
 from batchvlm.models.moondream.model import MoondreamModel
-from batchvlm.models.family import ModelLoadError
+from batchvlm.models.base.errors import ModelLoadError
 from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
 
 def test_full_size_config_matches_checkpoint_keys(fixtures_dir):

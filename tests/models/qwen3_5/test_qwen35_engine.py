@@ -13,7 +13,7 @@ from support.qwen_vl import MAX_NEW, MOE, PROMPTS, TASKS, cli_rows, images, prep
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models.family import WorkItem
+from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.registry import open_family
 from batchvlm.tasks import CaptionTask, QueryTask
 

@@ -19,13 +19,14 @@ from support.qwen3vl_fixture import IDS
 from support.qwen_vl import ours_uint8, sample_images
 from tokenizers import Tokenizer
 
-from batchvlm.models.hub import weight_files
+from batchvlm.models.base.hub import weight_files
 from batchvlm.models.qwen3_5.config import Qwen35Config
 from batchvlm.models.qwen3_5.delta_rule import chunked, l2_normalize, recurrent_step
-from batchvlm.models.qwen3_5.linear_state import ZERO, LinearState, Segments
+from batchvlm.cache.spans import ZERO
+from batchvlm.models.qwen3_5.linear_state import LinearState, Segments
 from batchvlm.models.qwen3_5.model import Qwen35Model
 from batchvlm.models.qwen_vl.chat import ChatTemplate, read_template, special_tokens
-from batchvlm.models.qwen_vl.config import ConfigError
+from batchvlm.models.base.errors import ConfigError
 from batchvlm.models.qwen_vl.positions import next_position, prefix_positions
 from batchvlm.models.qwen_vl.preprocess import PixelSettings, Preprocessor
 from batchvlm.models.qwen_vl.weights import build_model, load_weights, read_config

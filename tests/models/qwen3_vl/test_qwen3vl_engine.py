@@ -16,8 +16,8 @@ from support.qwen_vl import MAX_NEW, MOE, PROMPTS, TASKS, cli_rows, images, prep
 
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models.family import WorkItem
-from batchvlm.models.grounding import qwen3_boxes, qwen3_points
+from batchvlm.models.base.contract import WorkItem
+from batchvlm.models.base.grounding import qwen3_boxes, qwen3_points
 from batchvlm.models.qwen_vl.labels import parses_cleanly
 from batchvlm.models.registry import open_family
 
@@ -90,7 +90,7 @@ def test_cli_on_a_sharded_hub_folder(setup, tmp_path):
 
 
 def test_columns_parse_the_json_the_model_writes(setup):
-    from batchvlm.models.decoding import RawOutput
+    from batchvlm.models.base.decoding import RawOutput
 
     if setup["variant"] == "moe":
         pytest.skip("the host side: the same for both model types")

@@ -14,10 +14,10 @@ from support.qwen3vl_fixture import IDS, write_checkpoint
 from support.qwen_vl import ours_uint8, sample_images
 from tokenizers import Tokenizer
 
-from batchvlm.models.hub import weight_files
+from batchvlm.models.base.hub import weight_files
 from batchvlm.models.qwen_vl.vision import DeepStack
 from batchvlm.models.qwen_vl.chat import ChatTemplate, read_template, special_tokens
-from batchvlm.models.qwen_vl.config import ConfigError
+from batchvlm.models.base.errors import ConfigError
 from batchvlm.models.qwen_vl.positions import next_position, prefix_positions
 from batchvlm.models.qwen_vl.preprocess import PixelSettings, Preprocessor, smart_resize
 from batchvlm.models.qwen_vl.weights import build_model, load_weights, read_config

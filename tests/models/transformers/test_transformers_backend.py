@@ -20,7 +20,7 @@ from support.cli import inproc
 from support.inputs import broken_shard
 from support.tiny_vlms import BUILDERS, mistral3
 
-from batchvlm.models import grounding
+from batchvlm.models.base import grounding
 from batchvlm.models.transformers_backend.processor import load_processor
 
 
@@ -258,7 +258,7 @@ def test_unsupported_grounding_and_unloadable_models_are_one_line(tmp_path, chec
     assert "qwen2.5-vl" in last and "paligemma" in last and "florence-2" in last
     assert not (tmp_path / "out").exists()
     from batchvlm.job import EngineSpec, ModelSpec
-    from batchvlm.models.family import FamilyError
+    from batchvlm.models.base.errors import FamilyError
     from batchvlm.models.registry import open_family
     from batchvlm.tasks import PointTask
 
@@ -282,7 +282,7 @@ def test_a_processor_that_needs_torchvision_is_one_line_at_validate(tmp_path):
     if not getattr(type(tf().PixtralProcessor), "is_dummy", False):
         pytest.skip("torchvision imports here: PixtralProcessor is the real class")
     from batchvlm.job import EngineSpec, ModelSpec
-    from batchvlm.models.family import ModelLoadError
+    from batchvlm.models.base.errors import ModelLoadError
     from batchvlm.models.registry import check_tasks
     from batchvlm.tasks import CaptionTask
 
@@ -297,7 +297,7 @@ def test_backend_choice_and_missing_package(tmp_path, checkpoints, monkeypatch):
     """auto = native where a family matches config.json, else transformers; native insists; a
     missing transformers package names the extra to install."""
     from batchvlm.job import ModelSpec
-    from batchvlm.models.family import ModelLoadError
+    from batchvlm.models.base.errors import ModelLoadError
     from batchvlm.models.registry import open_family
 
     assert (open_family(ModelSpec(name="demo")).backend, open_family(ModelSpec(name="demo")).name) == ("native",
@@ -317,7 +317,7 @@ def test_backend_choice_and_missing_package(tmp_path, checkpoints, monkeypatch):
 def test_sampling_follows_the_job_seed(checkpoints):
     """temperature > 0 samples (labels differ from greedy) and the same seed gives the same labels."""
     from batchvlm.job import EngineSpec, ModelSpec
-    from batchvlm.models.family import WorkItem
+    from batchvlm.models.base.contract import WorkItem
     from batchvlm.models.registry import open_family
     from batchvlm.tasks import CaptionTask
 
@@ -346,7 +346,7 @@ def test_an_end_the_model_chose_at_the_forced_position_is_not_a_cut(checkpoints,
     import shutil
 
     from batchvlm.job import EngineSpec, ModelSpec
-    from batchvlm.models.family import WorkItem
+    from batchvlm.models.base.contract import WorkItem
     from batchvlm.models.registry import open_family
     from batchvlm.tasks import CaptionTask
 

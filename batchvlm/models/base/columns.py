@@ -14,12 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..tasks import args_of, choice_values, column_of, kind_of, scores_column
+from ...tasks import args_of, choice_values, column_of, kind_of, scores_column
 from .decoding import RawOutput
-from .family import PARSE_FAILURES, TaskSequence
+from .contract import PARSE_FAILURES, TaskSequence
 
 if TYPE_CHECKING:
-    from ..tasks import Task
+    from ...tasks import Task
 
 
 @dataclass(frozen=True)

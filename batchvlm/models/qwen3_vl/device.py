@@ -1,5 +1,5 @@
 """Qwen3-VL behind the family interface: the device side the engine drives (the vision stage,
-prefix inputs and decoding shared with Qwen3.5: qwen_vl/engine.py). Every text layer is full
+prefix inputs and decoding shared with Qwen3.5: qwen_vl/device.py). Every text layer is full
 attention over paged K/V; the prefix inputs carry DeepStack features."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 from ...cache.specs import PagedKV
 from ...cache.tensors import EngineCache
 from ...attention import AttentionBatch, attend, plan_groups
-from ..family import PrefixInputs
-from ..qwen_vl.engine import QwenVLEngineModel
+from ..base.contract import PrefixInputs
+from ..qwen_vl.device import QwenVLEngineModel
 from .model import Qwen3VLModel
 
 

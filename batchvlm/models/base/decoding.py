@@ -46,7 +46,7 @@ class SeqSpec:
     # one?), so a list of exactly `limit` items is told from a cut one: `RawOutput.more`. It then
     # writes up to `budget` positions; otherwise its last item is never fed (budget - 1).
     decides_after_limit: bool = False
-    # A host-side grammar the sequence's tokens follow (models/grammar.py JsonGrammar): its
+    # A host-side grammar the sequence's tokens follow (base/grammar.py JsonGrammar): its
     # `answer()` starts the sequence's RawOutput.grammar, and each step the sequence runs in gets
     # a mask of `words` int32 words from it (engine/scheduler.py: one step behind). Opaque to the
     # engine but for `words`. None: unconstrained.
@@ -161,7 +161,7 @@ SCORE_END = -1  # PromptRows.target_N of a prompt's last row: it predicts the fa
 @dataclass
 class PromptRows:
     """The prompt rows a step's MODE_SCORE sequences score (their last `limit` rows, chosen on the
-    host), on the device: what a family that scores choices needs (models/family.py (c))."""
+    host), on the device: what a family that scores choices needs (docs/adding-a-family.md, classify)."""
 
     hidden_UC: torch.Tensor  # [U, C]: one row per distinct context (scored rows that agree on theirs share it)
     pick_N: torch.Tensor  # [n_scored] the row of hidden_UC that holds each scored row's context

@@ -1,79 +1,11 @@
-"""The model-family boundary: everything the pipeline and the engine may know about a model.
+"""The family contract: what the pipeline and the engine may know about a model.
 
-A family has two halves:
-
-  Family       host side, built from config.json + tokenizer without weights (cheap: `validate`
-               builds it). Preprocessing for the loader workers, the sequences each task
-               becomes, raw outputs -> typed column values, and `load()` for the weights.
-  EngineModel  device side of a native family, driven by batchvlm's engine (engine/): vision
-               stage, prefix segments (their length, positions and inputs), embeddings, one
-               forward over a flat token batch, and its grammar (per-row `decide` on the device,
-               `emit` on the host).
-  StaticModel  device side of a family that brings its own batching (the transformers
-               backend): it labels work items itself.
-
-Flat token batches are laid out [prefixes | prompt tokens | decode tokens]. Positions are the
-family's rotary positions, `[..., N]` long tensors (`[N]` for 1-D rotary, `[3, N]` for
-multimodal rotary); they need not equal KV slot indices. A sequence's own tokens (its prompt,
-then what it generates) have scalar positions `next_pos + own index`, `next_pos` from
-`prefix_layout`; the family expands them with `own_positions`.
-
-Engine contract v2: how each kind of model plugs in.
-
-  State kinds. `state_specs()` declares what the layers keep (cache/specs.py): PagedKV (full
-  attention), CrossKV (read-only K/V of a prefix), Recurrent (a fixed-size state per sequence).
-  The engine sizes memory for all of them, allocates an EngineCache and hands it to `forward`;
-  `attend(..., reads=...)` (attention/reference.py) reads and writes paged kinds, `run_recurrent`
-  (models/recurrent.py) runs the family's scan over recurrent ones.
-
-  Prefixes. A prefix segment is an image's features followed by a prefix prompt
-  (`SeqSpec.prefix_prompt`): sequences of an image with equal prefix prompts share it. It is
-  prefilled once (`prefix_inputs` gets each prefix's features, encoded once per image, and its
-  prompt ids), read-only afterwards, refcounted by the sequences on it.
-
-  (a) Hybrid linear attention (Qwen3.5). Full layers use PagedKV; Gated DeltaNet layers declare
-      Recurrent({"conv": (layers, channels, kernel-1), "ssm": (layers, heads, key_dim,
-      value_dim)}). In `forward`, `batch.states` (StateSpans) says where each prefix and prompt
-      span sits and which state index it starts from and writes: a prefix from zero into its
-      snapshot, each prompt from its prefix's snapshot (a copy) into its row, decode tokens one
-      per row in place. The family's chunked scan runs per span (`cu_seqlens` / `read` / `write`
-      are on the device for a varlen kernel). tests/toy_states.py HybridToy is the worked example.
-  (b) Encoder-decoder (Florence-2). `prefix_layout` gives (image tokens + prompt tokens, 0): the
-      decoder's positions start at 0. `prefix_inputs` embeds features + prompt; in `forward` the
-      family runs its encoder densely over rows [0, batch.n_prefix) (`prefix_self_attention`,
-      nothing stored), computes every decoder layer's cross K/V from the encoder output and
-      passes it to `attend(..., Reads.PREFIX)` (written into the prefix's CrossKV blocks, read by
-      own tokens); decoder self-attention is `attend(..., Reads.OWN)`. Features are encoded once
-      per image (`stats["vision_images"]`); each (image, prompt) gets its own encoder K/V.
-      tests/toy_states.py EncDecToy is the worked example, models/florence2/engine.py the real
-      one (its `decide` keeps a token history per engine row, indexed by `RowState.row`, for
-      the n-gram ban).
-  (c) Classify (choices). The shared prompt minus its last token is the prefix prompt (one
-      prefix segment per image and prompt, prefilled once; after a bidirectional image prefix it is
-      read causally, `causal_prefix_prompt`); each choice is a sequence whose own prompt is [last
-      prompt token] + the choice's tokens, with limit 1 (it finishes at its first decision: one
-      prefill step, no decode loop). Its score, the sum of the choice tokens' log-probs, needs the
-      logits of its own prompt rows, where `decide` sees the last row only: in a step with
-      MODE_SCORE sequences, `decide` gets their scored rows as well (`PromptRows`: hidden states
-      [U, C], one per distinct context among the scored rows (the choices' shared last prompt
-      token and shared leading tokens once), the token each scored row predicts, its context
-      and its emitting row, chosen on the host, already on the device; no other prompt row's
-      logits are computed) and reduces them per row into
-      `Decision.value` (decoding.py `choice_scores`). MODE_SCORE rows score their last `limit` rows
-      and write nothing after their prompt (budget 1). An encoder-decoder (Florence-2) has the
-      whole prompt in its encoder prefix instead: a choice's own tokens are the decoder's start
-      tokens (start, forced first token) and the choice's tokens, its last `limit` rows scored.
-  (d) JSON / constrained decoding (json tasks, output.constrain). The family compiles a grammar
-      per schema once per job (models/grammar.py) and puts it in `SeqSpec.grammar`; the engine
-      knows only its mask width. The grammar state of a sequence is on the host
-      (`RawOutput.grammar`, fed by `emit`); the family's `fill_masks` turns the states of a
-      step's constrained rows into int32 bitmasks, which the scheduler computes one step behind
-      (only for sequences none of whose steps is in flight, engine/scheduler.py) and the runner
-      writes into a row-indexed table on the device; `decide` gets `mask_BW` (every row: free
-      rows allow everything) and applies it to the logits before the batch-invariant sampler.
-      No launch waits for a mask. A grammar small enough to tabulate could instead keep a state
-      id in `RowState.phase` and a [n_states, W] mask table on the device (Moondream's point /
-      detect grammar is of that kind, with its own heads).
+A family has two halves. The host side (`Family`) is built from config.json and the tokenizer
+without weights (`validate` builds it): preprocessing for the loader workers, the sequences each
+task becomes, raw outputs -> column values, and `load()`. Its device side is an `EngineModel`
+(a native family, driven step by step by engine/) or a `StaticModel` (a backend that batches by
+itself). The long form, with the state kinds, prefixes, classify and json masks:
+docs/adding-a-family.md.
 """
 
 from __future__ import annotations
@@ -85,45 +17,17 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from PIL import Image
 
-from ..tasks import kind_of
 from .decoding import Decision, PromptRows, RawOutput, RowState, SeqSpec
 
 if TYPE_CHECKING:
-    from ..cache.specs import StateSpec
-    from ..cache.tensors import EngineCache
-    from ..job import EngineSpec
-    from ..tasks import Task
-    from ..attention import AttentionBatch
+    from ...cache.specs import StateSpec
+    from ...cache.tensors import EngineCache
+    from ...job import EngineSpec
+    from ...tasks import Task
+    from ...attention import AttentionBatch
 
 
 PARSE_FAILURES = "_parse_failures"  # see Family.columns
-
-
-class ModelLoadError(RuntimeError):
-    """The model cannot be found, read or built: one line for the user."""
-
-
-class ModelFetchError(ModelLoadError):
-    """The hub could not be reached or refused for now (network, rate limit, server error): a
-    later try may succeed, unlike a repo or revision that does not exist."""
-
-
-class FamilyError(ValueError):
-    """The job asks something of the model that it cannot do (names the job field)."""
-
-
-def check_kinds(tasks: list[Task], supported: tuple[str, ...], model: str) -> None:
-    """Refuse, naming the field, the first task whose kind the model cannot do."""
-    for i, task in enumerate(tasks):
-        if (kind := kind_of(task)) not in supported:
-            raise FamilyError(f"tasks.{i}.{kind}: {model} cannot do {kind} tasks (it can: {', '.join(supported)})")
-
-
-def refuse_constrain(tasks: list[Task], constrain: bool, model: str) -> None:
-    """output.constrain is for the native Qwen families' detect / point (their JSON grounding)."""
-    if constrain and any(kind_of(t) in ("detect", "point") for t in tasks):
-        raise FamilyError(f"output.constrain: {model} cannot constrain detect / point answers (native Qwen3-VL and "
-                          "Qwen3.5 can; Moondream's always follow its grammar)")
 
 
 @dataclass(frozen=True)
@@ -281,13 +185,13 @@ class EngineModel(Protocol):
     def forward(self, embeds_NC: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, cache: EngineCache,
                 prefix: PrefixInputs | None = None) -> torch.Tensor:
         """Flat tokens -> hidden states [N, C]; writes every token's state into `cache` (K/V by
-        `attend`, recurrent states by `run_recurrent`)."""
+        `attend`, recurrent states by the family's scan over `batch.states`)."""
 
     def decide(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
                heads: tuple[torch.Tensor, ...] | None, prompt: PromptRows | None = None) -> Decision:
         """One step of every row's decoding; updates `state` in place. `heads[b]`: the rows whose
         head schedule (SeqSpec.heads) needs head b this step (None: every row, every head).
-        `prompt`: the scored prompt rows, in a step with MODE_SCORE sequences (note (c))."""
+        `prompt`: the scored prompt rows, in a step with MODE_SCORE sequences (docs/adding-a-family.md, classify)."""
 
     def emit(self, out: RawOutput, spec: SeqSpec, code: int, token: int, v0: float, v1: float) -> None:
         """The host half of the grammar: apply one emission of a sequence (one step behind)."""
@@ -295,4 +199,4 @@ class EngineModel(Protocol):
     # A family whose sequences may carry a SeqSpec.grammar also has
     #   fill_masks(states: list[Any], out_MW: np.ndarray) -> None
     # (the next-token masks of those grammar states into out_MW's first rows, int32) and its
-    # `decide` takes `mask_BW` (note (d)).
+    # `decide` takes `mask_BW` (docs/adding-a-family.md, json masks).

@@ -11,33 +11,40 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ...job import EngineSpec
+import torch
+
+from ...job import EngineSpec, ModelSpec
 from ...tasks import Task
-from ..columns import task_columns
-from ..decoding import RawOutput
-from ..family import ModelInfo, TaskSequence, refuse_constrain
-from ..hub import resolve_device, resolve_dtype, weight_files, weights_sha256
-from ..qwen_prompts import refuse_thinking_only
+from ..base.columns import task_columns
+from ..base.decoding import RawOutput
+from ..base.contract import ModelInfo, TaskSequence
+from ..base.errors import ModelLoadError
+from ..base.host import FamilyBase, refuse_constrain
+from ..qwen_vl.prompts import refuse_thinking_only
 from . import architectures
-from .columns import task_values
-from .generation import StaticLabeler
+from .device import StaticModel
 from .loading import HostSide, host_side, load_model
 from .preprocess import ImagePreprocessor
 from .prompts import chat_renderer, prompts_for
+from .labels import task_values
 from .structured import with_choices
 
 
-class TransformersFamily:
+class TransformersFamily(FamilyBase):
     backend = "transformers"
 
     def __init__(self, host: HostSide, model_name: str, revision: str | None):
         self.host, self.model_name, self.revision = host, model_name, revision
+        self.folder = host.folder
         self.name = host.model_type
         self.format = architectures.grounding_format(host.model_type)
 
     @classmethod
-    def open(cls, folder: Path, model_name: str, revision: str | None) -> TransformersFamily:
-        return cls(host_side(folder), model_name, revision)
+    def open(cls, folder: Path, spec: ModelSpec, revision: str | None) -> TransformersFamily:
+        if spec.max_crops is not None:
+            raise ModelLoadError("model.max_crops: a Moondream setting; the transformers backend sizes images "
+                                 "with the checkpoint's own image processor")
+        return cls(host_side(folder), spec.name, revision)
 
     def preprocessor(self) -> ImagePreprocessor:
         return ImagePreprocessor(self.host.processor.image_processor)
@@ -54,20 +61,11 @@ class TransformersFamily:
                 seen: tuple[int, int] | None = None) -> dict[str, Any]:
         return task_columns(tasks, seqs, raws, seen, partial(task_values, self.host.processor.tokenizer, self.format))
 
-    def load(self, dtype: str = "auto", device: str = "auto") -> StaticModel:
-        dev = resolve_device(device)
-        dt = resolve_dtype(dtype, dev)
-        files = weight_files(self.host.folder)
-        info = ModelInfo(self.model_name, self.revision, str(self.host.folder), weights_sha256(files),
-                         str(dt).removeprefix("torch."), str(dev), self.name, self.backend)
-        return StaticModel(load_model(self.host, dt, dev), self.host.processor, info)
+    def build(self, device: torch.device, dtype: torch.dtype) -> Any:
+        return load_model(self.host, dtype, device)
 
+    def load_weights(self, model: Any, files: list[Path]) -> None:
+        """Nothing left to do: transformers' `from_pretrained` read the weights while building."""
 
-class StaticModel:
-    """The loaded model; the run loop asks it for a labeler instead of driving it step by step."""
-
-    def __init__(self, model, processor, info: ModelInfo):
-        self.model, self.processor, self.info = model, processor, info
-
-    def labeler(self, seqs: list[TaskSequence], engine: EngineSpec) -> StaticLabeler:
-        return StaticLabeler(self.model, self.processor, seqs, engine)
+    def device_side(self, model: Any, info: ModelInfo) -> StaticModel:
+        return StaticModel(model, self.host.processor, info)

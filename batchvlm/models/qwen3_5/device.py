@@ -1,4 +1,4 @@
-"""Qwen3.5 behind the family interface: the device side the engine drives (contract v2).
+"""Qwen3.5 behind the family interface: the device side the engine drives.
 
 Image prefix of an image (qwen_vl/positions.py): [template head][gh * gw image tokens]
 [vision_end], causal, 3-D rotary positions; own tokens get 1-D positions from `next_pos` on.
@@ -16,8 +16,8 @@ import torch
 from ...cache.specs import PagedKV, Recurrent
 from ...cache.tensors import EngineCache
 from ...attention import AttentionBatch, attend, plan_groups
-from ..family import PrefixInputs
-from ..qwen_vl.engine import QwenVLEngineModel
+from ..base.contract import PrefixInputs
+from ..qwen_vl.device import QwenVLEngineModel
 from .linear_state import LinearState, Segments
 from .model import Qwen35Model
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .family import ModelFetchError, ModelLoadError
+from .errors import ModelFetchError, ModelLoadError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -1,7 +1,7 @@
-"""Florence-2 behind the family interface (models/family.py): the host side.
+"""Florence-2's host side (base/contract.py Family); its device side: device.py.
 
 Every sequence is one (image, prompt) pair: the prompt (`<s>` instruction `</s>`, prompts.py) is
-read by the encoder after the image tokens (`SeqSpec.prefix_prompt`: engine contract v2's prefix
+read by the encoder after the image tokens (`SeqSpec.prefix_prompt`: the contract's prefix
 segment), and the decoder writes the answer from the decoder start token (`SeqSpec.prompt`), its
 own tokens at positions 0, 1, ... for every sequence.
 
@@ -9,8 +9,8 @@ classify and json are asked as a query is (the question / prompt verbatim: Flore
 template). A classify choice is a decoder row on the (image, question) prefix: its own tokens are
 what greedy `generate` feeds before an answer (the decoder start token, then the forced first
 token if the checkpoint forces one) and the choice's tokens, scored from the first choice token
-on, then the end token (models/family.py (c)). A json answer is decoded under its schema's grammar
-(models/grammar.py) over this tokenizer; how the grammar meets the forced tokens and the n-gram
+on, then the end token (docs/adding-a-family.md, classify). A json answer is decoded under its schema's grammar
+(base/grammar.py) over this tokenizer; how the grammar meets the forced tokens and the n-gram
 ban: decoding.py.
 """
 
@@ -24,14 +24,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...tasks import args_of, kind_of
-from ..columns import task_columns
-from ..decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
-from ..family import FamilyError, ModelInfo, ModelLoadError, TaskSequence, check_kinds, refuse_constrain
-from ..grammar import Grammars
-from ..hub import load_tokenizer, read_json, resolve_device, resolve_dtype, weight_files, weights_sha256
-from .config import ConfigError, Florence2Config, GenerationSettings
-from .engine import Florence2EngineModel
+from ..base.columns import task_columns
+from ..base.decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
+from ..base.errors import FamilyError, ModelLoadError
+from ..base.contract import ModelInfo, TaskSequence
+from ..base.host import FamilyBase, check_kinds, refuse_constrain
+from ..base.grammar import Grammars
+from ..base.hub import load_tokenizer, read_json
+from ..base.errors import ConfigError
+from .config import Florence2Config, GenerationSettings
+from .device import Florence2EngineModel
 from .labels import task_values
+from .model import Florence2Model
 from .preprocess import PixelSettings, Preprocessor
 from .prompts import KINDS, instruction, task_text
 from .weights import build_model, load_weights, read_config
@@ -88,9 +92,8 @@ def image_token_count(config: Florence2Config, settings: PixelSettings) -> int:
     return 1 + h * w
 
 
-class Florence2:
+class Florence2(FamilyBase):
     name = "florence2"
-    backend = "native"
 
     def __init__(self, config: Florence2Config, settings: PixelSettings, generation: GenerationSettings,
                  tokenizer: Tokenizer, folder: Path, model_name: str, revision: str | None):
@@ -186,13 +189,12 @@ class Florence2:
         forced_first = self.generation.forced_bos is not None
         return task_columns(tasks, seqs, raws, seen, partial(task_values, self.tokenizer, forced_first))
 
-    def load(self, dtype: str = "auto", device: str = "auto") -> Florence2EngineModel:
-        dev = resolve_device(device)
-        dt = resolve_dtype(dtype, dev)
-        files = weight_files(self.folder)
-        model = build_model(self.config, torch.from_numpy(self.settings.lookup_table()), dev, dt)
+    def build(self, device: torch.device, dtype: torch.dtype) -> Florence2Model:
+        return build_model(self.config, torch.from_numpy(self.settings.lookup_table()), device, dtype)
+
+    def load_weights(self, model: Florence2Model, files: list[Path]) -> None:
         load_weights(model, files)
-        info = ModelInfo(self.model_name, self.revision, str(self.folder), weights_sha256(files),
-                         str(dt).removeprefix("torch."), str(dev), self.name, self.backend)
+
+    def device_side(self, model: Florence2Model, info: ModelInfo) -> Florence2EngineModel:
         return Florence2EngineModel(model, info, self.generation, self.image_tokens,
                                     (self.settings.width, self.settings.height))

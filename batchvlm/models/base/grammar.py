@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .family import FamilyError
+from .errors import FamilyError
 
 ALL_ALLOWED = -1  # an int32 word with every bit set
 

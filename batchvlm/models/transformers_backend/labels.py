@@ -1,8 +1,8 @@
 """Generated tokens -> the typed values of one image's task columns.
 
-Captions, answers and OCR text are read by models/qwen_prompts.py's rule (decoded without special
+Captions, answers and OCR text are read by qwen_vl/prompts.py's rule (decoded without special
 tokens, stripped), as the native families read them; so is the JSON of the Qwen grounding formats.
-Florence-2's region captions are read with their phrases (models/grounding.py). Other detect /
+Florence-2's region captions are read with their phrases (base/grounding.py). Other detect /
 point text is decoded with special tokens (Florence-2's <loc_N> and PaliGemma's <locNNNN> may be
 special tokens). The text goes to the model's grounding parser and is always returned as
 `<name>_raw` too; the Parquet schema has the column (and keeps the value) only with
@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 from ...tasks import box_values, column_of, kind_of, point_values, raw_column, truncated_column
-from ..columns import TaskOutputs
-from ..grounding import florence2_regions
-from ..qwen_prompts import answer_text
+from ..base.columns import TaskOutputs
+from ..base.grounding import florence2_regions
+from ..qwen_vl.prompts import answer_text
 from .architectures import GroundingFormat
 
 
@@ -34,7 +34,7 @@ def _text(tokenizer, tokens: list[int], fmt: GroundingFormat | None) -> str:
 
 
 def task_values(tokenizer, fmt: GroundingFormat | None, o: TaskOutputs) -> dict[str, Any]:
-    """One task's columns (models/columns.py). `<name>_truncated`: a sequence ran into
+    """One task's columns (base/columns.py). `<name>_truncated`: a sequence ran into
     max_new_tokens, or wrote more than max_objects."""
     kind, truncated = kind_of(o.task), o.cut
     out: dict[str, Any] = {}

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding import (Decision, PromptRows, RowState, choice_scores, decide_text, emit_text, scores_only,
-                        with_scores)
-from ..family import ModelInfo, PrefixInputs
-from ..grammar import apply_mask_, fill_masks
-from ..pinned import PinnedUpload
+from ..base.decoding import Decision, RowState, decide_text, emit_text
+from ..base.device import EngineModelBase
+from ..base.contract import ModelInfo, PrefixInputs
+from ..base.grammar import apply_mask_
 from .model import QwenVLModel
 from .positions import prefix_positions
 from .preprocess import PreparedImage, Preprocessor
@@ -35,22 +34,16 @@ class ImageFeatures:
     grid: tuple[int, int]
 
 
-class QwenVLEngineModel:
+class QwenVLEngineModel(EngineModelBase):
     causal_prefix = True
 
     def __init__(self, model: QwenVLModel, info: ModelInfo, head: list[int], stop_ids: list[int],
                  pre: Preprocessor, end_id: int):
-        self.model, self.info = model, info
-        self.device, self.dtype = model.device, model.dtype
+        super().__init__(model, info, end_id)  # classify: <|im_end|> ends a choice
         self.head = torch.tensor(head, dtype=torch.long, device=self.device)
         self.vision_end = torch.tensor([model.config.vision_end_id], dtype=torch.long, device=self.device)
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
         self.pre = pre
-        self._upload = PinnedUpload(self.device)
-        self.end_id = end_id  # classify: <|im_end|> ends a choice
-
-    def prefix_layout(self, image: PreparedImage, prompt: tuple[int, ...]) -> tuple[int, int]:
-        return image.prefix_len + len(prompt), image.next_pos + len(prompt)
 
     def encode(self, images: list[PreparedImage]) -> list[ImageFeatures]:
         # One pinned staging copy and one upload for the batch; images differ in size, so flat.
@@ -104,17 +97,13 @@ class QwenVLEngineModel:
         return self.model.embed(token_N)  # every input is a token
 
     emit = staticmethod(emit_text)
-    fill_masks = staticmethod(fill_masks)  # json and constrained detect / point (models/grammar.py)
 
-    def decide(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
-               heads: tuple[torch.Tensor, ...] | None, prompt: PromptRows | None = None,
-               mask_BW: torch.Tensor | None = None) -> Decision:
-        if prompt is not None and prompt.only_scores:  # classify choices alone: nothing to sample
-            return scores_only(choice_scores(self.model.logits, prompt, state, self.end_id))
+    def logits(self, hidden_NC: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden_NC)
+
+    def decide_rows(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
+                    heads: tuple[torch.Tensor, ...] | None, mask_BW: torch.Tensor | None) -> Decision:
         logits_BV = self.model.logits(hidden_BC)
         if mask_BW is not None:  # the mask step, then the batch-invariant sampler
             logits_BV = apply_mask_(logits_BV, mask_BW)
-        d = decide_text(logits_BV, state, self.stop_ids, sampling)
-        if prompt is None:
-            return d
-        return with_scores(d, state, choice_scores(self.model.logits, prompt, state, self.end_id))
+        return decide_text(logits_BV, state, self.stop_ids, sampling)

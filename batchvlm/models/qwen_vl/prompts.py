@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .family import ModelLoadError
+from ..base.errors import ModelLoadError
 
 TEMPLATE_VARIABLES = {"enable_thinking": False}
 

@@ -1,4 +1,4 @@
-"""Florence-2 on batchvlm's engine (models/family.py EngineModel, contract v2 note (b)).
+"""Florence-2's device side (base/contract.py EngineModel; docs/adding-a-family.md, encoder-decoder).
 
 Stages and what they are shared by:
   vision     `encode`: DaViT + projector, once per image -> image tokens [I, C], shared by every
@@ -20,10 +20,9 @@ import torch
 from ...cache.specs import CrossKV, PagedKV, StateSpec
 from ...cache.tensors import EngineCache
 from ...attention import AttentionBatch, PrefixGroup, Reads, attend, plan_groups
-from ..decoding import Decision, PromptRows, RowState, choice_scores, scores_only, with_scores
-from ..family import ModelInfo, PrefixInputs
-from ..grammar import fill_masks
-from ..pinned import PinnedUpload
+from ..base.decoding import Decision, RowState
+from ..base.device import EngineModelBase
+from ..base.contract import ModelInfo, PrefixInputs
 from . import decoding
 from .config import GenerationSettings
 from .decoding import History
@@ -31,16 +30,15 @@ from .model import Florence2Model
 from .preprocess import PreparedImage
 
 
-class Florence2EngineModel:
+class Florence2EngineModel(EngineModelBase):
     causal_prefix = False  # the encoder reads its (image, prompt) rows bidirectionally
 
     def __init__(self, model: Florence2Model, info: ModelInfo, generation: GenerationSettings, image_tokens: int,
                  image_size: tuple[int, int]):
-        self.model, self.info, self.generation = model, info, generation
-        self.device, self.dtype = model.device, model.dtype
+        super().__init__(model, info, generation.eos)  # the end token ends a classify choice (host.py _choices)
+        self.generation = generation
         self.image_tokens = image_tokens
         self.image_size = image_size  # (width, height) every image is resized to
-        self._upload = PinnedUpload(self.device)
         self._history: History | None = None  # no_repeat_ngram: per engine cache (its rows)
         self._history_of: EngineCache | None = None
 
@@ -68,9 +66,6 @@ class Florence2EngineModel:
         # Encoder positions (the encoder adds its own from the padded layout; these are the same)
         positions = torch.cat([torch.arange(e.shape[0], device=self.device) for e in embeds])
         return PrefixInputs(torch.cat(embeds), positions)
-
-    def own_positions(self, pos_N: torch.Tensor) -> torch.Tensor:
-        return pos_N
 
     def embed_tokens(self, ids_N: torch.Tensor) -> torch.Tensor:
         return self.model.text.embed(ids_N)
@@ -122,18 +117,11 @@ class Florence2EngineModel:
         hidden = text.decoder(embeds_NC[P:], positions[P:], self_attend, cross_attend)
         return torch.cat([embeds_NC.new_zeros(P, hidden.shape[1]), hidden]) if P else hidden
 
-    def decide(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
-               heads: tuple[torch.Tensor, ...] | None, prompt: PromptRows | None = None,
-               mask_BW: torch.Tensor | None = None) -> Decision:
-        text = self.model.text
-        if prompt is not None and prompt.only_scores:  # classify choices alone: nothing to sample (a
-            # reused row's history is read only as far as its new sequence wrote it)
-            return scores_only(choice_scores(text.logits, prompt, state, self.generation.eos))
-        d = decoding.decide(text.logits(hidden_BC), state, sampling, self.generation, self._history, mask_BW)
-        if prompt is None:
-            return d
-        # classify choices: the end token ends a choice (family.py _choices)
-        return with_scores(d, state, choice_scores(text.logits, prompt, state, self.generation.eos))
+    def logits(self, hidden_NC: torch.Tensor) -> torch.Tensor:
+        return self.model.text.logits(hidden_NC)
+
+    def decide_rows(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
+                    heads: tuple[torch.Tensor, ...] | None, mask_BW: torch.Tensor | None) -> Decision:
+        return decoding.decide(self.logits(hidden_BC), state, sampling, self.generation, self._history, mask_BW)
 
     emit = staticmethod(decoding.emit)
-    fill_masks = staticmethod(fill_masks)  # json tasks (models/grammar.py)

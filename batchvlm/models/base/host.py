@@ -1,0 +1,84 @@
+"""The host-side base every family builds on: its checkpoint folder, the one `load()`, and the
+checks a family makes of a job's tasks."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...tasks import kind_of
+from .contract import ModelInfo, TaskSequence
+from .errors import FamilyError
+from .hub import resolve_device, resolve_dtype, weight_files, weights_sha256
+
+if TYPE_CHECKING:
+    from ...job import ModelSpec
+    from ...tasks import Task
+    from .contract import EngineModel, StaticModel
+
+
+class FamilyBase(ABC):
+    """A family's host side (contract.Family) with its checkpoint: a subclass sets `name`,
+    `folder`, `model_name` and `revision` and says how to build, fill and wrap its model."""
+
+    name: str
+    backend = "native"
+    folder: Path
+    model_name: str
+    revision: str | None
+
+    @classmethod
+    @abstractmethod
+    def open(cls, folder: Path, spec: ModelSpec, revision: str | None) -> FamilyBase:
+        """The host side of the checkpoint in `folder` (what registry.open_family calls); raises
+        ModelLoadError naming the file or the job field."""
+
+    def load(self, dtype: str = "auto", device: str = "auto") -> EngineModel | StaticModel:
+        """device / dtype -> weight files -> build -> load weights -> ModelInfo -> device side."""
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        files = weight_files(self.folder)  # before building: a folder without weights fails first
+        model = self.build(dev, dt)
+        self.load_weights(model, files)
+        info = ModelInfo(self.model_name, self.revision, str(self.folder), weights_sha256(files),
+                         str(dt).removeprefix("torch."), str(dev), self.name, self.backend)
+        return self.device_side(model, info)
+
+    @abstractmethod
+    def build(self, device: torch.device, dtype: torch.dtype) -> Any:
+        """The module tree on `device` in `dtype`, its weights not yet read."""
+
+    @abstractmethod
+    def load_weights(self, model: Any, files: list[Path]) -> None:
+        """Fill `model` from the checkpoint's safetensors `files`."""
+
+    @abstractmethod
+    def device_side(self, model: Any, info: ModelInfo) -> EngineModel | StaticModel:
+        """The loaded model as the run drives it."""
+
+
+def check_kinds(tasks: list[Task], supported: tuple[str, ...], model: str) -> None:
+    """Refuse, naming the field, the first task whose kind the model cannot do."""
+    for i, task in enumerate(tasks):
+        if (kind := kind_of(task)) not in supported:
+            raise FamilyError(f"tasks.{i}.{kind}: {model} cannot do {kind} tasks (it can: {', '.join(supported)})")
+
+
+def refuse_constrain(tasks: list[Task], constrain: bool, model: str) -> None:
+    """output.constrain is for the native Qwen families' detect / point (their JSON grounding)."""
+    if constrain and any(kind_of(t) in ("detect", "point") for t in tasks):
+        raise FamilyError(f"output.constrain: {model} cannot constrain detect / point answers (native Qwen3-VL and "
+                          "Qwen3.5 can; Moondream's always follow its grammar)")
+
+
+def check_context(seqs: list[TaskSequence], prefix_len: int, n_ctx: int, prefix: str, fix: str) -> None:
+    """Refuse a sequence whose prefix, prompt and generated tokens cannot fit the model's context
+    of `n_ctx` (`prefix`: how the message names the image prefix; `fix`: what to change)."""
+    for s in seqs:
+        n_prompt = len(s.spec.prefix_prompt) + len(s.spec.prompt)
+        if prefix_len + n_prompt + s.spec.budget > n_ctx:
+            raise FamilyError(f"tasks.{s.task}: a {n_prompt}-token prompt and up to {s.spec.budget} generated "
+                              f"tokens after {prefix} exceed the model's context of {n_ctx}; {fix}")

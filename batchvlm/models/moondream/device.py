@@ -1,0 +1,69 @@
+"""Moondream 2's device side (base/contract.py EngineModel): what the engine drives. Every image
+prefix is `[BOS][729 image tokens]`, attended bidirectionally; positions equal slot indices."""
+
+from __future__ import annotations
+
+import torch
+
+from ...attention import AttentionBatch
+from ...cache.specs import PagedKV
+from ...cache.tensors import EngineCache
+from ..base.contract import ModelInfo, PrefixInputs
+from ..base.decoding import Decision, RowState
+from ..base.device import EngineModelBase
+from . import grammar
+from .decoding import decide
+from .model import MoondreamModel
+from .preprocess import PreparedImage
+
+
+class MoondreamEngineModel(EngineModelBase):
+    causal_prefix = False  # the image part: [BOS][image tokens]
+    causal_prefix_prompt = True  # a prefix prompt after it (classify's shared prompt) is text: causal
+    model: MoondreamModel
+
+    def __init__(self, model: MoondreamModel, info: ModelInfo):
+        super().__init__(model, info, model.config.tokenizer.eos_id)
+        self.P = model.config.prefix_len
+
+    def state_specs(self) -> list[PagedKV]:
+        t = self.model.config.text
+        return [PagedKV("attn", t.n_layers, t.n_kv_heads, t.head_dim, self.dtype)]
+
+    def encode(self, images: list[PreparedImage]) -> list[torch.Tensor]:
+        crops = self._upload([im.crops for im in images])
+        return list(self.model.vision(crops, [im.tiling for im in images]).unbind(0))
+
+    def largest_vision_batch(self) -> list[PreparedImage]:
+        s = self.model.config.vision.crop_size
+        return [PreparedImage(torch.zeros(1, s, s, 3, dtype=torch.uint8), (1, 1), self.P)] * 128
+
+    def prefix_inputs(self, features: list[torch.Tensor], prompts: list[torch.Tensor]) -> PrefixInputs:
+        image_IPC = self.model.prefix_embeds(torch.stack(features))
+        if not any(p.shape[0] for p in prompts):
+            return PrefixInputs(image_IPC.reshape(len(features) * self.P, -1),
+                                torch.arange(self.P, device=self.device).repeat(len(features)))
+        # A prefix prompt follows its image's tokens; positions equal slot indices.
+        embeds = [part for image_PC, p in zip(image_IPC, prompts) for part in (image_PC, self.model.text.wte[p])]
+        positions = [torch.arange(self.P + p.shape[0], device=self.device) for p in prompts]
+        return PrefixInputs(torch.cat(embeds), torch.cat(positions))
+
+    def embed_tokens(self, ids_N: torch.Tensor) -> torch.Tensor:
+        return self.model.text.wte[ids_N]
+
+    def embed_inputs(self, kind_N: torch.Tensor, token_N: torch.Tensor, value_N2: torch.Tensor) -> torch.Tensor:
+        return self.model.input_embeds(kind_N, token_N, value_N2)
+
+    def forward(self, embeds_NC: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, cache: EngineCache,
+                prefix: PrefixInputs | None = None) -> torch.Tensor:
+        return self.model.text(embeds_NC, positions, batch, cache.paged["attn"])
+
+    emit = staticmethod(grammar.emit)
+
+    def logits(self, hidden_NC: torch.Tensor) -> torch.Tensor:
+        return self.model.text.logits(hidden_NC)
+
+    def decide_rows(self, hidden_BC: torch.Tensor, state: RowState, sampling: bool,
+                    heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                    mask_BW: torch.Tensor | None) -> Decision:
+        return decide(self.model, hidden_BC, state, sampling, heads, mask_BW)
