@@ -6,6 +6,7 @@
 #
 #   scripts/gpu_wheels.sh          download REQUIRED (a failure fails) and OPTIONAL (a failure is said)
 #   scripts/gpu_wheels.sh --list   the carried distributions, one a line (read by the tests)
+#   scripts/gpu_wheels.sh --required   the required ones alone (gpu_check.sh's set-up checks .whl/ holds them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REQUIRED=(
@@ -23,6 +24,7 @@ REQUIRED=(
 # torch, triton and einops, are on the image). A call runs without them.
 OPTIONAL=(flash-linear-attention==0.6.0 fla-core==0.6.0)
 if [[ "${1:-}" == "--list" ]]; then printf '%s\n' "${REQUIRED[@]}" "${OPTIONAL[@]}"; exit 0; fi
+if [[ "${1:-}" == "--required" ]]; then printf '%s\n' "${REQUIRED[@]}"; exit 0; fi
 download() {
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
