@@ -156,8 +156,10 @@ sys.exit(1 if rc or failures else 0)
 
 
 def gpu_test_files() -> list[Path]:
-    return sorted(p for p in (ROOT / "tests").rglob("test_*.py")
-                  if re.search(r"pytest\.mark\.gpu\b|mark\.gpu\b", p.read_text()))
+    """Every test module marked gpu (module-wide `pytestmark = ...gpu...` or a test's decorator),
+    wherever it lives under tests/."""
+    marked = re.compile(r"^pytestmark\s*=.*\bmark\.gpu\b|^\s*@pytest\.mark\.gpu\b", flags=re.M)
+    return sorted(p for p in (ROOT / "tests").rglob("test_*.py") if marked.search(p.read_text()))
 
 
 def carried() -> list[str]:
