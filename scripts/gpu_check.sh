@@ -56,7 +56,10 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 SCALE=$(( DRY ? 4 : 1 ))  # the dry run's tiny steps on a (shared) CPU get 4x the GPU budgets
 CALL_BUDGETS=([1]=380 [2]=220)
-KV_BLOCKS=8192  # one KV size for every bench_engine row: 8192 x 16 tokens, 25.8 GB at Moondream 2 bf16
+# One KV size for every bench_engine row: 16384 x 16 tokens, 51.5 GB at Moondream 2 bf16. caption at
+# 256 rows holds 256 images' 730-token prefixes at once (~12.8k blocks with the rows' own); 8192
+# would cap it near 170 rows.
+KV_BLOCKS=16384
 # The GPU tests (tests/gpu/ after issue 36's move; tests/ before it) and the new CUDA paths among them.
 GPU_TESTS=tests/gpu/test_gpu.py
 [[ -f $GPU_TESTS ]] || GPU_TESTS=tests/test_gpu.py
@@ -249,13 +252,13 @@ flex_smoke_cut() { $PY scripts/flex_smoke.py --part first $( (( DRY )) && echo -
 flex_smoke_rest() { $PY scripts/flex_smoke.py --part rest $( (( DRY )) && echo --small ); }
 
 gpu_tests_of() {  # -k EXPRESSION; any skipped GPU test is a failure: a GPU run that skips proves nothing
-    local out
-    out=$(mktemp)
     if (( DRY )); then
         $PY -m pytest -q -m gpu -p no:cacheprovider --collect-only -k "$1" "$GPU_TESTS" 2>&1 | tail -3
         return "${PIPESTATUS[0]}"
     fi
     # -v: each test's line as it ends, so a timeout still says which ran; durations of the slow ones
+    local out
+    out=$(mktemp)
     $PY -m pytest -v -m gpu -p no:cacheprovider -rs --durations=15 -k "$1" "$GPU_TESTS" 2>&1 | tee "$out"
     local rc=${PIPESTATUS[0]}
     if tail -1 "$out" | grep -q "skipped"; then echo "!! GPU tests were skipped"; return 1; fi
