@@ -19,6 +19,9 @@ scenes at their drawn size (one crop).
 
     python scripts/bench_engine.py                       # CPU, the built-in demo model
     python scripts/bench_engine.py --model full-random --batch 64 256 --fixed-lengths   # GPU
+    python scripts/bench_engine.py --runners "engine pipelined" "engine sync" --profile "engine sync"
+
+--json is rewritten after every runner: a run killed mid-row keeps the runners it finished.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from batchvlm.models.registry import open_family
 from batchvlm.shapes.world import SPEC, draw_scene
 from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
 
+RUNNERS = ("one-at-a-time", "static batch", "engine sync", "engine pipelined")
+ENGINE_RUNNERS = {"engine sync": False, "engine pipelined": True}  # label -> pipelined
 WORKLOADS = {
     "caption": [CaptionTask(caption={"length": "normal"})],
     "detect+point": [DetectTask(detect={"objects": ["circle", "square", "triangle"]}),
@@ -210,16 +215,21 @@ def main() -> int:
     ap.add_argument("--max-objects", type=int, default=10)
     ap.add_argument("--fixed-lengths", action="store_true", help="forbid EOS: every sequence runs to its limit")
     ap.add_argument("--repeat", type=int, default=3, help="time each runner this many times, keep the fastest")
+    ap.add_argument("--runners", nargs="+", choices=RUNNERS, default=list(RUNNERS),
+                    help="these runners, in this order (the first is the labels' reference)")
     ap.add_argument("--skip-one-at-a-time", action="store_true")
     ap.add_argument("--one-at-a-time-images", type=int, default=None, help="one-at-a-time on the first N images only")
     ap.add_argument("--no-cuda-graphs", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="GPU busy fraction of the pipelined engine (CUDA)")
+    ap.add_argument("--profile", nargs="*", choices=list(ENGINE_RUNNERS), default=None, metavar="RUNNER",
+                    help="GPU busy fraction of these engine runners (CUDA; none named: both), one run more each")
     ap.add_argument("--kv-blocks", type=int, default=0,
                     help="one KV cache size (blocks) for every engine: at least what each row needs")
-    ap.add_argument("--json", type=Path, default=None, help="also write the results here (after every row)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here (after every runner)")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="start no new (workload, batch) row after this many seconds; print what is done")
     args = ap.parse_args()
+    profiled = set(ENGINE_RUNNERS if args.profile == [] else args.profile or ())
+    runners = [r for r in args.runners if not (args.skip_one_at_a_time and r == "one-at-a-time")]
 
     md = load_model(args.model, args.device, args.fixed_lengths)
     dev = md.model.device
@@ -253,16 +263,16 @@ def main() -> int:
                "crops_per_image": round(sum(p.cost for p in prepared) / len(prepared), 1)}
         # label -> a set-up (untimed) that returns (engine or None, the timed run). An engine is built
         # just before its runs and dropped after: two engines alive at once would split the KV memory.
-        setups = {}
-        if not args.skip_one_at_a_time:
-            few = prepared[: args.one_at_a_time_images or len(prepared)]
-            setups["one-at-a-time"] = lambda: (None, lambda: run_one_at_a_time(md, few, specs))
-        setups["static batch"] = lambda: (None, lambda: run_static(md, prepared, specs, batch))
-        for label, pipelined in (("engine sync", False), ("engine pipelined", True)):
+        few = prepared[: args.one_at_a_time_images or len(prepared)]
+        setups = {"one-at-a-time": lambda: (None, lambda: run_one_at_a_time(md, few, specs)),
+                  "static batch": lambda: (None, lambda: run_static(md, prepared, specs, batch))}
+        for label, pipelined in ENGINE_RUNNERS.items():
             setups[label] = lambda p=pipelined: engine_runner(md, prepared, seqs, batch, p,
                                                               not args.no_cuda_graphs, args.kv_blocks)
+        results.append(row)
         reference = None
-        for label, setup in setups.items():
+        for label in runners:
+            setup = setups[label]
             sync(dev)
             t0 = time.perf_counter()
             engine, fn = setup()
@@ -290,16 +300,15 @@ def main() -> int:
                           "tokens_per_s": round(emitted([o for img in out for o in img]) / dt, 1)}
             if not exact:
                 row[label]["identical_share"] = round(identical_share(labels, reference), 4)
-            if args.profile and dev.type == "cuda" and label.startswith("engine"):
+            if label in profiled and dev.type == "cuda":
                 row[f"{label} gpu_busy"] = round(busy_fraction(fn), 3)
             fn = out = engine = None  # the engine and its KV cache go before the next is built
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-        results.append(row)
+            if args.json:
+                args.json.write_text(json.dumps({"hardware": hw, "args": vars(args) | {"json": str(args.json)},
+                                                 "results": results}, indent=1))
         print(json.dumps(row), flush=True)
-        if args.json:
-            args.json.write_text(json.dumps({"hardware": hw, "args": vars(args) | {"json": str(args.json)},
-                                             "results": results}, indent=1))
     print()
     print(table(results, dev))
     print("\n".join(notes(results)))
@@ -312,13 +321,12 @@ def table(results: list[dict], device: torch.device) -> str:
     lines = ["| workload | batch | one-at-a-time img/s | static img/s | engine sync img/s | engine pipelined img/s "
              f"| {auto} tok/s | {auto} / one-at-a-time | {auto} / static | pipelined / sync |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        one = r.get("one-at-a-time", {}).get("images_per_s")
-        st, sy, pi = (r[k]["images_per_s"] for k in ("static batch", "engine sync", "engine pipelined"))
-        en = r[auto]["images_per_s"]
+    for r in results:  # a runner not run (--runners, a crash) reads "-"
+        one, st, sy, pi = (r.get(k, {}).get("images_per_s") for k in RUNNERS)
+        en, tok = r.get(auto, {}).get("images_per_s"), r.get(auto, {}).get("tokens_per_s")
         ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
-        lines.append(f"| {r['workload']} | {r['batch']} | {one or '-'} | {st} | {sy} | {pi} | "
-                     f"{r[auto]['tokens_per_s']} | {ratio(en, one)} | {ratio(en, st)} | {ratio(pi, sy)} |")
+        lines.append(f"| {r['workload']} | {r['batch']} | {one or '-'} | {st or '-'} | {sy or '-'} | {pi or '-'} | "
+                     f"{tok or '-'} | {ratio(en, one)} | {ratio(en, st)} | {ratio(pi, sy)} |")
     return "\n".join(lines)
 
 

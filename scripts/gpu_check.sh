@@ -1,81 +1,100 @@
 #!/usr/bin/env bash
 # The GPU validation: the one script a lent GPU runs, planned for a device budget of 15 minutes per
-# task (machine start-ups, idle waits and every call counted in). One call of at most 7 minutes runs
-# the checks that prove CUDA correct first, then the headline benches in order of importance; what
-# the call's time left would not cover is skipped, and a skip is recorded like a failure. What is
-# left of the budget then covers a second, shorter call: a rerun of a step fixed meanwhile, or the
-# benches the first one skipped.
+# task (machine start-ups, idle waits and every call counted in) as two calls. The FIRST call
+# (380 s) returns the headline numbers before anything else can crash: the environment, then the
+# Moondream 2 engine bench (its JSON rewritten after every runner, straight into $OUT), then a cut
+# flex_smoke, then the GPU tests of the new CUDA paths. The SECOND call, planned for a cold start
+# (a machine goes back 30 s after a call; a fresh one takes 1-2 minutes), runs everything else in
+# order of importance; what its time does not cover is skipped, recorded, and left for a later
+# task's device. Each step starts only with its minimum left in the call and runs under its own
+# timeout; a failure, timeout, skip, skipped GPU test or flex fallback makes the call exit non-zero,
+# and summary.txt says which step.
 #
-#   scripts/gpu_check.sh              the call (CALL_BUDGET_S, default 420 s): every step below
-#   scripts/gpu_check.sh STEP...      only these steps, in the plan's order (same budgets, same call limit)
-#   scripts/gpu_check.sh --plan       the steps and their budgets
-#   scripts/gpu_check.sh --prepare    here, before a device call: the wheels, the parity fixture the GPU
-#                                     tests read, and the size of what the call will send (< 64 MiB)
-#   scripts/gpu_check.sh --dry-run [STEP...]   on CPU: the plan, then the steps at tiny sizes (checks the
-#                                     script and every step's arguments; budgets x4 for a shared CPU)
+#   scripts/gpu_check.sh              the first call (CALL_BUDGET_S, default 380 s)
+#   scripts/gpu_check.sh --call 2     the second call (CALL_BUDGET_S, default 220 s)
+#   scripts/gpu_check.sh STEP...      only these steps, in the plan's order (CALL_BUDGET_S, default 380 s)
+#   scripts/gpu_check.sh --plan       both calls' steps and budgets
+#   scripts/gpu_check.sh --prepare    here, before a device call: the wheels (scripts/gpu_wheels.sh: jsonschema,
+#                                     flash-linear-attention, ...), the parity fixture the GPU tests read, and
+#                                     the size of what the call will send (< 64 MiB)
+#   scripts/gpu_check.sh --dry-run [--call N | STEP...]   on CPU: the plan, then both calls (or the one
+#                                     named, or the steps named) at tiny sizes, each with its own set-up as
+#                                     on a fresh machine (checks the script and every step's arguments;
+#                                     budgets x4 for a shared CPU). tests/gpu/test_gpu_check.py runs it.
 #
 # The procedure, for a session whose task has a device (the device tool's `status`: can_start_another):
-#   1. here:  scripts/gpu_check.sh --prepare && scripts/gpu_check.sh --dry-run
-#             (the dry run walks every step on CPU first: 1-2 minutes; copy all of ../shared/fixtures
-#             and the call would exceed the device tool's 64 MiB: it holds other suites' fixtures)
-#   2. the device call, carry [".whl"] (shared/ travels by itself), timeout_s 480:
+#   1. here:  scripts/gpu_check.sh --prepare && scripts/gpu_check.sh --dry-run   (a few minutes)
+#   2. the first call, carry [".whl"] (shared/ travels by itself), timeout_s 440:
 #             OUT=$OUT scripts/gpu_check.sh
-#   3. record from $OUT (the device tool brings back 8 files at most, so there are two):
-#      summary.txt (each step: rc, seconds / budget, or why skipped) and logs.tar.gz (every step's
-#      log and JSON: env.txt, gpu_tests.log, bench.json, bench_qwen3vl.json, bench_moe.json,
-#      bench_qwen35.json, bench_florence2.json, bench_classify.log, ...; rewritten after each step,
-#      so a call killed at its limit still brings back what it finished). The README's GPU
-#      numbers come from these files.
-#   4. the second call, with what `status` says is left (budget_left_s; a fresh machine costs 1-2
-#      minutes to start and none starts under 4 minutes left; a call made within 30 s of the last
-#      finds it warm): the steps the first call skipped, or a step fixed on CPU meanwhile, sized
-#      to fit, e.g. (about 280 s after a 420 s first call):
-#             CALL_BUDGET_S=280 OUT=$OUT scripts/gpu_check.sh bench_qwen3vl bench_moe bench_qwen35
-#      then give the machine back (give_back). What neither call ran is for a later task's device.
-# The 420 s call, when every step takes its whole budget: set-up 15, environment 10, flex_smoke 90,
-# gpu_tests 180, bench_engine 120; the benches after it are skipped (recorded) unless time is left.
-# Every step runs under `timeout`; a failure, timeout, skip, skipped GPU test or flex fallback makes
-# the call exit non-zero, and summary.txt says which step.
+#      then give_back at once (a warm machine's idle 30 s count too).
+#   3. record from $OUT (the device tool brings back 8 files at most; there are three):
+#      bench.json (the headline rows, rewritten after every runner: a call killed mid-bench still
+#      returns the runners it finished), summary.txt (each step: rc, seconds / budget, or why
+#      skipped) and logs.tar.gz (every step's log: env.txt, bench.log, flex_smoke_cut.log,
+#      gpu_tests_new.log, ...; rewritten after each step). The README's GPU numbers come from these.
+#   4. the second call, with what `status` says is left: budget_left_s less 1-2 minutes of start-up
+#      and a margin, e.g. about 220 s after a 380 s first call:
+#             CALL_BUDGET_S=220 OUT=$OUT scripts/gpu_check.sh --call 2
+#      (timeout_s CALL_BUDGET_S + 60), or a step fixed on CPU meanwhile by name; then give_back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DRY=0
-if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
-PLAN_ONLY=0
-if [[ "${1:-}" == "--plan" ]]; then PLAN_ONLY=1; shift; fi
-PREPARE=0
-if [[ "${1:-}" == "--prepare" ]]; then PREPARE=1; shift; fi
+DRY=0 PLAN_ONLY=0 PREPARE=0 CALLS=""
+while (( $# )); do
+    case $1 in
+        --dry-run) DRY=1 ;;
+        --plan) PLAN_ONLY=1 ;;
+        --prepare) PREPARE=1 ;;
+        --call) CALLS=${2:-}; shift
+                [[ $CALLS == 1 || $CALLS == 2 ]] || { echo "gpu_check: --call 1 or --call 2" >&2; exit 2; } ;;
+        *) break ;;
+    esac
+    shift
+done
 OUT=${OUT:-gpu-results}
-LOG_DIR=${LOG_DIR:-/tmp/gpu_check_logs}  # outside $OUT: only summary.txt and logs.tar.gz go there
+LOG_DIR=${LOG_DIR:-/tmp/gpu_check_logs}  # outside $OUT: only summary.txt, bench.json and logs.tar.gz go there
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 SCALE=$(( DRY ? 4 : 1 ))  # the dry run's tiny steps on a (shared) CPU get 4x the GPU budgets
-CALL_BUDGET=$(( ${CALL_BUDGET_S:-420} * SCALE ))
-KV_BLOCKS=8192  # one KV size for every bench_engine row: 8192 x 16 tokens, 25.8 GB at Moondream 2 bf16
+CALL_BUDGETS=([1]=380 [2]=220)
+# One KV size for every bench_engine row: 16384 x 16 tokens, 51.5 GB at Moondream 2 bf16. caption at
+# 256 rows holds 256 images' 730-token prefixes at once (~12.8k blocks with the rows' own); 8192
+# would cap it near 170 rows.
+KV_BLOCKS=16384
+# The GPU tests (tests/gpu/ after issue 36's move; tests/ before it) and the new CUDA paths among them.
+GPU_TESTS=tests/gpu/test_gpu.py
+NEW_PATHS="json_masks or newer_model_paths or moe_grouped_gemm"
 
-# The steps, in order: name, budget (GPU seconds), minimum worth starting with (a bench whose
-# first result needs that long), log file, what it is.
+# The steps, in order: name, call, budget (GPU seconds), minimum worth starting with (a step whose
+# first result needs that long), log file, what it is. Call 1 is set-up 15 + 365 = 380 s.
 STEPS=(
-    "environment      10  10 env.txt              nvidia-smi, python / torch / CUDA / Triton versions; torch sees the GPU"
-    "flex_smoke       90  90 flex_smoke.log       compiled flex at Moondream 2 / Qwen3-VL-2B / 8B-GQA / Qwen3.5-2B (head dim 256) shapes, bf16 + fp32, 1-128 queries, vs the reference, one call replayed in a CUDA graph"
-    "gpu_tests       180 150 gpu_tests.log        pytest -m gpu tests/gpu/test_gpu.py: graphs vs eager, upstream parity, bf16, json masks, Qwen3.5, Qwen3-VL-MoE (grouped GEMM), Florence-2, classify; a skipped test fails"
-    "bench_engine    120  90 bench.log            Moondream 2 shapes, random bf16 weights, ${KV_BLOCKS} KV blocks: mixed/256, mixed@1024x768/256, caption/256; engine sync + pipelined vs static vs one-at-a-time; busy / graph-step share, compile s"
-    "bench_qwen3vl   120  90 bench_qwen3vl.log    Qwen3-VL-2B shapes, random bf16 weights, 64 images: engine (built untimed) vs transformers' batched generate"
-    "bench_moe        40  40 bench_moe.log        MoE MLP, 4 Qwen3-VL-30B-A3B-shaped layers (128 x 768, top 8): grouped / gathered / loop vs dense SwiGLU, graph replays vs eager"
-    "bench_qwen35    120  90 bench_qwen35.log     Qwen3.5-2B-like shapes, random bf16 weights, 128 images: engine vs transformers' batched generate"
-    "bench_florence2  60  45 bench_florence2.log  Florence-2-base shapes, random weights, 32 images: native engine vs the transformers backend, labels equal"
-    "classify_bench   90  60 bench_classify.log   classify(10) vs query(8) vs query(1) on Qwen3-VL-2B shapes, bf16, batch 256"
-    "bench_attention  50  50 bench_attention.log  one decode step's attention at Moondream 2 shapes, blocks 16 and 64, CUDA events on a captured step"
+    "environment        1  10  10 env.txt                nvidia-smi, python / torch / CUDA / Triton versions; torch sees the GPU"
+    "bench_engine       1 200 120 bench.log              the headline: Moondream 2 shapes, random bf16 weights, 256 images, ${KV_BLOCKS} KV blocks: caption@1024x768/256 (13 crops: the goal row), then mixed/256; engine pipelined, engine sync (+ GPU busy), static batch, one-at-a-time on 2 images; one repeat; \$OUT/bench.json after every runner"
+    "flex_smoke_cut     1  60  40 flex_smoke_cut.log     compiled flex at Moondream 2 and Qwen3.5-2B (head dim 256) shapes, bf16, 1 and 128 queries per row, vs the reference, replayed in a CUDA graph"
+    "gpu_tests_new      1  95  80 gpu_tests_new.log      the GPU tests of the new CUDA paths: json masks, Qwen3.5, Qwen3-VL-MoE, Florence-2 graphs vs eager vs CPU, MoE grouped GEMM; a skipped test fails"
+    "gpu_tests          2 150 120 gpu_tests.log          the other GPU tests: graphs vs eager, upstream parity, bf16, KV sizing, pinned staging, compiled flex, classify"
+    "flex_smoke_rest    2  90  60 flex_smoke_rest.log    flex_smoke's other checks: Qwen3-VL-2B / 8B-GQA, Moondream 2 fp32, 8 and 64 queries per row"
+    "bench_qwen35       2 120  90 bench_qwen35.log       Qwen3.5-2B-like shapes, random bf16 weights, 128 images: engine vs transformers' batched generate"
+    "bench_qwen3vl      2 120  90 bench_qwen3vl.log      Qwen3-VL-2B shapes, random bf16 weights, 64 images: engine (built untimed) vs transformers' batched generate"
+    "bench_engine_more  2 120  90 bench_more.log         Moondream 2 shapes as bench_engine: mixed@1024x768/256, caption/256; one-at-a-time on 8 images"
+    "bench_moe          2  40  40 bench_moe.log          MoE MLP, 4 Qwen3-VL-30B-A3B-shaped layers (128 x 768, top 8): grouped / gathered / loop vs dense SwiGLU, graph replays vs eager"
+    "bench_florence2    2  60  45 bench_florence2.log    Florence-2-base shapes, random weights, 32 images: native engine vs the transformers backend, labels equal"
+    "classify_bench     2  90  60 bench_classify.log     classify(10) vs query(8) vs query(1) on Qwen3-VL-2B shapes, bf16, batch 256"
+    "bench_attention    2  50  50 bench_attention.log    one decode step's attention at Moondream 2 shapes, blocks 16 and 64, CUDA events on a captured step"
 )
 
 plan() {
-    echo "gpu_check plan: one call of ${CALL_BUDGET_S:-420} s (CALL_BUDGET_S); budgets in GPU seconds, a step starts"
-    echo "only with its minimum left in the call (else: skipped, recorded, the call fails); the dry run"
-    echo "walks the same steps at tiny sizes on CPU with 4x these budgets"
-    echo "  set-up             ~15   install .whl/ into /tmp/site, check modules, find the parity fixtures"
-    local s
+    echo "gpu_check plan: two calls (CALL_BUDGET_S overrides a call's budget); budgets in GPU seconds, a step"
+    echo "starts only with its minimum left in the call (else: skipped, recorded, the call fails); the dry"
+    echo "run walks the same steps at tiny sizes on CPU with 4x these budgets"
+    local s call=0
     for s in "${STEPS[@]}"; do
-        read -r name budget least _log what <<<"$s"
-        printf "  %-16s %4s  (starts with >= %s s left)  %s\n" "$name" "$budget" "$least" "$what"
+        read -r name c budget least _log what <<<"$s"
+        if (( c != call )); then
+            call=$c
+            echo "call $c (${CALL_BUDGETS[$c]} s$( (( c == 2 )) && echo ", a cold start"))"
+            echo "  set-up               ~15   install .whl/ into /tmp/site, check modules and wheels, find the parity fixtures"
+        fi
+        printf "  %-18s %4s  (starts with >= %s s left)  %s\n" "$name" "$budget" "$least" "$what"
     done
 }
 
@@ -123,20 +142,36 @@ step() {
     tar czf "$OUT/logs.tar.gz" -C "$LOG_DIR" .
 }
 
+# Each call's first work, as on a fresh machine: the carried wheels installed, every module the
+# package and the GPU tests import (tests/test_gpu_imports.py checks the same set on CPU), the
+# parity fixtures found.
 setup() {
+    local wheels
     if compgen -G ".whl/*.whl" >/dev/null; then
-        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-            || { echo "gpu_check: installing .whl/ failed"; return 2; }
-        export PYTHONPATH=/tmp/site
+        # every required carried distribution has its wheel (scripts/gpu_wheels.sh --required)
+        wheels=" $(ls .whl | cut -d- -f1 | tr 'A-Z' 'a-z' | tr '\n' ' ')"  # a wheel's name: dist_name-version-...
+        for d in $(scripts/gpu_wheels.sh --required); do
+            d=$(echo "${d%%[=<>]*}" | tr 'A-Z.-' 'a-z__')
+            [[ $wheels == *" $d "* ]] || { echo "gpu_check: no wheel for $d in .whl/: run scripts/gpu_wheels.sh"; return 2; }
+        done
+        if (( DRY )); then
+            echo "gpu_check: dry run: the wheels are for the device's Python 3.12; not installed here"
+        else
+            $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+                .whl/*.whl || { echo "gpu_check: installing .whl/ failed"; return 2; }
+            export PYTHONPATH=/tmp/site
+        fi
+    elif (( ! DRY )); then
+        echo "gpu_check: no .whl/ (jsonschema, xgrammar, ... are not on the image): run scripts/gpu_wheels.sh, carry .whl"
+        return 2
     fi
     export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
-    # Every module the package and the GPU tests need (the carried wheels included).
-    $PY - <<'EOF' || return 2
+    $PY - <<'PYEOF' || return 2
 import importlib, sys
 need = ["torch", "numpy", "PIL", "pyarrow", "tokenizers", "safetensors", "huggingface_hub", "fsspec", "yaml",
         "tqdm", "typer", "pytest", "webdataset", "braceexpand", "pydantic", "pydantic_core", "annotated_types",
-        "typing_inspection", "transformers", "xgrammar", "batchvlm.run.worker", "batchvlm.engine.engine",
-        "batchvlm.attention.fused"]
+        "typing_inspection", "jsonschema", "referencing", "jsonschema_specifications", "rpds", "attrs",
+        "transformers", "xgrammar", "batchvlm.run.worker", "batchvlm.engine.engine", "batchvlm.attention.fused"]
 missing = []
 for name in need:
     try:
@@ -145,13 +180,18 @@ for name in need:
         missing.append(f"{name} ({type(e).__name__}: {e})")
 if missing:
     sys.exit("gpu_check: missing modules: " + "; ".join(missing) + " -- run scripts/gpu_wheels.sh and carry .whl")
-EOF
+try:  # optional: Qwen3.5's Gated DeltaNet kernels on CUDA
+    import fla
+    print("gpu_check: flash-linear-attention", getattr(fla, "__version__", "?"))
+except Exception as e:  # noqa: BLE001 - optional: say why, go on
+    print(f"gpu_check: flash-linear-attention not importable (optional): {type(e).__name__}: {e}")
+PYEOF
     FIXTURES=""
     for d in ${BATCHVLM_SHARED:+"$BATCHVLM_SHARED"} shared ../shared; do
         if [[ -d "$d/fixtures/moondream-tiny" ]]; then FIXTURES=$(cd "$d" && pwd); break; fi
     done
     if [[ -z "$FIXTURES" ]]; then
-        echo "gpu_check: parity fixtures not found (shared/fixtures/moondream-tiny): cp -r ../shared/fixtures shared/"
+        echo "gpu_check: parity fixtures not found (shared/fixtures/moondream-tiny): scripts/gpu_check.sh --prepare"
         return 2
     fi
     export BATCHVLM_SHARED=$FIXTURES BATCHVLM_REQUIRE_FIXTURES=1
@@ -165,7 +205,7 @@ environment() {
     else
         nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader || return 1
     fi
-    $PY - "$DRY" <<'EOF'
+    $PY - "$DRY" <<'PYEOF'
 import sys
 import torch
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
@@ -177,31 +217,54 @@ except ImportError:
 if sys.argv[1] == "0":
     assert torch.cuda.is_available(), "torch sees no CUDA device"
     print("device", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
-EOF
+PYEOF
 }
 
-flex_smoke() { $PY scripts/flex_smoke.py $( (( DRY )) && echo --small ); }
-
-gpu_tests() {  # any skipped GPU test is a failure: a GPU run that skips proves nothing
+# Moondream 2 at full size (GPU) or the demo model (dry run); rows in order, a row starts only
+# before the deadline; --json is rewritten after every runner.
+moondream_bench() {  # JSON ROW... (then bench_engine.py's own arguments after --)
+    local json=$1; shift
+    local rows=() more=() runners=("engine pipelined" "engine sync" "static batch" "one-at-a-time")  # the headline first
+    while (( $# )) && [[ $1 != -- ]]; do rows+=("$1"); shift; done
+    (( $# )) && { shift; more=("$@"); }
+    local args=(--model full-random --images 256 --fixed-lengths --max-new-tokens 32 --max-objects 6 --repeat 1
+                --kv-blocks $KV_BLOCKS --deadline-s $(( STEP_BUDGET / SCALE - 80 )))
     if (( DRY )); then
-        $PY -m pytest -q -m gpu -p no:cacheprovider --collect-only tests/gpu/test_gpu.py 2>&1 | tail -3
+        args=(--model demo --device cpu --images 2 --repeat 1 --max-new-tokens 3 --max-objects 1 --kv-blocks 300
+              --deadline-s 120)
+        rows=("${rows[@]/%\/256/\/4}")
+    fi
+    $PY scripts/bench_engine.py "${args[@]}" --rows "${rows[@]}" --runners "${runners[@]}" "${more[@]}" --json "$json"
+}
+
+bench_engine() {
+    moondream_bench "$OUT/bench.json" caption@1024x768/256 mixed/256 -- \
+        --one-at-a-time-images 2 --profile "engine sync"
+}
+
+bench_engine_more() {
+    moondream_bench "$LOG_DIR/bench_more.json" mixed@1024x768/256 caption/256 -- \
+        --one-at-a-time-images $(( DRY ? 1 : 8 )) --profile
+}
+
+flex_smoke_cut() { $PY scripts/flex_smoke.py --part first $( (( DRY )) && echo --small ); }
+flex_smoke_rest() { $PY scripts/flex_smoke.py --part rest $( (( DRY )) && echo --small ); }
+
+gpu_tests_of() {  # -k EXPRESSION; any skipped GPU test is a failure: a GPU run that skips proves nothing
+    if (( DRY )); then
+        $PY -m pytest -q -m gpu -p no:cacheprovider --collect-only -k "$1" "$GPU_TESTS" 2>&1 | tail -3
         return "${PIPESTATUS[0]}"
     fi
     # -v: each test's line as it ends, so a timeout still says which ran; durations of the slow ones
-    $PY -m pytest -v -m gpu -p no:cacheprovider -rs --durations=15 tests/gpu/test_gpu.py 2>&1 | tee /tmp/gpu_tests.out
+    local out
+    out=$(mktemp)
+    $PY -m pytest -v -m gpu -p no:cacheprovider -rs --durations=15 -k "$1" "$GPU_TESTS" 2>&1 | tee "$out"
     local rc=${PIPESTATUS[0]}
-    if tail -1 /tmp/gpu_tests.out | grep -q "skipped"; then echo "!! GPU tests were skipped"; return 1; fi
+    if tail -1 "$out" | grep -q "skipped"; then echo "!! GPU tests were skipped"; return 1; fi
     return "$rc"
 }
-
-bench_engine() {  # rows in order of importance; rows stop starting at the deadline (a row takes < 60 s)
-    local args=(--model full-random --images 128 --fixed-lengths --max-new-tokens 32 --max-objects 6
-                --rows mixed/256 mixed@1024x768/256 caption/256 --one-at-a-time-images 8
-                --kv-blocks $KV_BLOCKS --profile --deadline-s $(( STEP_BUDGET / SCALE - 60 )))
-    (( DRY )) && args=(--model demo --device cpu --images 2 --repeat 1 --max-new-tokens 3 --max-objects 1
-                       --rows mixed/4 mixed@1024x768/4 --one-at-a-time-images 1 --kv-blocks 300 --deadline-s 120)
-    $PY scripts/bench_engine.py "${args[@]}" --json "$LOG_DIR/bench.json"
-}
+gpu_tests_new() { gpu_tests_of "$NEW_PATHS"; }
+gpu_tests() { gpu_tests_of "not ($NEW_PATHS)"; }
 
 bench_qwen3vl() {  # writes a ~4.5 GB random checkpoint first
     local args=(--config 2b --dtype bfloat16 --images 64 --batch 256 --hf-batch 80 --max-new-tokens 16)
@@ -239,11 +302,11 @@ bench_attention() {
     $PY scripts/bench_attention.py "${args[@]}"
 }
 
-export -f environment flex_smoke gpu_tests bench_engine bench_qwen3vl bench_moe bench_qwen35 bench_florence2 \
-    classify_bench bench_attention
-export DRY PY LOG_DIR SCALE KV_BLOCKS
+export -f environment moondream_bench bench_engine bench_engine_more flex_smoke_cut flex_smoke_rest gpu_tests_of \
+    gpu_tests_new gpu_tests bench_qwen3vl bench_moe bench_qwen35 bench_florence2 classify_bench bench_attention
+export DRY PY LOG_DIR OUT SCALE KV_BLOCKS GPU_TESTS NEW_PATHS
 
-# ---------------------------------------------------------------- the call
+# ---------------------------------------------------------------- the calls
 
 if (( PLAN_ONLY )); then plan; exit 0; fi
 if (( PREPARE )); then prepare; exit $?; fi
@@ -252,21 +315,40 @@ for s in "${STEPS[@]}"; do NAMES+=("${s%% *}"); done
 for want in "$@"; do
     [[ " ${NAMES[*]} " == *" $want "* ]] || { echo "gpu_check: no step '$want' (steps: ${NAMES[*]})" >&2; exit 2; }
 done
+if [[ -z $CALLS ]]; then CALLS=$( (( DRY && ! $# )) && echo "1 2" || echo 1); fi
 (( DRY )) && plan
-CALL_START=$SECONDS
-rm -rf "$OUT/summary.txt" "$OUT/logs.tar.gz" "$LOG_DIR"
+rm -rf "$OUT/summary.txt" "$OUT/logs.tar.gz" "$OUT/bench.json" "$LOG_DIR"
 mkdir -p "$LOG_DIR"
-if ! setup; then
-    record "set-up: FAILED"
-    exit 1
+# One call, run in a subshell as on a fresh machine: its set-up, then its steps (or the steps
+# named, whatever their call), then its verdict, the summary's last line for it.
+run_call() {
+    local call=$1 s label="call $1"
+    (( $# > 1 )) && label=gpu_check
+    (( DRY )) && label+=" dry run"
+    CALL_BUDGET=$(( ${CALL_BUDGET_S:-${CALL_BUDGETS[$call]}} * SCALE ))
+    CALL_START=$SECONDS
+    (( $# > 1 )) || record "== call $call: $(( CALL_BUDGET / SCALE )) s$( (( DRY )) && echo " x$SCALE on CPU")"
+    if ! setup; then
+        record "set-up: FAILED"
+        FAILED+=("set-up")
+    else
+        for s in "${STEPS[@]}"; do
+            read -r name c budget least log _what <<<"$s"
+            if (( $# > 1 )); then [[ " ${*:2} " == *" $name "* ]] || continue
+            elif (( c != call )); then continue; fi
+            step "$name" "$budget" "$least" "$log"
+        done
+    fi
+    if (( ${#FAILED[@]} )); then
+        record "$label: FAILED: ${FAILED[*]} ($(( SECONDS - CALL_START )) s)"
+        return 1
+    fi
+    record "$label: every step ok ($(( SECONDS - CALL_START )) s)"
+}
+rc=0
+if (( $# )); then
+    (run_call 1 "$@") || rc=1
+else
+    for call in $CALLS; do (run_call "$call") || rc=1; done
 fi
-for s in "${STEPS[@]}"; do
-    read -r name budget least log _what <<<"$s"
-    if (( $# )) && [[ " $* " != *" $name "* ]]; then continue; fi
-    step "$name" "$budget" "$least" "$log"
-done
-if (( ${#FAILED[@]} )); then
-    record "gpu_check$( (( DRY )) && echo " dry run"): FAILED: ${FAILED[*]} ($(( SECONDS - CALL_START )) s)"
-    exit 1
-fi
-record "gpu_check$( (( DRY )) && echo " dry run"): every step ok ($(( SECONDS - CALL_START )) s)"
+exit $rc
