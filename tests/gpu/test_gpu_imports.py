@@ -133,8 +133,12 @@ failures = []
 
 class ImportEverything:
     def pytest_collection_finish(self, session):
-        modules = {id(m): m for m in (item.module for item in session.items if hasattr(item, "module"))}
-        for module in modules.values():
+        # The test modules, then the tests' support modules they reach (code that test files shared
+        # by importing each other before tests/support existed): every import in them, at any depth.
+        todo = list({id(m): m for m in (item.module for item in session.items if hasattr(item, "module"))}.values())
+        seen = {m.__name__ for m in todo}
+        while todo:
+            module = todo.pop()
             for name, attrs in named_imports(module):
                 try:
                     target = importlib.import_module(name)
@@ -143,6 +147,11 @@ class ImportEverything:
                             importlib.import_module(f"{name}.{attr}")
                 except (Exception, pytest.skip.Exception) as e:  # noqa: BLE001 - report every failing import
                     failures.append(f"{module.__name__}: import {name} {attrs or ''}: {type(e).__name__}: {e}")
+                    continue
+                for sub in [name] + [f"{name}.{a}" for a in attrs]:
+                    if sub.partition(".")[0] == "support" and sub in sys.modules and sub not in seen:
+                        seen.add(sub)
+                        todo.append(sys.modules[sub])
 
 
 sys.meta_path[:] = [H200Only(f) for f in sys.meta_path]
