@@ -31,7 +31,7 @@
 #      bench.json (the headline rows, rewritten after every runner: a call killed mid-bench still
 #      returns the runners it finished), summary.txt (each step: rc, seconds / budget, or why
 #      skipped) and logs.tar.gz (every step's log: env.txt, bench.log, flex_smoke_cut.log,
-#      gpu_tests_new.log, ...; rewritten after each step). The README's GPU numbers come from these.
+#      gpu_tests_new.log, ...; rewritten after each step). docs/benchmarks.md's GPU numbers come from these.
 #   4. the second call, with what `status` says is left: budget_left_s less 1-2 minutes of start-up
 #      and a margin, e.g. about 220 s after a 380 s first call:
 #             CALL_BUDGET_S=220 OUT=$OUT scripts/gpu_check.sh --call 2
@@ -143,7 +143,7 @@ step() {
 }
 
 # Each call's first work, as on a fresh machine: the carried wheels installed, every module the
-# package and the GPU tests import (tests/test_gpu_imports.py checks the same set on CPU), the
+# package and the GPU tests import (tests/gpu/test_gpu_imports.py checks the same set on CPU), the
 # parity fixtures found.
 setup() {
     local wheels

@@ -63,7 +63,7 @@ class StepInputs:
     decode: DecodeInputs
     last: Array  # [S + D] flat row of each emitting row's last token
     # Prompt rows that MODE_SCORE sequences score (their last `limit` rows). Logits are computed
-    # once per distinct context among them and for no other row (models/decoding.py choice_scores):
+    # once per distinct context among them and for no other row (models/base/decoding.py choice_scores):
     # the choices of one classify repeat the prompt's last token, and choices that begin alike
     # repeat their shared tokens, at the same positions after the same prefix (score_contexts).
     score_rows: Array  # [U] flat rows, one per distinct context
