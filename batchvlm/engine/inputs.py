@@ -1,5 +1,5 @@
 """StepInputs: one step's device inputs as named fields, built once on the host from a StepPlan
-and uploaded in one copy per dtype (staging.py `Slot.upload`). The eager path reads all of
+and uploaded in one copy per dtype (staging.py `Staging.upload`). The eager path reads all of
 them; the CUDA-graph path reads `DecodeInputs` only, padded to the captured bucket. Fields
 are numpy arrays on the host and device tensors (same shapes) after the upload.
 
