@@ -1,4 +1,4 @@
-"""The mask step of models/grammar.py: `apply_mask_` refuses exactly the tokens whose bit is clear
+"""The mask step of models/base/grammar.py: `apply_mask_` refuses exactly the tokens whose bit is clear
 in a row's packed mask, in place, and its only temporary is one byte per token. (That the masks
 hold every answer to its schema is checked end to end: test_json_native.py on the native Qwen
 engine, test_json_moondream.py, test_structured_transformers.py on the transformers backend.)"""

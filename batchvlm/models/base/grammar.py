@@ -5,7 +5,7 @@ answers filled at once (`fill_masks`), and the mask step applied on the device b
 never while a launch waits (engine/scheduler.py); the transformers backend inside `generate`.
 
 The library is xgrammar (`pip install 'batchvlm[structured]'`), chosen by measurement against
-llguidance 1.9.1 (scripts/bench_grammar.py, README "classify and json"): on a 151,650-token
+llguidance 1.9.1 (scripts/bench_grammar.py, docs/benchmarks.md "Grammar engines"): on a 151,650-token
 byte-level BPE, over random walks at batch 64 and 256, its masks cost 3-10x less host time per
 row for four of the five test schemas (llguidance wins enums, 1.4-1.8x) and its tokenizer setup
 takes 77 MiB against 269; its compile is slower (21 ms-3.1 s per schema against 1-3 ms) but
