@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..data.sources import NO_IMAGE_KINDS
 from ..job import is_url, model_path
-from .layout import OLD_JOB_FILE, Layout, OutputConflict, is_old_stats, own_stats
+from .layout import META_DIR, OLD_JOB_FILE, Layout, OutputConflict, is_old_stats, own_stats
 from .writer import atomic_write_bytes, output_stat
 
 if TYPE_CHECKING:
@@ -67,6 +67,28 @@ def has_output(layout: Layout, stats: dict[str, Any]) -> bool:
         return path.exists()
     now = output_stat(path)
     return now is not None and now["size"] == stats["output"].get("size")
+
+
+def prior_output(layout: Layout, stem: str) -> dict[str, Any] | None:
+    """The stats of a shard that was done, whatever its input is now: complete, its file still the
+    one they were written for. A run replaces such a shard only by a complete new one."""
+    stats = read_stats(layout, stem)
+    return stats if stats and stats.get("complete") and has_output(layout, stats) else None
+
+
+def missing_inputs(ref: ShardRef) -> list[str]:
+    """The local input files of `ref` that are not there (a folder's images, a tar or Parquet
+    file): an unmounted mount point, a sync in progress. URLs are not looked at."""
+    if is_url(ref.url):
+        return []
+    paths = [Path(ref.url) / f for f in ref.files] if ref.kind == "folder" and ref.files is not None else [Path(ref.url)]
+    return [str(p) for p in paths if not p.exists()]
+
+
+def kept_note(stem: str, why: str) -> str:
+    """One line for a done shard a run did not replace, and how to relabel it on purpose."""
+    return (f"{stem}: labels from before kept ({why}); restore the input and run again, or delete "
+            f"{META_DIR}/{stem}.stats.json to relabel it as it is now")
 
 
 def images_in(stats: dict[str, Any]) -> int:

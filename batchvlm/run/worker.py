@@ -79,6 +79,7 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
     mine = shards if claims else my_shards(shards, rank)  # with claims every rank may take any shard
     summary = RunSummary(len(shards), 0, skipped=Counter(shards.skipped))
     pending = _skip_done(layout, mine, summary)
+    replacing = {s.stem for s in pending if manifest.prior_output(layout, s.stem)}
     if not pending:
         plan(job.input, layout, freeze=True)
         summary.no_images = _no_images(layout, shards, summary)
@@ -105,7 +106,7 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
             f"{time.time() - t_engine:.1f} s ({how}, {len(seqs)} sequences per image)")
         # with work stealing this rank's share is not known in advance: no total
         bar = Progress(job.name, len(pending), None if claims else shard_sizes(layout, mine, pending), enabled=progress)
-        labelling = Labelling(layout, pending, summary, writer, bar, claims, stop, limit)
+        labelling = Labelling(layout, pending, summary, writer, bar, claims, stop, limit, replacing)
         labelling.run(stream, labeler, family, job, seqs)
         if isinstance(labeler, EngineLabeler):
             log(f"batchvlm: rank {rank.rank}/{rank.world}: engine: {labeler.engine.summary()}")
