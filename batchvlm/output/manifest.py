@@ -91,6 +91,14 @@ def kept_note(stem: str, why: str) -> str:
             f"{META_DIR}/{stem}.stats.json to relabel it as it is now")
 
 
+def inputs_gone(layout: Layout, ref: ShardRef) -> str | None:
+    """A kept_note for a shard that was done and whose input files are gone now (relabelling it
+    would replace its labels by "file not found" rows), else None. For run, status and validate."""
+    if prior_output(layout, ref.stem) is None or not (gone := missing_inputs(ref)):
+        return None
+    return kept_note(ref.stem, f"{len(gone)} of its input file(s) not found, {gone[0]} first")
+
+
 def images_in(stats: dict[str, Any]) -> int:
     """Rows of a shard that came from an image: all but the samples that held none (a tar
     sample of text members only, a null Parquet cell)."""

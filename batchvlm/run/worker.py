@@ -129,11 +129,17 @@ def _open_folder(layout: Layout, clear: bool) -> None:
 
 
 def _skip_done(layout: Layout, mine: list[ShardRef], summary: RunSummary) -> list[ShardRef]:
-    """-> the shards of `mine` still to label; the done ones are counted (damaged ones noted)."""
+    """-> the shards of `mine` still to label; the done ones are counted (damaged ones noted). A
+    shard done before whose input files are gone now (an unmounted mount point) is not relabelled
+    into "file not found" rows: its labels are kept, and the run says so (exit 1)."""
     pending = []
     for s in mine:
         if (stats := manifest.done_stats(layout, s)) is None:
-            pending.append(s)
+            if note := manifest.inputs_gone(layout, s):
+                summary.shards_kept.append(note)
+                log(f"batchvlm: shard {note}")
+            else:
+                pending.append(s)
             continue
         summary.shards_done_before += 1
         summary.found += manifest.images_in(stats)

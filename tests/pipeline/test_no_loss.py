@@ -37,3 +37,41 @@ def test_4_a_tar_cut_short_never_replaces_its_complete_labels(tmp_path):
     r = cli_app(tmp_path, "run", job)
     assert r.returncode == 0, r.stdout
     assert pq.read_table(out / "shapes-000000.parquet").num_rows == 4
+
+
+def _folder_job(tmp_path):
+    img = tmp_path / "img"
+    img.mkdir()
+    for i, colour in enumerate([(200, 30, 30), (30, 200, 30), (30, 30, 200)]):
+        (img / f"{i}.png").write_bytes(encode_image(Image.new("RGB", (24, 16), colour), "PNG"))
+    job = write_job(tmp_path / "job.yaml", "unused")
+    spec = json.loads(json.dumps(__import__("yaml").safe_load(job.read_text())))
+    spec["input"] = {"folder": "img", "shard_size": 2}
+    job.write_text(__import__("yaml").safe_dump(spec))
+    return img, job
+
+
+def test_3_a_done_shard_whose_images_vanished_is_not_relabelled_into_errors(tmp_path):
+    img, job = _folder_job(tmp_path)
+    assert cli_app(tmp_path, "run", job).returncode == 0
+    out = tmp_path / "out"
+    before = _bytes(out)
+    shutil.move(img, tmp_path / "away")
+    img.mkdir()  # the mount point, nothing mounted on it
+    r = cli_app(tmp_path, "status", job, "--json")
+    assert r.returncode == 0, r.stdout
+    report = json.loads(r.stdout)
+    assert report["rows"] == 3 and report["pending"] == 0, report
+    assert [s.split(":")[0] for s in report["kept_shards"]] == ["root-00000", "root-00001"], report
+    r = cli_app(tmp_path, "status", job)
+    assert "kept: root-00000: labels from before kept" in r.stdout, r.stdout
+    r = cli_app(tmp_path, "run", job)
+    assert r.returncode == 1, r.stdout
+    assert "2 KEPT FROM BEFORE" in r.stdout and "img/0.png first" in r.stdout, r.stdout
+    assert "delete __batchvlm__/root-00000.stats.json to relabel it" in r.stdout
+    assert _bytes(out) == before
+    img.rmdir()
+    shutil.move(tmp_path / "away", img)  # mounted again
+    r = cli_app(tmp_path, "run", job)
+    assert r.returncode == 0 and "2 already done" in r.stdout, r.stdout
+    assert _bytes(out) == before
