@@ -159,12 +159,28 @@ def is_our_stats(path: Path) -> bool:
     return (d := own_stats(path)) is not None and "complete" in d
 
 
+def own_stems(layout: Layout) -> set[str]:
+    """The shards this output wrote or planned: its shard list's, and those with a stats file (in
+    either layout). A batchvlm Parquet file copied in from another job is none of them."""
+    stems = set()
+    try:
+        shards = json.loads(layout.shard_list.read_text()).get("shards")
+        stems |= {s["stem"] for s in shards if isinstance(s, dict) and isinstance(s.get("stem"), str)}
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass  # no list (or not ours): the stats files still name what was written
+    for p in [*layout.meta.glob("*.stats.json"), *layout.dir.glob("*.stats.json")]:
+        if (d := own_stats(p)) is not None:
+            stems.add(d["shard"])
+    return stems
+
+
 def clear_outputs(layout: Layout) -> None:
-    """--overwrite: remove everything batchvlm wrote here (and nothing else), in either layout.
-    The run locks in the metadata folder stay: this run holds its own (unlinking a held lock
-    would let a second run take a fresh one)."""
-    for p in layout.dir.glob("*.parquet"):
-        if written_by_us(p):
+    """--overwrite: remove what this output wrote (and nothing else), in either layout: the
+    Parquet files of its own shards, not others that batchvlm wrote for other jobs. The run
+    locks in the metadata folder stay: this run holds its own (unlinking a held lock would let a
+    second run take a fresh one)."""
+    for stem in own_stems(layout):
+        if written_by_us(p := layout.parquet(stem)):
             p.unlink(missing_ok=True)
     if layout.meta.is_dir():
         for p in layout.meta.iterdir():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 from support.cli import cli_app
@@ -75,3 +74,18 @@ def test_3_a_done_shard_whose_images_vanished_is_not_relabelled_into_errors(tmp_
     r = cli_app(tmp_path, "run", job)
     assert r.returncode == 0 and "2 already done" in r.stdout, r.stdout
     assert _bytes(out) == before
+
+
+def test_5_overwrite_deletes_only_what_this_output_wrote(tmp_path):
+    write_shards(tmp_path / "data", 1, 2, seed=5)
+    other = write_job(tmp_path / "other.yaml", "data/shapes-*.tar", out="other", tasks=[{"caption": {}}])
+    assert cli_app(tmp_path, "run", other).returncode == 0
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar")
+    assert cli_app(tmp_path, "run", job).returncode == 0
+    out = tmp_path / "out"
+    copied = out / "from-other-job.parquet"  # another job's labels, copied in to read them together
+    shutil.copy(tmp_path / "other" / "shapes-000000.parquet", copied)
+    r = cli_app(tmp_path, "run", job, "--overwrite")
+    assert r.returncode == 0, r.stdout
+    assert copied.read_bytes() == (tmp_path / "other" / "shapes-000000.parquet").read_bytes()
+    assert pq.read_table(out / "shapes-000000.parquet").num_rows == 2
