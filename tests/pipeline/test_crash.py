@@ -89,3 +89,32 @@ def test_sweep_spares_other_live_writers(tmp_path):
     os.utime(stale, (time.time() - 7200,) * 2)
     assert sorted(sweep_temporaries(layout)) == sorted([dead_here.name, stale.name])
     assert live_here.exists() and other_host.exists()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        return []
+
+
+def test_kill_9_of_the_run_alone_frees_its_lock_and_ends_its_loader_workers(tmp_path):
+    """Only the main process is killed (an OOM killer, a node agent): its loader workers die with
+    it and the lock goes with it, so a rerun at once is not refused naming a dead pid."""
+    write_shards(tmp_path / "data", 12, 6, seed=13)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", loader={"workers": 2, "prefetch": 2},
+                    engine={"max_batch_size": 8})
+    cmd = [sys.executable, "-m", "batchvlm.cli", "run", str(job)]
+    p = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None and _complete(tmp_path / "out") < 1:
+        time.sleep(0.02)  # labelling: the workers are up and decoding the next shards
+    workers = _children(p.pid)
+    assert p.poll() is None and workers, "the run ended before it could be killed"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "another batchvlm run" not in r.stderr
+    for w in workers:  # gone (a zombie of the dead parent is reaped by init)
+        assert not os.path.exists(f"/proc/{w}") or "Z" in open(f"/proc/{w}/stat").read().split()[2]
