@@ -112,7 +112,7 @@ class Labelling:
             raise self.interrupted() from None
         finally:
             self.close()
-        self.summary.shards_written = [s for s in self.writer.written if s not in self.summary.shards_partial]
+        self.summary.shards_written += [s for s in self.writer.written if s not in self.summary.shards_partial]
 
     def label(self, stream, labeler, family: Family, job: Job, seqs: list[TaskSequence]) -> None:
         for ticket, raws in labeler.label(self.items(stream)):
