@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pyarrow.parquet as pq
+import yaml
 from PIL import Image
 from support.cli import cli_app
 from support.inputs import encode_image, write_job
@@ -32,7 +33,7 @@ def test_4_a_tar_cut_short_never_replaces_its_complete_labels(tmp_path):
     assert "shapes-000000: labels from before kept" in r.stdout and "KEPT FROM BEFORE" in r.stdout, r.stdout
     assert "delete __batchvlm__/shapes-000000.stats.json" in r.stdout
     assert _bytes(out) == before and (out / "__batchvlm__" / "shapes-000000.stats.json").read_bytes() == marker
-    tars[0].write_bytes(whole + b"")  # the complete copy again: nothing to relabel but its stat
+    tars[0].write_bytes(whole)  # the complete copy again: relabelled, whole
     r = cli_app(tmp_path, "run", job)
     assert r.returncode == 0, r.stdout
     assert pq.read_table(out / "shapes-000000.parquet").num_rows == 4
@@ -44,9 +45,8 @@ def _folder_job(tmp_path):
     for i, colour in enumerate([(200, 30, 30), (30, 200, 30), (30, 30, 200)]):
         (img / f"{i}.png").write_bytes(encode_image(Image.new("RGB", (24, 16), colour), "PNG"))
     job = write_job(tmp_path / "job.yaml", "unused")
-    spec = json.loads(json.dumps(__import__("yaml").safe_load(job.read_text())))
-    spec["input"] = {"folder": "img", "shard_size": 2}
-    job.write_text(__import__("yaml").safe_dump(spec))
+    spec = yaml.safe_load(job.read_text()) | {"input": {"folder": "img", "shard_size": 2}}
+    job.write_text(yaml.safe_dump(spec))
     return img, job
 
 
