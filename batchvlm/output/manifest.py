@@ -92,11 +92,15 @@ def kept_note(stem: str, why: str) -> str:
 
 
 def inputs_gone(layout: Layout, ref: ShardRef) -> str | None:
-    """A kept_note for a shard that was done and whose input files are gone now (relabelling it
-    would replace its labels by "file not found" rows), else None. For run, status and validate."""
+    """A kept_note for a shard that was done and whose input files are all gone now (an unmounted
+    mount point: relabelling it would replace its labels by "file not found" rows), else None. A
+    folder shard that lost some of its images is relabelled (they become error rows). For run,
+    status and validate."""
     if prior_output(layout, ref.stem) is None or not (gone := missing_inputs(ref)):
         return None
-    return kept_note(ref.stem, f"{len(gone)} of its input file(s) not found, {gone[0]} first")
+    if ref.kind == "folder" and ref.files is not None and len(gone) < len(ref.files):
+        return None
+    return kept_note(ref.stem, f"its {len(gone)} input file(s) are gone, {gone[0]} first")
 
 
 def images_in(stats: dict[str, Any]) -> int:

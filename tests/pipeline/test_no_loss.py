@@ -66,7 +66,8 @@ def test_3_a_done_shard_whose_images_vanished_is_not_relabelled_into_errors(tmp_
     assert "kept: root-00000: labels from before kept" in r.stdout, r.stdout
     r = cli_app(tmp_path, "run", job)
     assert r.returncode == 1, r.stdout
-    assert "2 KEPT FROM BEFORE" in r.stdout and "img/0.png first" in r.stdout, r.stdout
+    assert "2 KEPT FROM BEFORE" in r.stdout and "(its 2 input file(s) are gone, " in r.stdout, r.stdout
+    assert "img/0.png first" in r.stdout
     assert "delete __batchvlm__/root-00000.stats.json to relabel it" in r.stdout
     assert _bytes(out) == before
     img.rmdir()
@@ -89,3 +90,8 @@ def test_5_overwrite_deletes_only_what_this_output_wrote(tmp_path):
     assert r.returncode == 0, r.stdout
     assert copied.read_bytes() == (tmp_path / "other" / "shapes-000000.parquet").read_bytes()
     assert pq.read_table(out / "shapes-000000.parquet").num_rows == 2
+    (img / "1.png").unlink()  # one image of a shard deleted on purpose: relabelled, as documented
+    r = cli_app(tmp_path, "run", job)
+    assert r.returncode == 0 and "1 shard(s) written" in r.stdout, r.stdout
+    rows = pq.read_table(tmp_path / "out" / "root-00000.parquet").to_pylist()
+    assert [(row["key"], row["status"]) for row in rows] == [("0.png", "ok"), ("1.png", "error")]
