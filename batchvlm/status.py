@@ -76,7 +76,8 @@ def collect(job: Job) -> dict[str, Any]:
     return {"job": job.name, "output": str(layout.dir), "shards": None if inputs_missing else len(stems),
             "done": len(done), "partial": len(partial), "failed": len(failed), "pending": pending,
             "damaged": len(damaged), "rows": rows, "errors": errors, "partial_shards": partial,
-            "failed_shards": failed, "kept": len(kept), "kept_shards": kept, "damaged_shards": damaged, "no_image_shards": no_images,
+            "failed_shards": failed, "kept": len(kept), "kept_shards": kept, "damaged_shards": damaged,
+            "no_image_shards": no_images,
             "no_images": bool(stems) and pending == 0 and not partial and not failed and len(no_images) == len(done),
             "inputs_missing": inputs_missing,
             "skipped": skipped_note(skipped), "skipped_files": dict(skipped)}

@@ -81,7 +81,8 @@ def missing_inputs(ref: ShardRef) -> list[str]:
     file): an unmounted mount point, a sync in progress. URLs are not looked at."""
     if is_url(ref.url):
         return []
-    paths = [Path(ref.url) / f for f in ref.files] if ref.kind == "folder" and ref.files is not None else [Path(ref.url)]
+    folder = ref.kind == "folder" and ref.files is not None
+    paths = [Path(ref.url) / f for f in ref.files] if folder else [Path(ref.url)]
     return [str(p) for p in paths if not p.exists()]
 
 

@@ -222,9 +222,9 @@ def _await_held(layout: Layout, pending: list[ShardRef], handled: set[str], clai
         if free := [s for s in held if claims.is_free(s.stem)]:
             return free
         if not said:
-            log(f"batchvlm: waiting for {len(held)} shard(s) claimed by other ranks ({', '.join(s.stem for s in held[:3])}):"
-                f" they finish them, or, if a rank died, its claims expire after {claims.lease_s:.0f} s and this "
-                "rank takes them")
+            log(f"batchvlm: waiting for {len(held)} shard(s) claimed by other ranks "
+                f"({', '.join(s.stem for s in held[:3])}): they finish them, or, if a rank died, its claims "
+                f"expire after {claims.lease_s:.0f} s and this rank takes them")
             said = True
         stop.event.wait(1.0)
     return []

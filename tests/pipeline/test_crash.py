@@ -42,7 +42,8 @@ def _finished(out) -> dict[str, int]:
 # slow the machine, so every run is killed mid-run.
 KILL_POINTS = [
     lambda out, before: len(_finished(out)) > before["finished"],
-    lambda out, before: any((out / "__batchvlm__").glob("*.parquet.tmp-*")) or len(_finished(out)) > before["finished"] + 1,
+    lambda out, before: (any((out / "__batchvlm__").glob("*.parquet.tmp-*"))
+                         or len(_finished(out)) > before["finished"] + 1),
     lambda out, before: _complete(out) > before["complete"],
     lambda out, before: len(_finished(out)) > before["finished"],
 ]

@@ -75,6 +75,11 @@ def test_3_a_done_shard_whose_images_vanished_is_not_relabelled_into_errors(tmp_
     r = cli_app(tmp_path, "run", job)
     assert r.returncode == 0 and "2 already done" in r.stdout, r.stdout
     assert _bytes(out) == before
+    (img / "1.png").unlink()  # one image of a shard deleted on purpose: relabelled, as documented
+    r = cli_app(tmp_path, "run", job)
+    assert r.returncode == 0 and "1 shard(s) written" in r.stdout, r.stdout
+    rows = pq.read_table(tmp_path / "out" / "root-00000.parquet").to_pylist()
+    assert [(row["key"], row["status"]) for row in rows] == [("0.png", "ok"), ("1.png", "error")]
 
 
 def test_5_overwrite_deletes_only_what_this_output_wrote(tmp_path):
@@ -90,8 +95,3 @@ def test_5_overwrite_deletes_only_what_this_output_wrote(tmp_path):
     assert r.returncode == 0, r.stdout
     assert copied.read_bytes() == (tmp_path / "other" / "shapes-000000.parquet").read_bytes()
     assert pq.read_table(out / "shapes-000000.parquet").num_rows == 2
-    (img / "1.png").unlink()  # one image of a shard deleted on purpose: relabelled, as documented
-    r = cli_app(tmp_path, "run", job)
-    assert r.returncode == 0 and "1 shard(s) written" in r.stdout, r.stdout
-    rows = pq.read_table(tmp_path / "out" / "root-00000.parquet").to_pylist()
-    assert [(row["key"], row["status"]) for row in rows] == [("0.png", "ok"), ("1.png", "error")]
