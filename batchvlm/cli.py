@@ -182,6 +182,8 @@ def status(
         typer.echo(f"  partial: {name}")
     for line in report["failed_shards"][:10]:
         typer.echo(f"  failed: {line}")
+    for line in report["kept_shards"][:10]:
+        typer.echo(f"  kept: {line}")
 
 
 @app.command()
