@@ -169,13 +169,12 @@ class Answer:
 
 def mask_threads(device: torch.device) -> int:
     """xgrammar's threads for one step's masks, from the device the forward runs on. On a CPU
-    device, 1: the forward's own threads use the cores, and the masks are filled while it runs
-    (engine/scheduler.py). On a CUDA device the host only launches: half of this process's share of
-    the cores (one process per GPU; the other half for the scheduler loop, the loaders and the
-    image preprocessing), at most 8 (a step's rows split into that many parts stay above
-    xgrammar's per-thread overhead at 64 rows and more). An H200 host with 16 cores: 8. What it
-    buys is measured on such a host: the json rows of the host bench (issue 37 item 6, masks per
-    step) with the device's thread count against 1."""
+    device, 1: the forward itself needs the cores. On a CUDA device the host only launches and
+    the masks are its longest work per step: half of this process's share of the cores (one
+    process per GPU; the other half for the scheduler loop, the loaders and the image
+    preprocessing), at most 8 (a cap not yet measured). An H200 host with 16 cores: 8. What it
+    buys is to be measured on such a host: the json rows of the host bench (issue 37 item 6, mask
+    time per step) at this count against 1."""
     if device.type != "cuda":
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
