@@ -19,7 +19,7 @@ from ..dist import Rank
 from ..job import Job
 from ..output import manifest
 from ..output.layout import Layout
-from ..output.placement import check_apart_from_inputs, check_writable
+from ..output.placement import check_apart_from_inputs, check_no_foreign_files, check_writable
 from ..output.shardlist import ShardList, plan
 
 
@@ -68,6 +68,7 @@ def preflight(job: Job, clear: bool, rank: Rank, dry: bool = False) -> Preflight
     check_first_parquet(shards, job.input)  # a wrong image column is refused before the model loads
     check_writable(layout.dir)
     check_apart_from_inputs(layout.dir, job.input, [(s.stem, s.url) for s in shards])
+    check_no_foreign_files(layout, [s.stem for s in shards], clear)
     job = for_device(job, rank)  # dtype resolved before any settings are compared
     check_tasks(job.model, job.tasks, job.engine, job.output.constrain)
     if resume:

@@ -1,0 +1,48 @@
+"""What `validate` (preflight, the one check before a run) refuses that a run would otherwise get
+wrong after the work: through the real CLI, each exit 2 with one line naming the cause (issue 40)."""
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from support.cli import cli_app
+from support.inputs import write_job
+
+from batchvlm.exits import EXIT_JOB_ERROR
+from batchvlm.shapes.shards import write_shards
+
+
+def refused(root, *args) -> str:
+    r = cli_app(root, *args)
+    assert r.returncode == EXIT_JOB_ERROR, r.stdout
+    errors = [line for line in r.stdout.splitlines() if line.startswith("batchvlm: error: ")]
+    assert len(errors) == 1, r.stdout
+    return errors[0]
+
+
+def test_an_img2dataset_folder_as_output_keeps_its_parquet(tmp_path):
+    """img2dataset writes 00000.tar, 00000.parquet (urls, captions) and 00000_stats.json side by
+    side: labels for 00000.tar would replace its 00000.parquet."""
+    data = tmp_path / "data"
+    write_shards(data, 1, 2, seed=1)
+    (data / "shapes-000000.tar").rename(data / "00000.tar")
+    theirs = pa.table({"url": ["http://a", "http://b"], "caption": ["a", "b"]})
+    pq.write_table(theirs, data / "00000.parquet")
+    (data / "00000_stats.json").write_text("{}")
+    job = write_job(tmp_path / "job.yaml", "data/00000.tar", out="data")
+    for args in (("validate", job), ("run", job), ("run", job, "--overwrite")):
+        assert "00000.parquet was not written by this output" in refused(tmp_path, *args)
+        assert pq.read_table(data / "00000.parquet").equals(theirs)
+
+
+def test_a_users_own_parquet_in_the_output_folder_is_not_replaced(tmp_path):
+    write_shards(tmp_path / "data", 2, 2, seed=1)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", tasks=[{"caption": {}}])
+    cli_app(tmp_path, "run", job, "--limit", "2", check=True)  # shapes-000000 done: ours
+    mine = pa.table({"x": [1]})
+    pq.write_table(mine, tmp_path / "out" / "shapes-000001.parquet")
+    line = refused(tmp_path, "validate", job)
+    assert "shapes-000001.parquet was not written by this output" in line
+    refused(tmp_path, "run", job)
+    assert pq.read_table(tmp_path / "out" / "shapes-000001.parquet").equals(mine)
+    (tmp_path / "out" / "shapes-000001.parquet").unlink()
+    cli_app(tmp_path, "run", job, check=True)  # its own files are no obstacle
+    cli_app(tmp_path, "run", job, "--overwrite", check=True)
