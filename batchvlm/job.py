@@ -166,7 +166,8 @@ class LoaderSpec(Strict):
 
 
 class OutputSpec(Strict):
-    dir: NonEmpty = Field(description="Output folder (relative paths resolve against the job file).")
+    dir: NonEmpty = Field(description="Output folder, local or mounted (relative paths resolve against the job "
+                                      "file); not a URL.")
     compression: Literal["zstd", "snappy", "gzip", "none"] = "zstd"
     mode: Literal["resume", "overwrite"] = Field("resume", description="resume skips finished shards.")
     raw_text: bool = Field(False, description="Add <name>_raw beside each detect / point column: the decoded "
@@ -174,6 +175,14 @@ class OutputSpec(Strict):
     constrain: bool = Field(False, description="Native Qwen3-VL / Qwen3.5: decode detect / point answers with the "
                                                "grammar of their JSON grounding format, so every answer the token "
                                                "limit does not cut parses (compact JSON, no fence).")
+
+    @field_validator("dir")
+    @classmethod
+    def _local(cls, v: str) -> str:
+        if is_url(v):  # fsspec would not be asked: the path would become a local `s3:/...` folder
+            raise ValueError(f"{v} is a URL; output to an object store is not supported yet: give a local (or "
+                             "mounted) folder and copy it up after the run")
+        return v
 
 
 class RuntimeSpec(Strict):

@@ -46,3 +46,11 @@ def test_a_users_own_parquet_in_the_output_folder_is_not_replaced(tmp_path):
     (tmp_path / "out" / "shapes-000001.parquet").unlink()
     cli_app(tmp_path, "run", job, check=True)  # its own files are no obstacle
     cli_app(tmp_path, "run", job, "--overwrite", check=True)
+
+
+def test_a_url_output_is_refused_before_any_folder_is_made(tmp_path):
+    write_shards(tmp_path / "data", 1, 2, seed=1)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", out="s3://bucket/labels")
+    for cmd in ("validate", "run"):
+        assert "output.dir: s3://bucket/labels is a URL" in refused(tmp_path, cmd, job)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "job.yaml"]
