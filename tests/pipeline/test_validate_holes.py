@@ -54,3 +54,18 @@ def test_a_url_output_is_refused_before_any_folder_is_made(tmp_path):
     for cmd in ("validate", "run"):
         assert "output.dir: s3://bucket/labels is a URL" in refused(tmp_path, cmd, job)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "job.yaml"]
+
+
+def test_a_model_folder_without_safetensors_is_refused_by_validate(tmp_path):
+    from batchvlm.models.registry import DEMO_DIR
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (model / name).write_bytes((DEMO_DIR / name).read_bytes())
+    (model / "pytorch_model.bin").write_bytes(b"a pickle batchvlm never opens")
+    write_shards(tmp_path / "data", 1, 2, seed=1)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", model={"name": str(model)})
+    for args in (("validate", job), ("run", job, "--dry-run"), ("run", job)):
+        assert "no model.safetensors" in refused(tmp_path, *args)
+    assert not (tmp_path / "out").exists()
