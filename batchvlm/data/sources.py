@@ -139,10 +139,28 @@ def file_stem(url: str) -> str:
     return name
 
 
+def check_backend(url: str, field: str) -> None:
+    """fsspec can open `url` here: each protocol it names (`s3://`, `simplecache::s3://`) is known
+    and its backend installed. A missing one would fail every shard (or image) after the work."""
+    if not is_url(url):
+        return
+    for part in url.split("::"):
+        protocol = part.split("://", 1)[0]
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ImportError as e:
+            raise SourceError(f"{field}: {url} needs fsspec's {protocol!r} backend, which is not installed "
+                              f"here ({e})") from None
+        except ValueError:
+            raise SourceError(f"{field}: {url}: fsspec knows no protocol {protocol!r}") from None
+
+
 def list_files(inp: InputSpec) -> list[str]:
     """The tar or Parquet files the job names, in pattern order (globs sorted), each once."""
     field = "shards" if inp.shards else "parquet"
     patterns = getattr(inp, field)
+    for pattern in [patterns] if isinstance(patterns, str) else patterns:
+        check_backend(pattern, f"input.{field}")
     urls = _expand([patterns] if isinstance(patterns, str) else patterns)
     missing = [u for u in urls if not is_url(u) and not os.path.exists(u)]
     if missing:
@@ -295,10 +313,26 @@ def check_first_parquet(shards: list[ShardRef], inp: InputSpec) -> None:
         return
     try:
         with fsspec.open(first.url, "rb") as f:
-            schema = pq.ParquetFile(f).schema_arrow
+            pf = pq.ParquetFile(f)
+            schema = pf.schema_arrow
+            check_parquet_columns(first.url, schema, inp)
+            _check_image_paths(pf, first.url, inp)
+    except SourceError:
+        raise
     except (OSError, ValueError) as e:
         raise SourceError(f"input.parquet: cannot read {first.url}: {e}") from None
-    check_parquet_columns(first.url, schema, inp)
+
+
+def _check_image_paths(pf, url: str, inp: InputSpec) -> None:
+    """The backends of the URLs in a path column (strings: a {bytes, path} struct holds its images
+    as a rule, and is not read here), in its first row group: a path column names one store."""
+    t = pf.schema_arrow.field(inp.image_column).type
+    if pf.metadata.num_row_groups == 0 or not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+        return
+    values = pf.read_row_group(0, columns=[inp.image_column]).column(0).to_pylist()
+    protocols = {p.split("://", 1)[0]: p for p in set(values) if isinstance(p, str) and is_url(p)}
+    for path in protocols.values():
+        check_backend(path, f"input.image_column ({url})")
 
 
 def count_samples(shard: ShardRef) -> int | None:

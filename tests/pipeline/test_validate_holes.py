@@ -2,12 +2,22 @@
 wrong after the work: through the real CLI, each exit 2 with one line naming the cause (issue 40)."""
 
 import pyarrow as pa
+import pytest
+import yaml
 import pyarrow.parquet as pq
 from support.cli import cli_app
 from support.inputs import write_job
 
 from batchvlm.exits import EXIT_JOB_ERROR
 from batchvlm.shapes.shards import write_shards
+
+
+def parquet_job(path, **inp):
+    """A job of Parquet input (write_job's input is tar shards)."""
+    job = yaml.safe_load(write_job(path, "unused").read_text())
+    job["input"] = {"parquet": "t.parquet"} | inp
+    path.write_text(yaml.safe_dump(job))
+    return path
 
 
 def refused(root, *args) -> str:
@@ -69,3 +79,29 @@ def test_a_model_folder_without_safetensors_is_refused_by_validate(tmp_path):
     for args in (("validate", job), ("run", job, "--dry-run"), ("run", job)):
         assert "no model.safetensors" in refused(tmp_path, *args)
     assert not (tmp_path / "out").exists()
+
+
+def missing_backend() -> str:
+    """A protocol whose fsspec backend this environment lacks (s3fs is no dependency)."""
+    import fsspec
+
+    for protocol in ("s3", "gs", "abfs"):
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ImportError:
+            return protocol
+    pytest.skip("every object-store backend is installed")
+
+
+def test_a_missing_fsspec_backend_is_refused_at_validate(tmp_path):
+    protocol = missing_backend()
+    job = write_job(tmp_path / "job.yaml", f"{protocol}://bucket/x-{{000..001}}.tar")
+    for args in (("validate", job), ("run", job)):
+        assert f"input.shards: {protocol}://bucket/x-{{000..001}}.tar needs fsspec's {protocol!r} backend" in refused(tmp_path, *args)
+    glob = write_job(tmp_path / "glob.yaml", f"{protocol}://bucket/*.tar")
+    assert "backend" in refused(tmp_path, "validate", glob)
+    unknown = write_job(tmp_path / "unknown.yaml", "nosuch://bucket/x.tar")
+    assert "fsspec knows no protocol 'nosuch'" in refused(tmp_path, "validate", unknown)
+    pq.write_table(pa.table({"image": [f"{protocol}://bucket/a.jpg", "local.jpg"]}), tmp_path / "t.parquet")
+    paths = parquet_job(tmp_path / "paths.yaml")
+    assert f"needs fsspec's {protocol!r} backend" in refused(tmp_path, "validate", paths)
