@@ -105,3 +105,21 @@ def test_a_missing_fsspec_backend_is_refused_at_validate(tmp_path):
     pq.write_table(pa.table({"image": [f"{protocol}://bucket/a.jpg", "local.jpg"]}), tmp_path / "t.parquet")
     paths = parquet_job(tmp_path / "paths.yaml")
     assert f"needs fsspec's {protocol!r} backend" in refused(tmp_path, "validate", paths)
+
+
+def test_keep_columns_whose_types_clash_across_parquet_files_are_refused_at_validate(tmp_path):
+    from support.inputs import good_png
+
+    png = good_png(64, 48)
+    pq.write_table(pa.table({"image": [png], "n": pa.array([1], pa.int32()), "tag": ["a"]}), tmp_path / "t-0.parquet")
+    pq.write_table(pa.table({"image": [png], "n": pa.array([2], pa.int64()), "tag": pa.array([7])}),
+                   tmp_path / "t-1.parquet")
+    clash = parquet_job(tmp_path / "clash.yaml", parquet="t-*.parquet", keep=["n", "tag"])
+    for args in (("validate", clash), ("run", clash)):
+        line = refused(tmp_path, *args)
+        assert "input.keep: column 'tag' is string in" in line and "t-0.parquet but int64 in" in line
+    assert not (tmp_path / "out").exists()
+    widened = parquet_job(tmp_path / "widened.yaml", parquet="t-*.parquet", keep=["n"])  # int32 + int64 unify
+    cli_app(tmp_path, "run", widened, check=True)
+    table = pq.read_table(tmp_path / "out")
+    assert table.schema.field("n").type == pa.int64() and sorted(table.column("n").to_pylist()) == [1, 2]
