@@ -1,10 +1,12 @@
 """What `validate` (preflight, the one check before a run) refuses that a run would otherwise get
 wrong after the work: through the real CLI, each exit 2 with one line naming the cause (issue 40)."""
 
+import time
+
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
-import pyarrow.parquet as pq
 from support.cli import cli_app
 from support.inputs import write_job
 
@@ -123,3 +125,44 @@ def test_keep_columns_whose_types_clash_across_parquet_files_are_refused_at_vali
     cli_app(tmp_path, "run", widened, check=True)
     table = pq.read_table(tmp_path / "out")
     assert table.schema.field("n").type == pa.int64() and sorted(table.column("n").to_pylist()) == [1, 2]
+
+
+def laughs(levels: int) -> str:
+    """The "billion laughs": each level an alias of nine of the one below (9**levels values)."""
+    lines = ["l0: &l0 [ha, ha, ha, ha, ha, ha, ha, ha, ha]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+def test_job_files_that_cost_minutes_to_check_are_refused_in_seconds(tmp_path):
+    write_shards(tmp_path / "data", 1, 2, seed=1)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar")
+    body = job.read_text()
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(laughs(10) + body.replace("name: test-job", "name: test-job\nx: *l10"))
+    start = time.monotonic()
+    assert "YAML aliases expand to more than 1,000,000 values" in refused(tmp_path, "validate", bomb)
+    loop = tmp_path / "loop.yaml"
+    loop.write_text(body + "x: &x [1, *x]\n")
+    assert "a YAML alias refers to a value that holds it" in refused(tmp_path, "validate", loop)
+    big = tmp_path / "big.yaml"
+    with open(big, "w") as f:
+        f.write(body)
+        f.truncate(50 << 20)  # sparse: 50 MB that cost nothing to write
+    assert "big.yaml: 50 MB; a job file is at most 4 MB" in refused(tmp_path, "validate", big)
+    assert time.monotonic() - start < 20
+    aliased = tmp_path / "aliased.yaml"  # aliases that stay small are fine
+    aliased.write_text(body.replace("max_new_tokens: 12", "max_new_tokens: &n 12\n  max_objects: *n")
+                       .replace("  max_objects: 3\n", ""))
+    cli_app(tmp_path, "validate", aliased, check=True)
+
+
+def test_sixty_thousand_detect_objects_validate_in_seconds(tmp_path):
+    write_shards(tmp_path / "data", 1, 2, seed=1)
+    objects = [f"object {i}" for i in range(60_000)]
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", tasks=[{"detect": {"objects": objects}}])
+    start = time.monotonic()
+    cli_app(tmp_path, "validate", job, check=True)
+    assert time.monotonic() - start < 30  # 49 s before: a quadratic duplicate check, YAML in pure Python
+    twice = write_job(tmp_path / "twice.yaml", "data/shapes-*.tar", tasks=[{"detect": {"objects": objects + ["object 7"]}}])
+    assert "object 7" in refused(tmp_path, "validate", twice)
