@@ -12,14 +12,16 @@ are finite, every number is bounded, and a key given twice is an error.
 from __future__ import annotations
 
 import datetime
+import difflib
 import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .tasks import Strict, Task, label_columns
 
@@ -322,13 +324,59 @@ def _hint(err: dict[str, Any], written: str | None = None) -> str:
     return f" (YAML read {shown} as {kind}" + (f"; quote it: '{shown}')" if err["type"] == "string_type" else ")")
 
 
+def _keys_at(parts: list[str | int]) -> list[str]:
+    """The keys the job models accept in the mapping at `parts` (a field path), for "did you
+    mean": through lists, unions and the task kinds (a part no candidate has is a union tag)."""
+    types: list[Any] = [Job]
+    for part in parts:
+        flat = _flatten(types)
+        if isinstance(part, int):
+            nested = [get_args(t)[0] for t in flat if get_origin(t) is list]
+        else:
+            nested = [f.annotation for t in flat if isinstance(t, type) and issubclass(t, BaseModel)
+                      for name, f in t.model_fields.items() if part in (name, f.alias)]
+        types = nested or types
+    return [f.alias or name for t in _flatten(types) if isinstance(t, type) and issubclass(t, BaseModel)
+            for name, f in t.model_fields.items()]
+
+
+def _flatten(types: list[Any]) -> list[Any]:
+    """Annotated and union types -> the types they stand for."""
+    out: list[Any] = []
+    for t in types:
+        if get_origin(t) is Annotated:
+            out += _flatten([get_args(t)[0]])
+        elif get_origin(t) in (Union, UnionType):
+            out += _flatten(list(get_args(t)))
+        else:
+            out.append(t)
+    return out
+
+
+def _did_you_mean(loc: tuple) -> str | None:
+    parts = _loc_parts(loc)
+    if not parts or not isinstance(parts[-1], str):
+        return None
+    close = difflib.get_close_matches(parts[-1], _keys_at(parts[:-1]), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def _format_error(e: ValidationError, node: yaml.Node | None = None) -> str:
     errors = e.errors()
+    # a misspelt key first: the field it misses (`taks` -> `tasks: Field required`) follows from it
+    typos = {_clean_loc(err["loc"]): _did_you_mean(err["loc"]) for err in errors if err["type"] == "extra_forbidden"}
+    explained = {_clean_loc(_loc_parts(err["loc"])[:-1] + [fix]) if _loc_parts(err["loc"])[:-1] else fix
+                 for err in errors if err["type"] == "extra_forbidden" and (fix := typos[_clean_loc(err["loc"])])}
+    errors = sorted((err for err in errors if not (err["type"] == "missing" and _clean_loc(err["loc"]) in explained)),
+                    key=lambda err: err["type"] != "extra_forbidden")
     loc = _clean_loc(errors[0]["loc"])
     same = [err for err in errors if _clean_loc(err["loc"]) == loc]
     msgs = []
     for err in same:
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key" + (f"; did you mean {fix}?" if (fix := typos[loc]) else "")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
         msg += _hint(err, _source_text(node, err["loc"]))
         if msg not in msgs:
             msgs.append(msg)

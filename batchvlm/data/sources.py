@@ -247,6 +247,26 @@ def scan_folder(root: Path) -> FolderScan:
     return scan
 
 
+def check_sidecars(inp: InputSpec, shards: list[ShardRef]) -> None:
+    """A folder's `input.keep` names sidecar extensions some file beside its images has (`path`
+    aside): a misspelt one would be a column of nulls. Directories are listed until every
+    extension is found, so a job whose sidecars are there costs one listing."""
+    wanted = {ext for ext in inp.keep if ext != "path"}
+    if inp.kind != "folder" or not wanted:
+        return
+    for url in dict.fromkeys(s.url for s in shards):
+        try:
+            with os.scandir(url) as it:
+                for e in it:
+                    wanted -= {ext for ext in wanted if e.name.endswith(f".{ext}")}
+        except OSError:
+            continue  # an unreadable directory fails its own shards
+        if not wanted:
+            return
+    raise SourceError(f"input.keep: no file beside the images of {inp.folder} ends in .{sorted(wanted)[0]} (a "
+                      "folder's keep names sidecar extensions: img.json beside img.jpg, or path)")
+
+
 def check_columns(names: list[str], inp: InputSpec, url: str) -> None:
     if inp.image_column not in names:
         raise SourceError(f"input.image_column: {url} has no column {inp.image_column!r} (has {names})")

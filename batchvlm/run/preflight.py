@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..data.sources import SourceError, check_first_parquet, count_samples, keep_fields, list_files
+from ..data.sources import SourceError, check_first_parquet, check_sidecars, count_samples, keep_fields, list_files
 from ..dist import Rank
 from ..job import Job, ModelSpec
 from ..output import manifest
@@ -78,6 +78,7 @@ def preflight(job: Job, clear: bool, rank: Rank, dry: bool = False) -> Preflight
         raise SourceError(f"{field}: cannot read {unreadable[0].url}{more}; a run would fail its shard(s)")
     check_first_parquet(shards, job.input)  # a wrong image column is refused before the model loads
     keep_fields(job.input, shards)  # input.keep columns whose types clash across Parquet files
+    check_sidecars(job.input, shards)  # input.keep extensions no file of a folder has
     check_writable(layout.dir)
     check_apart_from_inputs(layout.dir, job.input, [(s.stem, s.url) for s in shards])
     check_no_foreign_files(layout, [s.stem for s in shards], clear)

@@ -166,3 +166,26 @@ def test_sixty_thousand_detect_objects_validate_in_seconds(tmp_path):
     assert time.monotonic() - start < 30  # 49 s before: a quadratic duplicate check, YAML in pure Python
     twice = write_job(tmp_path / "twice.yaml", "data/shapes-*.tar", tasks=[{"detect": {"objects": objects + ["object 7"]}}])
     assert "object 7" in refused(tmp_path, "validate", twice)
+
+
+def test_a_misspelt_key_is_named_with_what_it_likely_meant(tmp_path):
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar")
+    job.write_text(job.read_text().replace("tasks:", "taks:"))
+    assert refused(tmp_path, "validate", job).endswith("taks: unknown key; did you mean tasks?")
+    job.write_text(job.read_text().replace("taks:", "tasks:").replace("max_new_tokens", "max_new_tokns"))
+    assert "engine.max_new_tokns: unknown key; did you mean max_new_tokens?" in refused(tmp_path, "validate", job)
+
+
+def test_a_folder_keep_that_no_file_has_is_refused(tmp_path):
+    from support.inputs import good_png
+
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "a.png").write_bytes(good_png(64, 48))
+    (tmp_path / "images" / "a.json").write_text("{}")
+    job = yaml.safe_load(write_job(tmp_path / "job.yaml", "unused").read_text())
+    job["input"] = {"folder": "images", "keep": ["json", "path", "nonexistent"]}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    assert "input.keep: no file beside the images of" in refused(tmp_path, "validate", tmp_path / "job.yaml")
+    job["input"]["keep"] = ["json", "path"]
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    cli_app(tmp_path, "validate", tmp_path / "job.yaml", check=True)
