@@ -189,3 +189,14 @@ def test_a_folder_keep_that_no_file_has_is_refused(tmp_path):
     job["input"]["keep"] = ["json", "path"]
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     cli_app(tmp_path, "validate", tmp_path / "job.yaml", check=True)
+
+
+def test_a_preview_inside_the_output_folder_is_refused(tmp_path):
+    write_shards(tmp_path / "data", 1, 2, seed=1)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", tasks=[{"caption": {}}])
+    cli_app(tmp_path, "run", job, check=True)
+    for inside in ("out/preview.html", "out/sub/p.html"):
+        assert "is inside the output folder" in refused(tmp_path, "preview", "out", "-o", inside)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["__batchvlm__", "shapes-000000.parquet"]
+    cli_app(tmp_path, "preview", "out", "-o", "preview.html", check=True)
+    assert pq.read_table(tmp_path / "out").num_rows == 2  # the folder still reads as labels
