@@ -4,8 +4,9 @@
 Run by the process that will run the job (a worker, a launcher on its node, the first Ray actor),
 so the device is the one it will use. Nothing is loaded but the model's host side (config and tokenizer: every task's prompt rendered
 and measured against the context), and nothing is written: a refused job leaves no folder behind
-and clears nothing. In order: the output folder's layout, the inputs (listed; the first Parquet
-file's image column), where the output folder is (a folder, writable, apart from the inputs, no
+and clears nothing. In order: the output folder's layout, the inputs (listed, each URL's fsspec
+backend there; the first Parquet file's image column; the keep columns: their types over every
+Parquet file, a folder's sidecar extensions), where the output folder is (a folder, writable, apart from the inputs, no
 file there a run would replace that it did not write), the device, the tasks, a local model
 folder's weight files, and, for a folder labelled before, that the label-affecting settings match.
 """
