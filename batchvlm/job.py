@@ -1,7 +1,7 @@
 """The job file: typed, validated, with every default defined here once.
 
-`load_job(path)` reads YAML and returns a `Job`, or raises `JobError` with one line naming the
-field path and what was expected. Relative local paths resolve against the job file's folder.
+`load_job(path)` reads YAML (job_yaml.py: at a bounded cost) and returns a `Job`, or raises
+`JobError` with one line naming the field path and what was expected (job_errors.py). Relative local paths resolve against the job file's folder.
 `schemas/job.schema.json` is generated from these models (`scripts/gen_schemas.py`).
 
 Validation is strict where YAML could silently mean something else: a boolean is never a number
@@ -12,17 +12,17 @@ are finite, every number is bounded, and a key given twice is an error.
 from __future__ import annotations
 
 import datetime
-import difflib
 import hashlib
 import json
 import os
 from pathlib import Path
-from types import UnionType
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from .job_errors import format_error
+from .job_yaml import MAX_JOB_BYTES, JobFileRefused, read_yaml
 from .tasks import Strict, Task, label_columns
 
 RESERVED_COLUMNS = {"key", "source", "width", "height", "status", "error"}
@@ -264,128 +264,6 @@ def _resolve(base: Path, p: str) -> str:
     return os.path.normpath(base / Path(p).expanduser())  # an absolute path replaces base
 
 
-_TYPE_LABELS = ("int", "str", "float", "bool", "none")
-
-
-def _loc_parts(loc: tuple) -> list[str | int]:
-    """Field path without pydantic's union-member labels (`literal['all']`, `int`, task tags)."""
-    parts: list[str | int] = []
-    for x in loc:
-        s = str(x)
-        if "[" in s or s in _TYPE_LABELS or s.startswith("constrained-") or (parts and str(parts[-1]) == s):
-            continue
-        parts.append(x)
-    return parts
-
-
-def _clean_loc(loc: tuple) -> str:
-    # a hostile key ("a: b", "x.y", a newline) is quoted, so the message stays one line
-    parts = [str(x) if str(x).isprintable() and str(x).strip() == str(x) and not any(c in str(x) for c in ".: ")
-             else json.dumps(str(x)) for x in _loc_parts(loc)]
-    return ".".join(parts) or "<root>"
-
-
-def _source_text(node: yaml.Node | None, loc: tuple) -> str | None:
-    """The value at `loc` as written in the YAML file (`0123`, `no`), where it is a plain scalar."""
-    for part in _loc_parts(loc):
-        if isinstance(node, yaml.MappingNode):
-            node = next((v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == str(part)), None)
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            node = node.value[part]
-        else:
-            return None
-    return node.value if isinstance(node, yaml.ScalarNode) and not node.style else None
-
-
-_YAML_TYPES = ((bool, "a boolean"), (int, "a number"), (float, "a number"), (datetime.date, "a date"))
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _hint(err: dict[str, Any], written: str | None = None) -> str:
-    """What YAML made of an unquoted value of the wrong type (`true`, `1e3`, `2025-06-21`, `0123`),
-    shown as it was written where the file is at hand."""
-    value = err.get("input")
-    if err["type"] in ("float_type", "int_type") and isinstance(value, str) and _is_number(value):
-        # YAML 1.1 (PyYAML) reads an exponent only with a dot: 1e-3 is text, 1.0e-3 a number
-        number = float(value)
-        better = int(number) if err["type"] == "int_type" and number.is_integer() else repr(number)
-        return f" (YAML read {value} as text; write {better})"
-    kind = next((name for t, name in _YAML_TYPES if isinstance(value, t)), None)
-    if kind is None or not err["type"].endswith("_type"):
-        return ""
-    shown = written if written is not None else str(value).lower() if isinstance(value, bool) else value
-    return f" (YAML read {shown} as {kind}" + (f"; quote it: '{shown}')" if err["type"] == "string_type" else ")")
-
-
-def _keys_at(parts: list[str | int]) -> list[str]:
-    """The keys the job models accept in the mapping at `parts` (a field path), for "did you
-    mean": through lists, unions and the task kinds (a part no candidate has is a union tag)."""
-    types: list[Any] = [Job]
-    for part in parts:
-        flat = _flatten(types)
-        if isinstance(part, int):
-            nested = [get_args(t)[0] for t in flat if get_origin(t) is list]
-        else:
-            nested = [f.annotation for t in flat if isinstance(t, type) and issubclass(t, BaseModel)
-                      for name, f in t.model_fields.items() if part in (name, f.alias)]
-        types = nested or types
-    return [f.alias or name for t in _flatten(types) if isinstance(t, type) and issubclass(t, BaseModel)
-            for name, f in t.model_fields.items()]
-
-
-def _flatten(types: list[Any]) -> list[Any]:
-    """Annotated and union types -> the types they stand for."""
-    out: list[Any] = []
-    for t in types:
-        if get_origin(t) is Annotated:
-            out += _flatten([get_args(t)[0]])
-        elif get_origin(t) in (Union, UnionType):
-            out += _flatten(list(get_args(t)))
-        else:
-            out.append(t)
-    return out
-
-
-def _did_you_mean(loc: tuple) -> str | None:
-    parts = _loc_parts(loc)
-    if not parts or not isinstance(parts[-1], str):
-        return None
-    close = difflib.get_close_matches(parts[-1], _keys_at(parts[:-1]), n=1, cutoff=0.6)
-    return close[0] if close else None
-
-
-def _format_error(e: ValidationError, node: yaml.Node | None = None) -> str:
-    errors = e.errors()
-    # a misspelt key first: the field it misses (`taks` -> `tasks: Field required`) follows from it
-    typos = {_clean_loc(err["loc"]): _did_you_mean(err["loc"]) for err in errors if err["type"] == "extra_forbidden"}
-    explained = {_clean_loc(_loc_parts(err["loc"])[:-1] + [fix]) if _loc_parts(err["loc"])[:-1] else fix
-                 for err in errors if err["type"] == "extra_forbidden" and (fix := typos[_clean_loc(err["loc"])])}
-    errors = sorted((err for err in errors if not (err["type"] == "missing" and _clean_loc(err["loc"]) in explained)),
-                    key=lambda err: err["type"] != "extra_forbidden")
-    loc = _clean_loc(errors[0]["loc"])
-    same = [err for err in errors if _clean_loc(err["loc"]) == loc]
-    msgs = []
-    for err in same:
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key" + (f"; did you mean {fix}?" if (fix := typos[loc]) else "")
-        else:
-            msg = err["msg"].removeprefix("Value error, ")
-        msg += _hint(err, _source_text(node, err["loc"]))
-        if msg not in msgs:
-            msgs.append(msg)
-    rest = len(errors) - len(same)
-    extra = f" (and {rest} more error{'s' * (rest > 1)})" if rest else ""
-    where = "" if loc == "<root>" else f"{loc}: "  # checks across sections name their fields themselves
-    return f"{where}{'; or '.join(msgs)}{extra}"
-
-
 def parse_job(data: Any, base: Path, source: str = "job", node: yaml.Node | None = None) -> Job:
     """`node`: the YAML the data was read from, for hints that quote the file."""
     if not isinstance(data, dict):
@@ -393,7 +271,7 @@ def parse_job(data: Any, base: Path, source: str = "job", node: yaml.Node | None
     try:
         job = Job.model_validate(data, strict=True)  # YAML gives real types: `true` is no count
     except ValidationError as e:
-        raise JobError(f"{source}: {_format_error(e, node)}") from None
+        raise JobError(f"{source}: {format_error(e, Job, node)}") from None
     inp = job.input
     updates = {}
     for field in ("shards", "parquet"):
@@ -408,94 +286,15 @@ def parse_job(data: Any, base: Path, source: str = "job", node: yaml.Node | None
     })
 
 
-# A job file is written by hand: 60k detect objects take 1.1 MB. Bigger is a mistake (a data file
-# passed as the job) and would cost gigabytes to parse before its error.
-MAX_JOB_BYTES = 4 << 20
-# Values a job file may stand for once its YAML aliases are expanded: an alias is a reference,
-# but each value it names is validated (and hashed) at every place it appears ("billion laughs").
-MAX_EXPANDED_NODES = 1_000_000
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: 10x faster on a long list
-
-
-def _children(node: yaml.Node) -> list[yaml.Node]:
-    if isinstance(node, yaml.MappingNode):
-        return [n for pair in node.value for n in pair]
-    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
-
-
-def _check_expansion(root: yaml.Node, source: str) -> None:
-    """Refuse a document whose aliases expand past MAX_EXPANDED_NODES, or refer to themselves.
-    Each node is sized once (an alias is the same node object), so this is linear in the file."""
-    size: dict[int, int] = {}
-    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-    open_ids: set[int] = set()
-    while stack:
-        node, done = stack.pop()
-        if done:
-            open_ids.discard(id(node))
-            size[id(node)] = min(MAX_EXPANDED_NODES + 1, 1 + sum(size[id(c)] for c in _children(node)))
-            continue
-        if id(node) in size:
-            continue
-        if id(node) in open_ids:
-            raise JobError(f"{source}: line {node.start_mark.line + 1}: a YAML alias refers to a value that holds it")
-        open_ids.add(id(node))
-        stack.append((node, True))
-        for c in _children(node):
-            if isinstance(c, yaml.ScalarNode):
-                size[id(c)] = 1
-            elif id(c) not in size:
-                stack.append((c, False))
-    if size[id(root)] > MAX_EXPANDED_NODES:
-        raise JobError(f"{source}: its YAML aliases expand to more than {MAX_EXPANDED_NODES:,} values; a job "
-                       "file needs no such structure")
-
-
-def _duplicate_key(node: yaml.Node, path: str = "", seen_nodes: set[int] | None = None) -> str | None:
-    """`field.path: key given twice (lines a and b)` for the first key a mapping repeats. A node
-    reached again through an alias was checked the first time."""
-    seen_nodes = set() if seen_nodes is None else seen_nodes
-    if id(node) in seen_nodes:
-        return None
-    seen_nodes.add(id(node))
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[Any, int] = {}
-        for key, value in node.value:
-            name = key.value if isinstance(key, yaml.ScalarNode) else None
-            here = f"{path}.{name}" if path else str(name)
-            if name is not None and name in seen:
-                return f"{here}: key given twice (lines {seen[name] + 1} and {key.start_mark.line + 1})"
-            seen[name] = key.start_mark.line
-            if found := _duplicate_key(value, here, seen_nodes):
-                return found
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            if found := _duplicate_key(item, f"{path}.{i}", seen_nodes):
-                return found
-    return None
-
-
-def _read_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
-    loader = _LOADER(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None, None
-        _check_expansion(node, source)
-        if duplicate := _duplicate_key(node):
-            raise JobError(f"{source}: {duplicate}")
-        return loader.construct_document(node), node
-    finally:
-        loader.dispose()
-
-
 def load_job(path: str | Path) -> Job:
     path = Path(path)
     try:
         if (size := path.stat().st_size) > MAX_JOB_BYTES:
             raise JobError(f"{path}: {size / 2**20:.0f} MB; a job file is at most {MAX_JOB_BYTES >> 20} MB (is it "
                            "the job file?)")
-        data, node = _read_yaml(path.read_text(), str(path))
+        data, node = read_yaml(path.read_text(), str(path))
+    except JobFileRefused as e:
+        raise JobError(str(e)) from None
     except OSError as e:
         raise JobError(f"{path}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError as e:
