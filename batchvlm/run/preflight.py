@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..data.sources import SourceError, check_first_parquet, check_sidecars, count_samples, keep_fields, list_files
+from ..data.checks import check_first_parquet, check_sidecars
+from ..data.sources import SourceError, count_samples, keep_fields, list_files
 from ..dist import Rank
 from ..job import Job, ModelSpec
 from ..output import manifest
