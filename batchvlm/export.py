@@ -18,8 +18,8 @@ A name comes from the dataset (tar member, Parquet key), so it is made safe firs
 an absolute path, `..` or `.` parts are dropped and the hash of the original name is added
 (`../x.png` -> `x~1a2b3c4d.png`); every file an export writes stays inside DEST. YOLO pairs an
 image with its labels by file stem: where two images of a shard share one (`a.png`, `a.jpg`),
-the later one is exported as `a+2.jpg` (labels `a+2.txt`), in every file; COCO only parts
-equal names (compared without case).
+the later one is exported as `a+2.jpg` (labels `a+2.txt`), in every file; in COCO only names
+equal without case (`A.png`, `a.png`) are parted that way.
 DEST must be empty (an export never merges into another: class maps would disagree) unless
 `overwrite`, which replaces what an export writes there; it may not lie inside the output
 folder or an input folder.
