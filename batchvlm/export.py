@@ -158,6 +158,33 @@ def _boxes(row: dict[str, Any], columns: list[str]) -> list[dict[str, Any]]:
     return [b for c in columns for b in (row.get(c) or [])]
 
 
+def _file_names(output: Output, rows: list, fmt: str, dest: Path | None) -> dict[tuple[str, str], str]:
+    """(shard stem, key) -> the image's file name under images/ (`<shard>/<name>`, safe and
+    collision-free), each image written to `dest`/images/ where `dest` is given (--with-images)."""
+    file_names: dict[tuple[str, str], str] = {}
+    by_shard: dict[str, list[str]] = defaultdict(list)  # keys in row order
+    for shard, row in rows:
+        by_shard[shard.stem].append(row["key"])
+    for shard in output.shards():
+        if shard.stem not in by_shard:
+            continue
+        folder, taken = safe_name(shard.stem), _Names(by_stem=fmt == "yolo")
+        if not (shard.kind == "folder" and dest is None):  # a folder's key is its file name: no need to read
+            try:
+                for enc in output.encoded(shard, set(by_shard[shard.stem])):
+                    name = file_names[(shard.stem, enc.key)] = f"{folder}/{taken.claim(_name(enc))}"
+                    if dest is not None:
+                        _write_image(enc, dest / "images" / name, output.job.loader.max_image_pixels)
+            except OutputError:
+                if dest is not None:
+                    raise
+                # without images a gone input only costs the extension: names stay the keys
+        for key in by_shard[shard.stem]:
+            if (shard.stem, key) not in file_names:
+                file_names[(shard.stem, key)] = f"{folder}/{taken.claim(key)}"
+    return file_names
+
+
 def export(out_dir: Path, dest: Path, fmt: str, with_images: bool = False, overwrite: bool = False) -> dict[str, int]:
     output = Output.open(out_dir)
     _check_dest(dest, output, overwrite)
@@ -168,27 +195,7 @@ def export(out_dir: Path, dest: Path, fmt: str, with_images: bool = False, overw
     dest.mkdir(parents=True, exist_ok=True)
 
     rows = [(shard, row) for shard, row in output.rows() if row["status"] == "ok"]
-    file_names: dict[tuple[str, str], str] = {}
-    by_shard: dict[str, list[str]] = defaultdict(list)  # keys in row order
-    for shard, row in rows:
-        by_shard[shard.stem].append(row["key"])
-    for shard in output.shards():
-        if shard.stem not in by_shard:
-            continue
-        folder, taken = safe_name(shard.stem), _Names(by_stem=fmt == "yolo")
-        if not (shard.kind == "folder" and not with_images):  # a folder's key is its file name: no need to read
-            try:
-                for enc in output.encoded(shard, set(by_shard[shard.stem])):
-                    name = file_names[(shard.stem, enc.key)] = f"{folder}/{taken.claim(_name(enc))}"
-                    if with_images:
-                        _write_image(enc, dest / "images" / name, output.job.loader.max_image_pixels)
-            except OutputError:
-                if with_images:
-                    raise
-                # without images a gone input only costs the extension: names stay the keys
-        for key in by_shard[shard.stem]:
-            if (shard.stem, key) not in file_names:
-                file_names[(shard.stem, key)] = f"{folder}/{taken.claim(key)}"
+    file_names = _file_names(output, rows, fmt, dest if with_images else None)
 
     images, annotations, captions = [], [], []
     for image_id, (shard, row) in enumerate(rows, start=1):
