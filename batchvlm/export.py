@@ -12,9 +12,14 @@ the Parquet output).
     YOLO  DEST/labels/<shard>/<file stem>.txt   "class cx cy w h" (normalized, classes from 0)
           DEST/data.yaml          train / val only where the images were written
     both  DEST/captions.jsonl     the caption / query columns of every exported image
+          DEST/export.json        every exported image's key, source and file_name (under images/)
 
-YOLO pairs an image with its labels by file stem: where two images of a shard share one
-(`a.png`, `a.jpg`), the later one is exported as `a+2.jpg` (labels `a+2.txt`), in every file.
+A name comes from the dataset (tar member, Parquet key), so it is made safe first (`safe_name`):
+an absolute path, `..` or `.` parts are dropped and the hash of the original name is added
+(`../x.png` -> `x~1a2b3c4d.png`); every file an export writes stays inside DEST. YOLO pairs an
+image with its labels by file stem: where two images of a shard share one (`a.png`, `a.jpg`),
+the later one is exported as `a+2.jpg` (labels `a+2.txt`), in every file; in COCO only names
+equal without case (`A.png`, `a.png`) are parted that way.
 DEST must be empty (an export never merges into another: class maps would disagree) unless
 `overwrite`, which replaces what an export writes there; it may not lie inside the output
 folder or an input folder.
@@ -22,6 +27,7 @@ folder or an input folder.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -71,7 +77,7 @@ def _write_image(enc: Encoded, path: Path, max_pixels: int) -> None:
         d.image.save(path, format=fmt, **({"quality": 95} if fmt in ("JPEG", "WEBP") else {}))
 
 
-EXPORT_FILES = ("annotations.json", "data.yaml", "captions.jsonl", "labels", "images")
+EXPORT_FILES = ("annotations.json", "data.yaml", "captions.jsonl", "export.json", "labels", "images")
 
 
 def _check_dest(dest: Path, output: Output, overwrite: bool) -> None:
@@ -97,20 +103,86 @@ def _check_dest(dest: Path, output: Output, overwrite: bool) -> None:
             p.unlink(missing_ok=True)
 
 
-def _unique_stem(name: str, used: set[str]) -> str:
-    """`name`, or `<stem>+N<suffix>` where an earlier image of the shard has its stem (YOLO pairs
-    images and labels by stem; compared without case, as on macOS and Windows)."""
-    stem, suffix = os.path.splitext(name)
-    candidate, n = name, 1
-    while os.path.splitext(candidate)[0].lower() in used:
-        n += 1
-        candidate = f"{stem}+{n}{suffix}"
-    used.add(os.path.splitext(candidate)[0].lower())
-    return candidate
+MAX_PART_BYTES = 200  # a path component's limit is 255 bytes on most filesystems; room for a suffix
+
+
+def safe_name(name: str) -> str:
+    """`name` (a tar member, a folder file, a Parquet key: chosen by whoever made the dataset) as
+    a relative path that stays inside the folder it is joined to: no absolute path, no `..` or
+    `.` part, no part longer than a file system takes. A name that had to change gets `~` and a
+    hash of the original before its suffix, so two keys that clean to one name stay apart."""
+    parts = [p for p in name.split("/") if p not in ("", ".", "..")]
+    fitted = [p.encode()[:MAX_PART_BYTES].decode(errors="ignore") for p in parts]
+    safe = "/".join(fitted)
+    if safe == name:
+        return name
+    stem, suffix = os.path.splitext(safe or "image")
+    return f"{stem}~{hashlib.sha256(name.encode()).hexdigest()[:8]}{suffix}"
+
+
+class _Names:
+    """Collision-free file names within one shard's folder, compared without case (as on macOS
+    and Windows). YOLO pairs images and labels by stem, so there a shared stem (`a.png`,
+    `a.jpg`) is a collision too: the later becomes `a+2.jpg`. A name is never also a folder
+    (`a.png` and `a.png/b.png`)."""
+
+    def __init__(self, by_stem: bool) -> None:
+        self.by_stem = by_stem
+        self.ids: set[str] = set()
+        self.files: set[str] = set()
+        self.dirs: set[str] = set()
+
+    def _id(self, name: str) -> str:
+        return (os.path.splitext(name)[0] if self.by_stem else name).lower()
+
+    def _taken(self, name: str) -> bool:
+        low = name.lower()
+        prefixes = ["/".join(low.split("/")[:i]) for i in range(1, low.count("/") + 1)]
+        return self._id(name) in self.ids or low in self.dirs or any(p in self.files for p in prefixes)
+
+    def claim(self, key_name: str) -> str:
+        name = safe_name(key_name)
+        stem, suffix = os.path.splitext(name)
+        candidate, n = name, 1
+        while self._taken(candidate):
+            n += 1
+            candidate = f"{stem}+{n}{suffix}"
+        low = candidate.lower()
+        self.ids.add(self._id(candidate))
+        self.files.add(low)
+        self.dirs.update("/".join(low.split("/")[:i]) for i in range(1, low.count("/") + 1))
+        return candidate
 
 
 def _boxes(row: dict[str, Any], columns: list[str]) -> list[dict[str, Any]]:
     return [b for c in columns for b in (row.get(c) or [])]
+
+
+def _file_names(output: Output, rows: list, fmt: str, dest: Path | None) -> dict[tuple[str, str], str]:
+    """(shard stem, key) -> the image's file name under images/ (`<shard>/<name>`, safe and
+    collision-free), each image written to `dest`/images/ where `dest` is given (--with-images)."""
+    file_names: dict[tuple[str, str], str] = {}
+    by_shard: dict[str, list[str]] = defaultdict(list)  # keys in row order
+    for shard, row in rows:
+        by_shard[shard.stem].append(row["key"])
+    for shard in output.shards():
+        if shard.stem not in by_shard:
+            continue
+        folder, taken = safe_name(shard.stem), _Names(by_stem=fmt == "yolo")
+        if not (shard.kind == "folder" and dest is None):  # a folder's key is its file name: no need to read
+            try:
+                for enc in output.encoded(shard, set(by_shard[shard.stem])):
+                    name = file_names[(shard.stem, enc.key)] = f"{folder}/{taken.claim(_name(enc))}"
+                    if dest is not None:
+                        _write_image(enc, dest / "images" / name, output.job.loader.max_image_pixels)
+            except OutputError:
+                if dest is not None:
+                    raise
+                # without images a gone input only costs the extension: names stay the keys
+        for key in by_shard[shard.stem]:
+            if (shard.stem, key) not in file_names:
+                file_names[(shard.stem, key)] = f"{folder}/{taken.claim(key)}"
+    return file_names
 
 
 def export(out_dir: Path, dest: Path, fmt: str, with_images: bool = False, overwrite: bool = False) -> dict[str, int]:
@@ -123,32 +195,12 @@ def export(out_dir: Path, dest: Path, fmt: str, with_images: bool = False, overw
     dest.mkdir(parents=True, exist_ok=True)
 
     rows = [(shard, row) for shard, row in output.rows() if row["status"] == "ok"]
-    file_names: dict[tuple[str, str], str] = {}
-    by_shard: dict[str, list[str]] = defaultdict(list)  # keys in row order
-    for shard, row in rows:
-        by_shard[shard.stem].append(row["key"])
-    for shard in output.shards():
-        if shard.stem not in by_shard:
-            continue
-        used: set[str] = set()
-        name_of = (lambda n: _unique_stem(n, used)) if fmt == "yolo" else (lambda n: n)
-        if shard.kind == "folder" and not with_images:  # the key is the file name: no need to read
-            file_names |= {(shard.stem, k): name_of(k) for k in by_shard[shard.stem]}
-            continue
-        try:
-            for enc in output.encoded(shard, set(by_shard[shard.stem])):
-                name = file_names[(shard.stem, enc.key)] = name_of(_name(enc))
-                if with_images:
-                    _write_image(enc, dest / "images" / shard.stem / name, output.job.loader.max_image_pixels)
-        except OutputError:
-            if with_images:
-                raise
-            # without images a gone input only costs the extension: names stay the keys
+    file_names = _file_names(output, rows, fmt, dest if with_images else None)
 
     images, annotations, captions = [], [], []
     for image_id, (shard, row) in enumerate(rows, start=1):
         w, h = row["width"], row["height"]
-        file_name = f"{shard.stem}/{file_names.get((shard.stem, row['key']), row['key'])}"
+        file_name = file_names[(shard.stem, row["key"])]
         images.append({"id": image_id, "file_name": file_name, "width": w, "height": h})
         boxes = _boxes(row, detect_cols)
         for b in boxes:
@@ -178,6 +230,10 @@ def export(out_dir: Path, dest: Path, fmt: str, with_images: bool = False, overw
                                        "folder that holds them,\n# laid out as labels/ is (<shard>/<file>)\n")
         (dest / "data.yaml").write_text(note + yaml.safe_dump(data | {"names": dict(enumerate(names))},
                                                                sort_keys=False))
+    manifest = {"format": fmt, "output": str(output.dir.resolve()), "images_written": with_images,
+                "images": [{"key": row["key"], "source": row["source"], "file_name": img["file_name"]}
+                           for (_, row), img in zip(rows, images)]}
+    (dest / "export.json").write_text(json.dumps(manifest))
     with open(dest / "captions.jsonl", "w") as f:
         for c in captions:
             f.write(json.dumps(c) + "\n")

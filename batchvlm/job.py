@@ -1,7 +1,7 @@
 """The job file: typed, validated, with every default defined here once.
 
-`load_job(path)` reads YAML and returns a `Job`, or raises `JobError` with one line naming the
-field path and what was expected. Relative local paths resolve against the job file's folder.
+`load_job(path)` reads YAML (job_yaml.py: at a bounded cost) and returns a `Job`, or raises
+`JobError` with one line naming the field path and what was expected (job_errors.py). Relative local paths resolve against the job file's folder.
 `schemas/job.schema.json` is generated from these models (`scripts/gen_schemas.py`).
 
 Validation is strict where YAML could silently mean something else: a boolean is never a number
@@ -21,6 +21,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from .job_errors import format_error
+from .job_yaml import MAX_JOB_BYTES, JobFileRefused, read_yaml
 from .tasks import Strict, Task, label_columns
 
 RESERVED_COLUMNS = {"key", "source", "width", "height", "status", "error"}
@@ -166,7 +168,8 @@ class LoaderSpec(Strict):
 
 
 class OutputSpec(Strict):
-    dir: NonEmpty = Field(description="Output folder (relative paths resolve against the job file).")
+    dir: NonEmpty = Field(description="Output folder, local or mounted (relative paths resolve against the job "
+                                      "file); not a URL.")
     compression: Literal["zstd", "snappy", "gzip", "none"] = "zstd"
     mode: Literal["resume", "overwrite"] = Field("resume", description="resume skips finished shards.")
     raw_text: bool = Field(False, description="Add <name>_raw beside each detect / point column: the decoded "
@@ -174,6 +177,14 @@ class OutputSpec(Strict):
     constrain: bool = Field(False, description="Native Qwen3-VL / Qwen3.5: decode detect / point answers with the "
                                                "grammar of their JSON grounding format, so every answer the token "
                                                "limit does not cut parses (compact JSON, no fence).")
+
+    @field_validator("dir")
+    @classmethod
+    def _local(cls, v: str) -> str:
+        if is_url(v):  # fsspec would not be asked: the path would become a local `s3:/...` folder
+            raise ValueError(f"{v} is a URL; output to an object store is not supported yet: give a local (or "
+                             "mounted) folder and copy it up after the run")
+        return v
 
 
 class RuntimeSpec(Strict):
@@ -253,82 +264,6 @@ def _resolve(base: Path, p: str) -> str:
     return os.path.normpath(base / Path(p).expanduser())  # an absolute path replaces base
 
 
-_TYPE_LABELS = ("int", "str", "float", "bool", "none")
-
-
-def _loc_parts(loc: tuple) -> list[str | int]:
-    """Field path without pydantic's union-member labels (`literal['all']`, `int`, task tags)."""
-    parts: list[str | int] = []
-    for x in loc:
-        s = str(x)
-        if "[" in s or s in _TYPE_LABELS or s.startswith("constrained-") or (parts and str(parts[-1]) == s):
-            continue
-        parts.append(x)
-    return parts
-
-
-def _clean_loc(loc: tuple) -> str:
-    # a hostile key ("a: b", "x.y", a newline) is quoted, so the message stays one line
-    parts = [str(x) if str(x).isprintable() and str(x).strip() == str(x) and not any(c in str(x) for c in ".: ")
-             else json.dumps(str(x)) for x in _loc_parts(loc)]
-    return ".".join(parts) or "<root>"
-
-
-def _source_text(node: yaml.Node | None, loc: tuple) -> str | None:
-    """The value at `loc` as written in the YAML file (`0123`, `no`), where it is a plain scalar."""
-    for part in _loc_parts(loc):
-        if isinstance(node, yaml.MappingNode):
-            node = next((v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == str(part)), None)
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            node = node.value[part]
-        else:
-            return None
-    return node.value if isinstance(node, yaml.ScalarNode) and not node.style else None
-
-
-_YAML_TYPES = ((bool, "a boolean"), (int, "a number"), (float, "a number"), (datetime.date, "a date"))
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _hint(err: dict[str, Any], written: str | None = None) -> str:
-    """What YAML made of an unquoted value of the wrong type (`true`, `1e3`, `2025-06-21`, `0123`),
-    shown as it was written where the file is at hand."""
-    value = err.get("input")
-    if err["type"] in ("float_type", "int_type") and isinstance(value, str) and _is_number(value):
-        # YAML 1.1 (PyYAML) reads an exponent only with a dot: 1e-3 is text, 1.0e-3 a number
-        number = float(value)
-        better = int(number) if err["type"] == "int_type" and number.is_integer() else repr(number)
-        return f" (YAML read {value} as text; write {better})"
-    kind = next((name for t, name in _YAML_TYPES if isinstance(value, t)), None)
-    if kind is None or not err["type"].endswith("_type"):
-        return ""
-    shown = written if written is not None else str(value).lower() if isinstance(value, bool) else value
-    return f" (YAML read {shown} as {kind}" + (f"; quote it: '{shown}')" if err["type"] == "string_type" else ")")
-
-
-def _format_error(e: ValidationError, node: yaml.Node | None = None) -> str:
-    errors = e.errors()
-    loc = _clean_loc(errors[0]["loc"])
-    same = [err for err in errors if _clean_loc(err["loc"]) == loc]
-    msgs = []
-    for err in same:
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
-        msg += _hint(err, _source_text(node, err["loc"]))
-        if msg not in msgs:
-            msgs.append(msg)
-    rest = len(errors) - len(same)
-    extra = f" (and {rest} more error{'s' * (rest > 1)})" if rest else ""
-    where = "" if loc == "<root>" else f"{loc}: "  # checks across sections name their fields themselves
-    return f"{where}{'; or '.join(msgs)}{extra}"
-
-
 def parse_job(data: Any, base: Path, source: str = "job", node: yaml.Node | None = None) -> Job:
     """`node`: the YAML the data was read from, for hints that quote the file."""
     if not isinstance(data, dict):
@@ -336,7 +271,7 @@ def parse_job(data: Any, base: Path, source: str = "job", node: yaml.Node | None
     try:
         job = Job.model_validate(data, strict=True)  # YAML gives real types: `true` is no count
     except ValidationError as e:
-        raise JobError(f"{source}: {_format_error(e, node)}") from None
+        raise JobError(f"{source}: {format_error(e, Job, node)}") from None
     inp = job.input
     updates = {}
     for field in ("shards", "parquet"):
@@ -351,42 +286,15 @@ def parse_job(data: Any, base: Path, source: str = "job", node: yaml.Node | None
     })
 
 
-def _duplicate_key(node: yaml.Node, path: str = "") -> str | None:
-    """`field.path: key given twice (lines a and b)` for the first key a mapping repeats."""
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[Any, int] = {}
-        for key, value in node.value:
-            name = key.value if isinstance(key, yaml.ScalarNode) else None
-            here = f"{path}.{name}" if path else str(name)
-            if name is not None and name in seen:
-                return f"{here}: key given twice (lines {seen[name] + 1} and {key.start_mark.line + 1})"
-            seen[name] = key.start_mark.line
-            if found := _duplicate_key(value, here):
-                return found
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            if found := _duplicate_key(item, f"{path}.{i}"):
-                return found
-    return None
-
-
-def _read_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None, None
-        if duplicate := _duplicate_key(node):
-            raise JobError(f"{source}: {duplicate}")
-        return loader.construct_document(node), node
-    finally:
-        loader.dispose()
-
-
 def load_job(path: str | Path) -> Job:
     path = Path(path)
     try:
-        data, node = _read_yaml(path.read_text(), str(path))
+        if (size := path.stat().st_size) > MAX_JOB_BYTES:
+            raise JobError(f"{path}: {size / 2**20:.0f} MB; a job file is at most {MAX_JOB_BYTES >> 20} MB (is it "
+                           "the job file?)")
+        data, node = read_yaml(path.read_text(), str(path))
+    except JobFileRefused as e:
+        raise JobError(str(e)) from None
     except OSError as e:
         raise JobError(f"{path}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,11 @@ def render(out_dir: Path, n: int) -> str:
 
 
 def write(out_dir: Path, n: int, dest: Path) -> int:
+    # a file in the output folder is read as labels by every reader of it (pandas, DuckDB, datasets)
+    folder, where = Path(os.path.realpath(out_dir)), Path(os.path.realpath(dest))
+    if folder in where.parents:
+        raise OutputError(f"-o: {dest} is inside the output folder {out_dir}, where every reader would take it for "
+                          "labels (and fail on it); write the preview elsewhere")
     page = render(out_dir, n)
     dest.write_text(page)
     return page.count('class="card')

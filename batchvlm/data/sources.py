@@ -139,10 +139,28 @@ def file_stem(url: str) -> str:
     return name
 
 
+def check_backend(url: str, field: str) -> None:
+    """fsspec can open `url` here: each protocol it names (`s3://`, `simplecache::s3://`) is known
+    and its backend installed. A missing one would fail every shard (or image) after the work."""
+    if not is_url(url):
+        return
+    for part in url.split("::"):
+        protocol = part.split("://", 1)[0]
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ImportError as e:
+            raise SourceError(f"{field}: {url} needs fsspec's {protocol!r} backend, which is not installed "
+                              f"here ({e})") from None
+        except ValueError:
+            raise SourceError(f"{field}: {url}: fsspec knows no protocol {protocol!r}") from None
+
+
 def list_files(inp: InputSpec) -> list[str]:
     """The tar or Parquet files the job names, in pattern order (globs sorted), each once."""
     field = "shards" if inp.shards else "parquet"
     patterns = getattr(inp, field)
+    for pattern in [patterns] if isinstance(patterns, str) else patterns:
+        check_backend(pattern, f"input.{field}")
     urls = _expand([patterns] if isinstance(patterns, str) else patterns)
     missing = [u for u in urls if not is_url(u) and not os.path.exists(u)]
     if missing:
@@ -253,19 +271,38 @@ def parquet_rows(url: str, inp: InputSpec) -> int | None:
 
 
 def keep_fields(inp: InputSpec, shards: list[ShardRef]) -> list[pa.Field]:
-    """The output columns of `input.keep`: the input table's types for Parquet, else strings."""
+    """The output columns of `input.keep`: strings for tar and folder sidecars; for Parquet the
+    input tables' types, unified over every input file as Arrow unifies schemas (int32 and int64
+    -> int64, null and x -> x). Types that do not unify (string in one file, int64 in another)
+    would fail the write of labels already made: refused, naming both files (preflight calls
+    this before any work; every footer is read)."""
     if not inp.keep:
         return []
     if inp.kind != "parquet":
         return [pa.field(name, pa.string()) for name in inp.keep]
     import pyarrow.parquet as pq
 
-    readable = [s for s in shards if s.planned]  # placeholders are files that could not be read
-    if not readable:
-        return []  # every shard fails: no rows to write
-    with fsspec.open(readable[0].url, "rb") as f:
-        sch = pq.read_schema(f)
-    return [pa.field(name, sch.field(name).type) for name in inp.keep]
+    # placeholders are files that could not be read (they fail their own shards)
+    urls = list(dict.fromkeys(s.url for s in shards if s.planned))
+    fields: dict[str, tuple[pa.Field, str]] = {}  # name -> (its type so far, the first file that has it)
+    for url in urls:
+        with fsspec.open(url, "rb") as f:
+            sch = pq.read_schema(f)
+        check_columns(sch.names, inp, url)
+        for name in inp.keep:
+            field = sch.field(name)
+            if name not in fields:
+                fields[name] = field, url
+                continue
+            so_far, first = fields[name]
+            try:
+                unified = pa.unify_schemas([pa.schema([so_far]), pa.schema([field])], promote_options="permissive")
+            except (pa.ArrowTypeError, pa.ArrowInvalid):
+                raise SourceError(f"input.keep: column {name!r} is {so_far.type} in {first} but {field.type} in "
+                                  f"{url}; Arrow cannot store both in one column. Cast it in one of the files, or "
+                                  "leave the column out") from None
+            fields[name] = unified.field(name), first
+    return [fields[name][0] for name in inp.keep] if fields else []
 
 
 PARQUET_IMAGE_TYPES = "image bytes (binary), a path (string), or a {bytes, path} struct"
@@ -283,22 +320,6 @@ def check_parquet_columns(url: str, schema, inp: InputSpec) -> None:
     if not ok:
         raise SourceError(f"input.image_column: column {inp.image_column!r} of {url} is {t}; expected "
                           f"{PARQUET_IMAGE_TYPES}")
-
-
-def check_first_parquet(shards: list[ShardRef], inp: InputSpec) -> None:
-    """validate, --dry-run and run: read the schema of the first readable Parquet input (its
-    footer only; a file that could not be read fails its own shard)."""
-    import pyarrow.parquet as pq
-
-    first = next((s for s in shards if s.kind == "parquet" and s.planned), None)
-    if first is None:
-        return
-    try:
-        with fsspec.open(first.url, "rb") as f:
-            schema = pq.ParquetFile(f).schema_arrow
-    except (OSError, ValueError) as e:
-        raise SourceError(f"input.parquet: cannot read {first.url}: {e}") from None
-    check_parquet_columns(first.url, schema, inp)
 
 
 def count_samples(shard: ShardRef) -> int | None:

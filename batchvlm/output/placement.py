@@ -2,7 +2,9 @@
 
 It must be a folder (or creatable as one), writable, and apart from the inputs: no output
 file may replace an input, and an input folder may not hold the output folder (exported
-images and previews written there would become inputs of the next run).
+images and previews written there would become inputs of the next run), and no file a run
+would write may be there unless this output wrote it (img2dataset keeps `00000.parquet` beside
+`00000.tar`; a user may keep their own `root-00000.parquet`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import tempfile
 from pathlib import Path
 
 from ..job import InputSpec, is_url
-from .manifest import OutputConflict
+from .layout import Layout, is_old_stats
+from .manifest import OutputConflict, read_stats
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -51,3 +54,21 @@ def check_apart_from_inputs(out_dir: Path, inp: InputSpec, shard_urls: list[tupl
         if not is_url(url) and target.exists() and os.path.exists(url) and target.samefile(url):
             raise OutputConflict(f"output.dir: {out} holds the input {url}; labels would replace it. "
                                  "Choose another output folder")
+
+
+def check_no_foreign_files(layout: Layout, stems: list[str], clear: bool) -> None:
+    """Every shard's Parquet file that exists was written by this output: its shard has a record
+    in the metadata folder (the stats file is written before the Parquet file is renamed up, so
+    a file without one was never ours), or, where a run starts over, a done marker of the first
+    layout beside it. Anything else would be replaced by labels: refused, naming it."""
+    if not layout.dir.is_dir():
+        return
+    for stem in stems:
+        path = layout.parquet(stem)
+        if not path.exists() or read_stats(layout, stem) is not None:
+            continue
+        if clear and is_old_stats(layout.dir / f"{stem}.stats.json"):
+            continue
+        raise OutputConflict(f"output.dir: {path} was not written by this output (no record of shard {stem} "
+                             "in its __batchvlm__ folder); labels would replace it. Move the file away, or choose "
+                             "another output.dir")

@@ -4,9 +4,11 @@
 Run by the process that will run the job (a worker, a launcher on its node, the first Ray actor),
 so the device is the one it will use. Nothing is loaded but the model's host side (config and tokenizer: every task's prompt rendered
 and measured against the context), and nothing is written: a refused job leaves no folder behind
-and clears nothing. In order: the output folder's layout, the inputs (listed; the first Parquet
-file's image column), where the output folder is (a folder, writable, apart from the inputs), the
-device, the tasks, and, for a folder labelled before, that the label-affecting settings match.
+and clears nothing. In order: the output folder's layout, the inputs (listed, each URL's fsspec
+backend there; the first Parquet file's image column; the keep columns: their types over every
+Parquet file, a folder's sidecar extensions), where the output folder is (a folder, writable, apart from the inputs, no
+file there a run would replace that it did not write), the device, the tasks, a local model
+folder's weight files, and, for a folder labelled before, that the label-affecting settings match.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..data.sources import SourceError, check_first_parquet, count_samples, list_files
+from ..data.checks import check_first_parquet, check_sidecars
+from ..data.sources import SourceError, count_samples, keep_fields, list_files
 from ..dist import Rank
-from ..job import Job
+from ..job import Job, ModelSpec
 from ..output import manifest
 from ..output.layout import Layout
-from ..output.placement import check_apart_from_inputs, check_writable
+from ..output.placement import check_apart_from_inputs, check_no_foreign_files, check_writable
 from ..output.shardlist import ShardList, plan
 
 
@@ -47,6 +50,16 @@ def clears(job: Job, overwrite: bool) -> bool:
     return overwrite or job.output.mode == "overwrite"
 
 
+def check_local_weights(model: ModelSpec) -> None:
+    """A local model folder holds a checkpoint a run can read (safetensors: a folder with only
+    `pytorch_model.bin` is refused, as loading it would be), looking at the files alone. A hub
+    repo's weights are fetched by the run; validate fetches only its small files."""
+    from ..models.base.hub import weight_files
+
+    if model.name != "demo" and Path(model.name).expanduser().is_dir():
+        weight_files(Path(model.name).expanduser())
+
+
 def preflight(job: Job, clear: bool, rank: Rank, dry: bool = False) -> Preflight:
     """Everything that can be checked before any work starts; `rank`: this process's, for the
     device. `dry` (validate, --dry-run) also refuses shards that cannot be read, which a run
@@ -66,10 +79,14 @@ def preflight(job: Job, clear: bool, rank: Rank, dry: bool = False) -> Preflight
         more = f" (and {len(unreadable) - 1} more)" if len(unreadable) > 1 else ""
         raise SourceError(f"{field}: cannot read {unreadable[0].url}{more}; a run would fail its shard(s)")
     check_first_parquet(shards, job.input)  # a wrong image column is refused before the model loads
+    keep_fields(job.input, shards)  # input.keep columns whose types clash across Parquet files
+    check_sidecars(job.input, shards)  # input.keep extensions no file of a folder has
     check_writable(layout.dir)
     check_apart_from_inputs(layout.dir, job.input, [(s.stem, s.url) for s in shards])
+    check_no_foreign_files(layout, [s.stem for s in shards], clear)
     job = for_device(job, rank)  # dtype resolved before any settings are compared
     check_tasks(job.model, job.tasks, job.engine, job.output.constrain)
+    check_local_weights(job.model)
     if resume:
         manifest.check_settings(layout, job.label_fingerprint(), job.label_settings())
     return Preflight(job, layout, shards, clear)
