@@ -28,9 +28,10 @@ What is not counted: eager steps' torch calls (on CUDA kernel launches: admissio
 eagerly) and the device work itself. p50 / p90 over the steps after the first --skip (the
 ramp-up, where every step admits).
 
-The json mix runs the Qwen families at a 151,643-token vocabulary (Qwen's): a byte-level BPE
-trained here on this checkout's Python / Markdown files up to that size (what the corpus
-allows; the rest of the ids are unused, as ids past a tokenizer are), cached in --workdir.
+The json mix runs the Qwen families at a 151,643-token vocabulary (Qwen's logits width): a
+byte-level BPE trained here on 40 MB of the machine's Python / Markdown files, up to that size or
+what the corpus allows (the tokenizer's size is printed; ids past it are never allowed, as ids
+past a tokenizer are), built once into --workdir (a minute or two).
 Moondream (the demo model) and Florence-2 run json at their fixtures' vocabularies.
 
   python scripts/bench_host.py                              # 64 and 256 rows, every family and mix
@@ -47,6 +48,7 @@ import json
 import os
 import statistics
 import sys
+import sysconfig
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -100,28 +102,27 @@ def mix_tasks(mix: str, family: str) -> list:
 
 
 def corpus(budget: int) -> str:
-    """This checkout's own text (no download), at most `budget` characters."""
+    """This machine's Python and Markdown text (the stdlib and installed packages: no download),
+    at most about `budget` characters, as scripts/bench_grammar.py trains its vocabulary on."""
+    roots = [sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]]
     parts, n = [], 0
-    for pattern in ("**/*.py", "**/*.md", "**/*.json"):
-        for path in sorted(glob.glob(str(ROOT / pattern), recursive=True)):
-            if ".venv" in path:
-                continue
-            text = Path(path).read_text(errors="ignore")
-            parts.append(text)
-            n += len(text)
-            if n >= budget:
-                return "\n".join(parts)
+    for path in sorted(f for r in roots for ext in ("py", "md") for f in glob.glob(f"{r}/**/*.{ext}", recursive=True)):
+        text = Path(path).read_text(encoding="utf-8", errors="ignore")
+        parts.append(text)
+        n += len(text)
+        if n >= budget:
+            break
     return "\n".join(parts)
 
 
-def checkpoint(family: str, workdir: Path, big_vocab: bool) -> str:
+def checkpoint(family: str, workdir: Path, vocab: int | None) -> str:
     """A model folder of the family (built once into workdir): the demo model for Moondream."""
     if family == "moondream":
         return "demo"
-    dest = workdir / (family + ("-151k" if big_vocab else ""))
+    dest = workdir / (family + (f"-{vocab}" if vocab else ""))
     if (dest / "config.json").exists():
         return str(dest)
-    extra = {"vocab": QWEN_VOCAB, "corpus": corpus(30_000_000), "shard_size": "2GB"} if big_vocab else {}
+    extra = {"vocab": vocab, "corpus": corpus(40_000_000), "shard_size": "2GB"} if vocab else {}
     t0 = time.perf_counter()
     if family == "qwen3_vl":
         from support.qwen3vl_fixture import write_checkpoint
@@ -132,7 +133,10 @@ def checkpoint(family: str, workdir: Path, big_vocab: bool) -> str:
     else:
         from support.tiny_vlms import florence2
         florence2(dest)
-    print(f"# built {dest} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    from tokenizers import Tokenizer
+
+    size = Tokenizer.from_file(str(dest / "tokenizer.json")).get_vocab_size()
+    print(f"# built {dest} in {time.perf_counter() - t0:.0f} s: a {size}-token tokenizer", file=sys.stderr, flush=True)
     return str(dest)
 
 
@@ -162,7 +166,9 @@ class StandIn:
         if hasattr(real, "image_tokens"):  # Florence-2 reads its prefix length off itself
             real.image_tokens = prefix[0]
         self.width = real.embed_tokens(torch.zeros(1, dtype=torch.long)).shape[-1]
-        self.generator = torch.Generator().manual_seed(0)
+        # Hidden states: rows of a fixed noise bank, a different window each forward (cheap).
+        self.noise = torch.randn(4099, self.width, generator=torch.Generator().manual_seed(0)).to(self.dtype) * 4
+        self.calls = 0
         self.fill_masks = real.fill_masks
 
     def __getattr__(self, name):  # prefix_layout, own_positions, embed_*, decide, emit
@@ -185,7 +191,9 @@ class StandIn:
         return PrefixInputs(torch.zeros(n, self.width, dtype=self.dtype), positions)
 
     def forward(self, embeds_NC, positions, batch, cache, prefix=None):
-        return torch.randn(embeds_NC.shape[0], self.width, generator=self.generator).to(self.dtype) * 4
+        self.calls += 1
+        rows = (torch.arange(embeds_NC.shape[0]) + self.calls * 7919) % self.noise.shape[0]
+        return self.noise[rows]
 
 
 # --- the timers ----------------------------------------------------------------------------------
@@ -197,6 +205,7 @@ class Clock:
     def __init__(self):
         self.now = dict.fromkeys(PARTS + ("body",), 0.0)  # body: the graph body (device work), not counted
         self.steps: list[dict[str, float]] = []
+        self.launched = False
 
     def wrap(self, part: str, fn: Callable, less: tuple[str, ...] = ()) -> Callable:
         """fn, its time added to `part` (less what the parts in `less` took meanwhile)."""
@@ -211,6 +220,11 @@ class Clock:
         return timed
 
     def close_step(self) -> None:
+        """End of an engine step call; one that launched nothing (a pipelined engine's last call,
+        or a wait) adds its time to the next."""
+        if not self.launched:
+            return
+        self.launched = False
         self.steps.append(self.now)
         self.now = dict.fromkeys(PARTS + ("body",), 0.0)
 
@@ -222,6 +236,8 @@ def instrument(engine: Engine, clock: Clock) -> None:
     sched.schedule = clock.wrap("plan", sched.schedule, less=("masks",))
     sched.commit = clock.wrap("commit", sched.commit)
     runner.collect = clock.wrap("commit", runner.collect)
+    launch = runner.launch
+    runner.launch = lambda plan: (setattr(clock, "launched", True), launch(plan))[1]
     for slot in runner.staging:
         slot.upload = clock.wrap("staging", slot.upload)
         slot.upload_masks = clock.wrap("staging", slot.upload_masks)
@@ -248,8 +264,8 @@ def images(prefix: tuple[int, int]):
         i += 1
 
 
-def run_one(family: str, mix: str, rows: int, steps: int, skip: int, workdir: Path) -> dict:
-    folder = checkpoint(family, workdir, big_vocab=mix == "json" and family.startswith("qwen"))
+def run_one(family: str, mix: str, rows: int, steps: int, skip: int, workdir: Path, json_vocab: int) -> dict:
+    folder = checkpoint(family, workdir, json_vocab if mix == "json" and family.startswith("qwen") else None)
     fam = open_family(ModelSpec(name=folder))
     settings = EngineSpec(max_batch_size=rows, max_new_tokens=64 if mix != "json" else 96, max_objects=8,
                           pipelined=True, max_images_in_flight=min(rows, 256))
@@ -296,18 +312,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200, help="steps measured per row of the table")
     ap.add_argument("--skip", type=int, default=40, help="ramp-up steps not measured")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench_host"), help="tiny checkpoints, built once")
+    ap.add_argument("--json-vocab", type=int, default=QWEN_VOCAB, help="the Qwen families' vocabulary in the json mix")
     ap.add_argument("--json", type=Path, help="write the results here as well")
+    ap.add_argument("--mask-threads", type=int, default=1,
+                    help="xgrammar's threads filling json masks (batchvlm ships 1: models/base/grammar.py)")
     args = ap.parse_args()
+    if args.mask_threads != 1 and "json" in args.mixes:
+        import xgrammar
+
+        from batchvlm.models.base import grammar
+        grammar._BATCH = xgrammar.BatchGrammarMatcher(max_threads=args.mask_threads)  # the filler it would make
     args.workdir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    print(f"# {os.uname().nodename}: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, torch {torch.__version__}")
+    print(f"# {os.uname().nodename}: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, torch {torch.__version__}, "
+          f"json masks on {args.mask_threads} thread(s)")
     print("| family | mix | rows | plan us p50 / p90 | masks | staging | commit | host | graph steps | steps |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     results = []
     for family in args.families:
         for mix in args.mixes:
             for rows in args.rows:
-                r = run_one(family, mix, rows, args.steps, args.skip, args.workdir)
+                r = run_one(family, mix, rows, args.steps, args.skip, args.workdir, args.json_vocab)
                 results.append(r)
                 print(row_line(r), flush=True)
     print(f"# load after: {os.getloadavg()[0]:.2f}")
