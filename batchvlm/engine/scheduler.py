@@ -35,6 +35,7 @@ turns. Labels do not change: a sequence's tokens depend on its own tokens only.
 from __future__ import annotations
 
 from collections import deque
+from itertools import chain
 from collections.abc import Callable
 from typing import Any
 
@@ -60,11 +61,20 @@ def _ints(values) -> np.ndarray:
 
 def _by_prefix(seqs: list[Sequence]) -> tuple[list[Prefix], np.ndarray]:
     """The sequences' prefixes, each once (first use first), and each sequence's index into them."""
-    index: dict[int, int] = {}
-    for s in seqs:
-        index.setdefault(id(s.prefix), len(index))
-    prefixes = list({id(s.prefix): s.prefix for s in seqs}.values())
-    return prefixes, _ints([index[id(s.prefix)] for s in seqs])
+    index: dict[Prefix, int] = {}  # a Prefix hashes by identity (eq=False)
+    at = [index.setdefault(s.prefix, len(index)) for s in seqs]
+    return list(index), _ints(at)
+
+
+def _table(blocks: list[list[int]], widths: list[int]) -> np.ndarray:
+    """The first widths[i] of blocks[i] in row i, padded with the null block (0) to the widest:
+    one fill for the whole table (a per-row numpy assignment costs ~1 us a row, every step)."""
+    table = np.zeros((len(blocks), max(widths, default=0)), dtype=np.int64)
+    if table.size:
+        rows = np.repeat(np.arange(len(blocks)), widths)
+        cols = np.arange(len(rows)) - np.repeat(np.cumsum(widths) - widths, widths)
+        table[rows, cols] = list(chain.from_iterable(b[:w] for b, w in zip(blocks, widths)))
+    return table
 
 
 class Scheduler:
@@ -145,6 +155,7 @@ class Scheduler:
             plan.mask_rows, plan.masks = self._masks(new, decoding)
         for s in new:
             s.own_len = len(s.spec.prompt)
+            s.inflight += 1
         for im in prefilled:  # their snapshots are freed after the last fork was planned (above)
             if im not in self.admitted:
                 self._drop_snapshots(im)
@@ -154,7 +165,6 @@ class Scheduler:
         for s in decoding:
             s.own_len += 1
             s.decode_steps += 1
-        for s in plan.seqs:
             s.inflight += 1
         self.step += 1
         return plan
@@ -164,6 +174,9 @@ class Scheduler:
         prompt_prefixes, prompt_image = _by_prefix(new)
         decode_prefixes, decode_image = _by_prefix(decoding)
         pre = [(self.feature_of[id(im)], p) for im in prefilled for p in im.prefixes]
+        # The decode rows' row, own index and position in one pass (rows of one C array).
+        row_own_pos = np.array([(s.row, s.own_len, s.prefix.next_pos + s.own_len) for s in decoding],
+                               dtype=np.int64).reshape(-1, 3).T.copy()
         return StepPlan(
             step=self.step,
             prefix_features=_ints([slot for slot, _ in pre]),
@@ -183,9 +196,9 @@ class Scheduler:
             prompt_image=prompt_image,
             prompt_image_tables=self._prefix_tables(prompt_prefixes),
             prompt_image_lens=_lens(prompt_prefixes),
-            decode_rows=np.array([s.row for s in decoding], dtype=np.int64),
-            decode_own=np.array([s.own_len for s in decoding], dtype=np.int64),
-            decode_pos=np.array([s.prefix.next_pos + s.own_len for s in decoding], dtype=np.int64),
+            decode_rows=row_own_pos[0],
+            decode_own=row_own_pos[1],
+            decode_pos=row_own_pos[2],
             decode_tables=self._own_tables(decoding, [s.own_len + 1 for s in decoding]),
             decode_image=decode_image,
             decode_image_tables=self._prefix_tables(decode_prefixes),
@@ -268,29 +281,25 @@ class Scheduler:
     @staticmethod
     def _prefix_tables(prefixes: list[Prefix]) -> np.ndarray:
         """Blocks of each prefix, padded with the null block to the widest."""
-        table = np.zeros((len(prefixes), max((len(p.blocks) for p in prefixes), default=0)), dtype=np.int64)
-        for i, p in enumerate(prefixes):
-            table[i, : len(p.blocks)] = p.blocks
-        return table
+        return _table([p.blocks for p in prefixes], [len(p.blocks) for p in prefixes])
 
     def _own_tables(self, seqs: list[Sequence], used: list[int]) -> np.ndarray:
         """Own blocks holding tokens after this step's writes, padded to the widest row."""
-        widths = [self.blocks.blocks_for(n) for n in used]
-        table = np.zeros((len(seqs), max(widths, default=0)), dtype=np.int64)
-        for i, (s, w) in enumerate(zip(seqs, widths)):
-            table[i, :w] = s.blocks[:w]
-        return table
+        bs = self.blocks.block_size
+        return _table([s.blocks for s in seqs], [-(-n // bs) for n in used])  # BlockManager.blocks_for
 
     # ------------------------------------------------------------------ commit
 
     def commit(self, plan: StepPlan, em: Emissions) -> list[ImageWork]:
         """Apply one step's emissions (oldest step first). -> images whose labels are complete."""
         done: list[ImageWork] = []
-        for i, s in enumerate(plan.seqs):
+        # Python ints and floats once per step (the same values: float32 -> float is exact), not
+        # one numpy scalar per row and field.
+        values = zip(em.code.tolist(), em.token.tolist(), em.value.tolist(), em.finished.tolist())
+        for s, (code, token, (v0, v1), finished) in zip(plan.seqs, values):
             if s.state is SeqState.RUNNING:  # a zombie's emission (already finished) is ignored
-                self.emit(s.output, s.spec, int(em.code[i]), int(em.token[i]), float(em.value[i, 0]),
-                               float(em.value[i, 1]))
-                if em.finished[i]:
+                self.emit(s.output, s.spec, code, token, v0, v1)
+                if finished:
                     s.state = SeqState.FINISHED
                     # or the family's emit saw a cut the count cannot show (a forced end token)
                     s.output.cut = s.output.cut or s.output.hit_limit(s.spec)
