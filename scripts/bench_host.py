@@ -202,7 +202,8 @@ class StandIn:
 class Clock:
     """Microseconds per part for the step in progress."""
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
         self.now = dict.fromkeys(PARTS + ("body",), 0.0)  # body: the graph body (device work), not counted
         self.steps: list[dict[str, float]] = []
         self.launched = False
@@ -211,12 +212,12 @@ class Clock:
         """fn, its time added to `part` (less what the parts in `less` took meanwhile)."""
         def timed(*args, **kwargs):
             before = sum(self.now[p] for p in less)
-            t0 = time.perf_counter()
+            t0 = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
                 inner = sum(self.now[p] for p in less) - before
-                self.now[part] += (time.perf_counter() - t0) * 1e6 - inner
+                self.now[part] += (self.clock() - t0) * 1e6 - inner
         return timed
 
     def close_step(self) -> None:
@@ -264,7 +265,8 @@ def images(prefix: tuple[int, int]):
         i += 1
 
 
-def run_one(family: str, mix: str, rows: int, steps: int, skip: int, workdir: Path, json_vocab: int) -> dict:
+def run_one(family: str, mix: str, rows: int, steps: int, skip: int, workdir: Path, json_vocab: int,
+            cpu_clock: bool = False) -> dict:
     folder = checkpoint(family, workdir, json_vocab if mix == "json" and family.startswith("qwen") else None)
     fam = open_family(ModelSpec(name=folder))
     settings = EngineSpec(max_batch_size=rows, max_new_tokens=64 if mix != "json" else 96, max_objects=8,
@@ -272,7 +274,7 @@ def run_one(family: str, mix: str, rows: int, steps: int, skip: int, workdir: Pa
     seqs = fam.sequences(mix_tasks(mix, family), settings)
     model = StandIn(fam.load("float32", "cpu"), PREFIX[family])
     engine = Engine(model, seqs, settings, PREFIX[family][0] + 64, log=lambda m: None)
-    clock = Clock()
+    clock = Clock(time.thread_time if cpu_clock else time.perf_counter)
     instrument(engine, clock)
     step = engine.step
     engine.step = lambda: (step(), clock.close_step())[0]
@@ -314,6 +316,9 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench_host"), help="tiny checkpoints, built once")
     ap.add_argument("--json-vocab", type=int, default=QWEN_VOCAB, help="the Qwen families' vocabulary in the json mix")
     ap.add_argument("--json", type=Path, help="write the results here as well")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this thread's CPU time (a loaded machine's preemptions left out; json masks "
+                         "on more than one thread are then undercounted)")
     ap.add_argument("--mask-threads", type=int, default=1,
                     help="xgrammar's threads filling json masks (batchvlm ships 1: models/base/grammar.py)")
     args = ap.parse_args()
@@ -325,14 +330,15 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     print(f"# {os.uname().nodename}: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, torch {torch.__version__}, "
-          f"json masks on {args.mask_threads} thread(s)")
+          f"json masks on {args.mask_threads} thread(s), {args.clock} clock")
     print("| family | mix | rows | plan us p50 / p90 | masks | staging | commit | host | graph steps | steps |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     results = []
     for family in args.families:
         for mix in args.mixes:
             for rows in args.rows:
-                r = run_one(family, mix, rows, args.steps, args.skip, args.workdir, args.json_vocab)
+                r = run_one(family, mix, rows, args.steps, args.skip, args.workdir, args.json_vocab,
+                           args.clock == "cpu")
                 results.append(r)
                 print(row_line(r), flush=True)
     print(f"# load after: {os.getloadavg()[0]:.2f}")

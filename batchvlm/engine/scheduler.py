@@ -35,7 +35,6 @@ turns. Labels do not change: a sequence's tokens depend on its own tokens only.
 from __future__ import annotations
 
 from collections import deque
-from itertools import chain
 from collections.abc import Callable
 from typing import Any
 
@@ -66,17 +65,6 @@ def _by_prefix(seqs: list[Sequence]) -> tuple[list[Prefix], np.ndarray]:
     return list(index), _ints(at)
 
 
-def _table(blocks: list[list[int]], widths: list[int]) -> np.ndarray:
-    """The first widths[i] of blocks[i] in row i, padded with the null block (0) to the widest:
-    one fill for the whole table (a per-row numpy assignment costs ~1 us a row, every step)."""
-    table = np.zeros((len(blocks), max(widths, default=0)), dtype=np.int64)
-    if table.size:
-        rows = np.repeat(np.arange(len(blocks)), widths)
-        cols = np.arange(len(rows)) - np.repeat(np.cumsum(widths) - widths, widths)
-        table[rows, cols] = list(chain.from_iterable(b[:w] for b, w in zip(blocks, widths)))
-    return table
-
-
 class Scheduler:
     def __init__(self, blocks: BlockManager, n_rows: int, n_feature_slots: int, admit_rows: int = 1,
                  snapshots: SnapshotSlots | None = None, emit: Emit = emit_text,
@@ -91,6 +79,10 @@ class Scheduler:
         self.row_cap = n_rows
         self._rows_left = n_rows  # rows this step may still start (set per schedule())
         self.free_rows = list(range(n_rows - 1, -1, -1))
+        self._row_blocks = np.zeros((n_rows, 0), dtype=np.int64)  # [row, j]: own block j of the row's sequence
+        # The blocks of each admitted prefix as an array, until its image is done (no later step
+        # plans a sequence on it then).
+        self._prefix_blocks: dict[Prefix, np.ndarray] = {}
         self.free_feature_slots = list(range(n_feature_slots - 1, -1, -1))
         self.encoded: deque[ImageWork] = deque()  # features ready, prefix not yet admitted
         self.admitted: deque[ImageWork] = deque()  # prefix admitted, some sequences still waiting
@@ -174,9 +166,8 @@ class Scheduler:
         prompt_prefixes, prompt_image = _by_prefix(new)
         decode_prefixes, decode_image = _by_prefix(decoding)
         pre = [(self.feature_of[id(im)], p) for im in prefilled for p in im.prefixes]
-        # The decode rows' row, own index and position in one pass (rows of one C array).
-        row_own_pos = np.array([(s.row, s.own_len, s.prefix.next_pos + s.own_len) for s in decoding],
-                               dtype=np.int64).reshape(-1, 3).T.copy()
+        new_rows, prompt_lens = _ints([s.row for s in new]), _ints([len(s.spec.prompt) for s in new])
+        decode_rows, decode_own = _ints([s.row for s in decoding]), _ints([s.own_len for s in decoding])
         return StepPlan(
             step=self.step,
             prefix_features=_ints([slot for slot, _ in pre]),
@@ -185,21 +176,21 @@ class Scheduler:
             prefix_tokens=_ints([t for _, p in pre for t in p.prompt]),
             prefix_prompt_lens=_ints([len(p.prompt) for _, p in pre]),
             prefix_snapshot=_ints([p.snapshot for _, p in pre]),
-            new_rows=np.array([s.row for s in new], dtype=np.int64),
+            new_rows=new_rows,
             new_int=np.array([[s.spec.mode, s.spec.limit, s.seed] for s in new], dtype=np.int64).reshape(-1, 3),
             new_float=np.array([[s.spec.temperature, s.spec.top_p] for s in new], dtype=np.float32).reshape(-1, 2),
             prompt_tokens=np.array([t for s in new for t in s.spec.prompt], dtype=np.int64),
-            prompt_lens=np.array([len(s.spec.prompt) for s in new], dtype=np.int64),
+            prompt_lens=prompt_lens,
             prompt_pos0=np.array([s.prefix.next_pos for s in new], dtype=np.int64),
-            prompt_tables=self._own_tables(new, [len(s.spec.prompt) for s in new]),
+            prompt_tables=self._own_tables(new_rows, prompt_lens),
             prompt_fork=_ints([s.prefix.snapshot for s in new]),
             prompt_image=prompt_image,
             prompt_image_tables=self._prefix_tables(prompt_prefixes),
             prompt_image_lens=_lens(prompt_prefixes),
-            decode_rows=row_own_pos[0],
-            decode_own=row_own_pos[1],
-            decode_pos=row_own_pos[2],
-            decode_tables=self._own_tables(decoding, [s.own_len + 1 for s in decoding]),
+            decode_rows=decode_rows,
+            decode_own=decode_own,
+            decode_pos=np.array([s.prefix.next_pos + s.own_len for s in decoding], dtype=np.int64),
+            decode_tables=self._own_tables(decode_rows, decode_own + 1),
             decode_image=decode_image,
             decode_image_tables=self._prefix_tables(decode_prefixes),
             decode_image_lens=_lens(decode_prefixes),
@@ -245,6 +236,7 @@ class Scheduler:
             image = self.encoded.popleft()
             for p in image.prefixes:
                 p.blocks = self.blocks.allocate(self.blocks.blocks_for(p.length))
+                self._prefix_blocks[p] = np.array(p.blocks, dtype=np.int64)
                 if self.snapshots is not None:
                     p.snapshot = self.snapshots.take()
             image.unfinished = len(image.seqs)
@@ -264,6 +256,7 @@ class Scheduler:
             s.blocks = self.blocks.allocate(self._seq_blocks(s))
             self.blocks.share(s.prefix.blocks)
             s.row = self.free_rows.pop()
+            self._hold_row_blocks(s)
             self._rows_left -= 1
             s.state = SeqState.RUNNING
             self.running.append(s)
@@ -272,21 +265,44 @@ class Scheduler:
             self.blocks.release(p.blocks)
         return True
 
+    def _hold_row_blocks(self, s: Sequence) -> None:
+        """Copy a starting sequence's own blocks (all it will ever use: reserved at its start) into
+        its row of `_row_blocks`. A row's columns past its sequence's blocks keep an earlier
+        sequence's, never read: a table is only as wide as the blocks its tokens use."""
+        n = len(s.blocks)
+        if n > self._row_blocks.shape[1]:
+            grown = np.zeros((self._row_blocks.shape[0], max(n, 2 * self._row_blocks.shape[1])), dtype=np.int64)
+            grown[:, : self._row_blocks.shape[1]] = self._row_blocks
+            self._row_blocks = grown
+        self._row_blocks[s.row, :n] = s.blocks
+
     def _drop_snapshots(self, image: ImageWork) -> None:
         for p in image.prefixes:
             if p.snapshot >= 0:
                 self.snapshots.give(p.snapshot)
                 p.snapshot = -1
 
-    @staticmethod
-    def _prefix_tables(prefixes: list[Prefix]) -> np.ndarray:
-        """Blocks of each prefix, padded with the null block to the widest."""
-        return _table([p.blocks for p in prefixes], [len(p.blocks) for p in prefixes])
+    def _prefix_tables(self, prefixes: list[Prefix]) -> np.ndarray:
+        """Blocks of each prefix, padded with the null block to the widest: stacked from the
+        prefixes' block arrays (`_prefix_blocks`; a prefix table is ~46 blocks wide, and every
+        step has one per decoding image: converting Python lists each step cost ~1 ms at 256)."""
+        arrays = [self._prefix_blocks[p] for p in prefixes]
+        widths = [len(a) for a in arrays]
+        if widths and min(widths) == max(widths):  # the usual case: images of one size
+            return np.stack(arrays)
+        table = np.zeros((len(arrays), max(widths, default=0)), dtype=np.int64)
+        for i, a in enumerate(arrays):
+            table[i, : len(a)] = a
+        return table
 
-    def _own_tables(self, seqs: list[Sequence], used: list[int]) -> np.ndarray:
-        """Own blocks holding tokens after this step's writes, padded to the widest row."""
-        bs = self.blocks.block_size
-        return _table([s.blocks for s in seqs], [-(-n // bs) for n in used])  # BlockManager.blocks_for
+    def _own_tables(self, rows: np.ndarray, used: np.ndarray) -> np.ndarray:
+        """Own blocks holding tokens after this step's writes (`used` tokens) of the sequences on
+        `rows`, padded with the null block to the widest row: read from the row-indexed copy of
+        their blocks (`_row_blocks`), no Python per row."""
+        widths = -(-used // self.blocks.block_size)  # BlockManager.blocks_for
+        table = self._row_blocks[rows, : int(widths.max()) if len(widths) else 0]  # a copy (fancy index)
+        table[np.arange(table.shape[1]) >= widths[:, None]] = 0
+        return table
 
     # ------------------------------------------------------------------ commit
 
@@ -306,6 +322,8 @@ class Scheduler:
                     s.image.unfinished -= 1
                     if s.image.unfinished == 0:
                         done.append(s.image)
+                        for p in s.image.prefixes:
+                            del self._prefix_blocks[p]
             s.inflight -= 1
             if s.state is SeqState.FINISHED and s.inflight == 0:
                 self._retire(s)
