@@ -60,11 +60,9 @@ def _ints(values) -> np.ndarray:
 
 def _by_prefix(seqs: list[Sequence]) -> tuple[list[Prefix], np.ndarray]:
     """The sequences' prefixes, each once (first use first), and each sequence's index into them."""
-    index: dict[int, int] = {}
-    for s in seqs:
-        index.setdefault(id(s.prefix), len(index))
-    prefixes = list({id(s.prefix): s.prefix for s in seqs}.values())
-    return prefixes, _ints([index[id(s.prefix)] for s in seqs])
+    index: dict[Prefix, int] = {}  # a Prefix hashes by identity (eq=False)
+    at = [index.setdefault(s.prefix, len(index)) for s in seqs]
+    return list(index), _ints(at)
 
 
 class Scheduler:
@@ -81,6 +79,10 @@ class Scheduler:
         self.row_cap = n_rows
         self._rows_left = n_rows  # rows this step may still start (set per schedule())
         self.free_rows = list(range(n_rows - 1, -1, -1))
+        self._row_blocks = np.zeros((n_rows, 0), dtype=np.int64)  # [row, j]: own block j of the row's sequence
+        # The blocks of each admitted prefix as an array, until its image is done (no later step
+        # plans a sequence on it then).
+        self._prefix_blocks: dict[Prefix, np.ndarray] = {}
         self.free_feature_slots = list(range(n_feature_slots - 1, -1, -1))
         self.encoded: deque[ImageWork] = deque()  # features ready, prefix not yet admitted
         self.admitted: deque[ImageWork] = deque()  # prefix admitted, some sequences still waiting
@@ -145,6 +147,7 @@ class Scheduler:
             plan.mask_rows, plan.masks = self._masks(new, decoding)
         for s in new:
             s.own_len = len(s.spec.prompt)
+            s.inflight += 1
         for im in prefilled:  # their snapshots are freed after the last fork was planned (above)
             if im not in self.admitted:
                 self._drop_snapshots(im)
@@ -154,7 +157,6 @@ class Scheduler:
         for s in decoding:
             s.own_len += 1
             s.decode_steps += 1
-        for s in plan.seqs:
             s.inflight += 1
         self.step += 1
         return plan
@@ -164,6 +166,8 @@ class Scheduler:
         prompt_prefixes, prompt_image = _by_prefix(new)
         decode_prefixes, decode_image = _by_prefix(decoding)
         pre = [(self.feature_of[id(im)], p) for im in prefilled for p in im.prefixes]
+        new_rows, prompt_lens = _ints([s.row for s in new]), _ints([len(s.spec.prompt) for s in new])
+        decode_rows, decode_own = _ints([s.row for s in decoding]), _ints([s.own_len for s in decoding])
         return StepPlan(
             step=self.step,
             prefix_features=_ints([slot for slot, _ in pre]),
@@ -172,21 +176,21 @@ class Scheduler:
             prefix_tokens=_ints([t for _, p in pre for t in p.prompt]),
             prefix_prompt_lens=_ints([len(p.prompt) for _, p in pre]),
             prefix_snapshot=_ints([p.snapshot for _, p in pre]),
-            new_rows=np.array([s.row for s in new], dtype=np.int64),
+            new_rows=new_rows,
             new_int=np.array([[s.spec.mode, s.spec.limit, s.seed] for s in new], dtype=np.int64).reshape(-1, 3),
             new_float=np.array([[s.spec.temperature, s.spec.top_p] for s in new], dtype=np.float32).reshape(-1, 2),
             prompt_tokens=np.array([t for s in new for t in s.spec.prompt], dtype=np.int64),
-            prompt_lens=np.array([len(s.spec.prompt) for s in new], dtype=np.int64),
+            prompt_lens=prompt_lens,
             prompt_pos0=np.array([s.prefix.next_pos for s in new], dtype=np.int64),
-            prompt_tables=self._own_tables(new, [len(s.spec.prompt) for s in new]),
+            prompt_tables=self._own_tables(new_rows, prompt_lens),
             prompt_fork=_ints([s.prefix.snapshot for s in new]),
             prompt_image=prompt_image,
             prompt_image_tables=self._prefix_tables(prompt_prefixes),
             prompt_image_lens=_lens(prompt_prefixes),
-            decode_rows=np.array([s.row for s in decoding], dtype=np.int64),
-            decode_own=np.array([s.own_len for s in decoding], dtype=np.int64),
+            decode_rows=decode_rows,
+            decode_own=decode_own,
             decode_pos=np.array([s.prefix.next_pos + s.own_len for s in decoding], dtype=np.int64),
-            decode_tables=self._own_tables(decoding, [s.own_len + 1 for s in decoding]),
+            decode_tables=self._own_tables(decode_rows, decode_own + 1),
             decode_image=decode_image,
             decode_image_tables=self._prefix_tables(decode_prefixes),
             decode_image_lens=_lens(decode_prefixes),
@@ -232,6 +236,7 @@ class Scheduler:
             image = self.encoded.popleft()
             for p in image.prefixes:
                 p.blocks = self.blocks.allocate(self.blocks.blocks_for(p.length))
+                self._prefix_blocks[p] = np.array(p.blocks, dtype=np.int64)
                 if self.snapshots is not None:
                     p.snapshot = self.snapshots.take()
             image.unfinished = len(image.seqs)
@@ -251,6 +256,7 @@ class Scheduler:
             s.blocks = self.blocks.allocate(self._seq_blocks(s))
             self.blocks.share(s.prefix.blocks)
             s.row = self.free_rows.pop()
+            self._hold_row_blocks(s)
             self._rows_left -= 1
             s.state = SeqState.RUNNING
             self.running.append(s)
@@ -259,26 +265,43 @@ class Scheduler:
             self.blocks.release(p.blocks)
         return True
 
+    def _hold_row_blocks(self, s: Sequence) -> None:
+        """Copy a starting sequence's own blocks (all it will ever use: reserved at its start) into
+        its row of `_row_blocks`. A row's columns past its sequence's blocks keep an earlier
+        sequence's, never read: a table is only as wide as the blocks its tokens use."""
+        n = len(s.blocks)
+        if n > self._row_blocks.shape[1]:
+            grown = np.zeros((self._row_blocks.shape[0], max(n, 2 * self._row_blocks.shape[1])), dtype=np.int64)
+            grown[:, : self._row_blocks.shape[1]] = self._row_blocks
+            self._row_blocks = grown
+        self._row_blocks[s.row, :n] = s.blocks
+
     def _drop_snapshots(self, image: ImageWork) -> None:
         for p in image.prefixes:
             if p.snapshot >= 0:
                 self.snapshots.give(p.snapshot)
                 p.snapshot = -1
 
-    @staticmethod
-    def _prefix_tables(prefixes: list[Prefix]) -> np.ndarray:
-        """Blocks of each prefix, padded with the null block to the widest."""
-        table = np.zeros((len(prefixes), max((len(p.blocks) for p in prefixes), default=0)), dtype=np.int64)
-        for i, p in enumerate(prefixes):
-            table[i, : len(p.blocks)] = p.blocks
+    def _prefix_tables(self, prefixes: list[Prefix]) -> np.ndarray:
+        """Blocks of each prefix, padded with the null block to the widest: stacked from the
+        prefixes' block arrays (`_prefix_blocks`; a prefix table is ~46 blocks wide, and every
+        step has one per decoding image: converting Python lists each step cost ~1 ms at 256)."""
+        arrays = [self._prefix_blocks[p] for p in prefixes]
+        widths = [len(a) for a in arrays]
+        if widths and min(widths) == max(widths):  # the usual case: images of one size
+            return np.stack(arrays)
+        table = np.zeros((len(arrays), max(widths, default=0)), dtype=np.int64)
+        for i, a in enumerate(arrays):
+            table[i, : len(a)] = a
         return table
 
-    def _own_tables(self, seqs: list[Sequence], used: list[int]) -> np.ndarray:
-        """Own blocks holding tokens after this step's writes, padded to the widest row."""
-        widths = [self.blocks.blocks_for(n) for n in used]
-        table = np.zeros((len(seqs), max(widths, default=0)), dtype=np.int64)
-        for i, (s, w) in enumerate(zip(seqs, widths)):
-            table[i, :w] = s.blocks[:w]
+    def _own_tables(self, rows: np.ndarray, used: np.ndarray) -> np.ndarray:
+        """Own blocks holding tokens after this step's writes (`used` tokens) of the sequences on
+        `rows`, padded with the null block to the widest row: read from the row-indexed copy of
+        their blocks (`_row_blocks`), no Python per row."""
+        widths = -(-used // self.blocks.block_size)  # BlockManager.blocks_for
+        table = self._row_blocks[rows, : int(widths.max()) if len(widths) else 0]  # a copy (fancy index)
+        table[np.arange(table.shape[1]) >= widths[:, None]] = 0
         return table
 
     # ------------------------------------------------------------------ commit
@@ -286,17 +309,21 @@ class Scheduler:
     def commit(self, plan: StepPlan, em: Emissions) -> list[ImageWork]:
         """Apply one step's emissions (oldest step first). -> images whose labels are complete."""
         done: list[ImageWork] = []
-        for i, s in enumerate(plan.seqs):
+        # Python ints and floats once per step (the same values: float32 -> float is exact), not
+        # one numpy scalar per row and field.
+        values = zip(em.code.tolist(), em.token.tolist(), em.value.tolist(), em.finished.tolist())
+        for s, (code, token, (v0, v1), finished) in zip(plan.seqs, values):
             if s.state is SeqState.RUNNING:  # a zombie's emission (already finished) is ignored
-                self.emit(s.output, s.spec, int(em.code[i]), int(em.token[i]), float(em.value[i, 0]),
-                               float(em.value[i, 1]))
-                if em.finished[i]:
+                self.emit(s.output, s.spec, code, token, v0, v1)
+                if finished:
                     s.state = SeqState.FINISHED
                     # or the family's emit saw a cut the count cannot show (a forced end token)
                     s.output.cut = s.output.cut or s.output.hit_limit(s.spec)
                     s.image.unfinished -= 1
                     if s.image.unfinished == 0:
                         done.append(s.image)
+                        for p in s.image.prefixes:
+                            del self._prefix_blocks[p]
             s.inflight -= 1
             if s.state is SeqState.FINISHED and s.inflight == 0:
                 self._retire(s)
