@@ -59,9 +59,10 @@ class ShardAssembly:
         return ShardOutput(self.ref.stem, rows, stats)
 
 
-def row_for(ref: ShardRef, s: Sample, columns: dict[str, Any] | None, error: str | None) -> dict[str, Any]:
+def row_for(ref: ShardRef, s: Sample, columns: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A labelled sample's row (its columns), or an error sample's."""
     row = {"key": s.key, "source": shown(ref.url), "width": s.width or None, "height": s.height or None,
-           "status": "error" if error else "ok", "error": error}
+           "status": "error" if s.error else "ok", "error": s.error}
     return row | (columns or {}) | (s.meta or {})
 
 
@@ -95,8 +96,7 @@ class Labelling:
 
     def label(self, stream, labeler, family: Family, job: Job, seqs: list[TaskSequence]) -> None:
         for sample, raws in labeler.label(self.samples(stream)):
-            columns = family.columns(job.tasks, seqs, raws, sample.seen)
-            self.add_row(sample.shard, sample.index, row_for(self.assemblies[sample.shard].ref, sample, columns, None))
+            self.add_row(sample, family.columns(job.tasks, seqs, raws, sample.seen))
         if self.limit is not None and not self.stop.event.is_set():
             # --limit: keep what was labelled, marked incomplete so the next run redoes it whole.
             for i, a in list(self.assemblies.items()):
@@ -157,12 +157,12 @@ class Labelling:
         if not manifest.images_in(self.hand_over(i, complete=True).stats) and not a.damaged:
             self.summary.shards_no_images.append(a.ref.stem)
 
-    def add_row(self, i: int, index: int, row: dict[str, Any]) -> None:
-        a = self.assemblies[i]
-        a.rows[index] = row
-        self.bar.add(row["status"] == "error", len(self.writer.written))
+    def add_row(self, s: Sample, columns: dict[str, Any] | None = None) -> None:
+        a = self.assemblies[s.shard]
+        a.rows[s.index] = row_for(a.ref, s, columns)
+        self.bar.add(bool(s.error), len(self.writer.written))
         if a.complete:
-            self.finish(i)
+            self.finish(s.shard)
 
     def shard_end(self, item: ShardEnd) -> None:
         a = self.assemblies[item.shard]
@@ -189,7 +189,7 @@ class Labelling:
                     return
                 self.taken += 1
                 if item.error is not None:
-                    self.add_row(item.shard, item.index, row_for(self.assemblies[item.shard].ref, item, None, item.error))
+                    self.add_row(item)
                 else:
                     yield item
         except Exception:
