@@ -12,6 +12,8 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -53,6 +55,20 @@ def fail(message: str, code: int = EXIT_JOB_ERROR) -> None:
         traceback.print_exc()
     typer.echo(error_line(message), err=True)
     raise typer.Exit(code)
+
+
+@contextmanager
+def _reading_output(written: Path) -> Iterator[None]:
+    """preview / export: an output folder that cannot be read, or a file that cannot be written
+    (`written` where the OS names none), is one line."""
+    from .output.reader import OutputError
+
+    try:
+        yield
+    except (OutputError, SourceError) as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"{e.filename or written}: {e.strerror}")
 
 
 def _load(path: Path) -> Job:
@@ -166,6 +182,8 @@ def status(
         typer.echo(f"  partial: {name}")
     for line in report["failed_shards"][:10]:
         typer.echo(f"  failed: {line}")
+    for line in report["kept_shards"][:10]:
+        typer.echo(f"  kept: {line}")
 
 
 @app.command()
@@ -175,15 +193,10 @@ def preview(
     out: Path = typer.Option(Path("preview.html"), "-o", "--out", help="The HTML file to write."),
 ) -> None:
     """A self-contained HTML page: thumbnails with boxes and points, answers, errors, filters."""
-    from .output.reader import OutputError
     from .preview import write
 
-    try:
+    with _reading_output(out):
         cards = write(output_dir, n, out)
-    except (OutputError, SourceError) as e:
-        fail(str(e))
-    except OSError as e:
-        fail(f"{e.filename or out}: {e.strerror}")
     typer.echo(f"{out}: {cards} rows")
 
 
@@ -197,16 +210,11 @@ def export_cmd(
 ) -> None:
     """Detection boxes as COCO or YOLO, plus captions.jsonl with the text answers."""
     from .export import export
-    from .output.reader import OutputError
 
     if fmt not in ("coco", "yolo"):
         fail(f"FORMAT must be coco or yolo, not {fmt!r}")
-    try:
+    with _reading_output(dest):
         counts = export(output_dir, dest, fmt, with_images, overwrite)
-    except (OutputError, SourceError) as e:
-        fail(str(e))
-    except OSError as e:
-        fail(f"{e.filename or dest}: {e.strerror}")
     typer.echo(f"{dest}: {counts['images']} images, {counts['annotations']} boxes, "
                f"{counts['categories']} categories ({fmt})")
 

@@ -22,9 +22,21 @@ def check_block_size(engine: EngineSpec, device_type: str) -> None:
                        f"{', '.join(map(str, CUDA_BLOCK_SIZES))} (the attention kernels' tiles must divide it)")
 
 
+def exact_float32(device_type: str, dtype: str) -> None:
+    """Labels in float32 are exact by contract (the CPU's arithmetic, up to summation order). On
+    CUDA, torch runs float32 convolutions in TF32 by default (cudnn.allow_tf32; matmuls' default
+    is off): a float32 job turns both off for its process. Other precisions leave them alone."""
+    import torch
+
+    if device_type == "cuda" and dtype == "float32":
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def for_device(job: Job, rank: Rank) -> Job:
-    """The job with a concrete `model.device` and `model.dtype`; raises ModelLoadError for a
-    device this machine does not have."""
+    """The job with a concrete `model.device` and `model.dtype`, and this process's float32
+    arithmetic set for it (`exact_float32`); raises ModelLoadError for a device this machine
+    does not have."""
     import torch
 
     device = job.model.device
@@ -33,4 +45,5 @@ def for_device(job: Job, rank: Rank) -> Job:
     dev = resolve_device(device)
     check_block_size(job.engine, dev.type)
     dtype = str(resolve_dtype(job.model.dtype, dev)).removeprefix("torch.")
+    exact_float32(dev.type, dtype)
     return job.model_copy(update={"model": job.model.model_copy(update={"device": str(dev), "dtype": dtype})})

@@ -26,13 +26,13 @@ from .tasks import Strict, Task, label_columns
 RESERVED_COLUMNS = {"key", "source", "width", "height", "status", "error"}
 
 # Concurrent sequences when engine.max_batch_size is not given, by device type. Measured with
-# scripts/bench_batch_size.py (README, "Batch size"): on CPU, larger batches only add
+# scripts/bench_batch_size.py (docs/benchmarks.md, "Batch size"): on CPU, larger batches only add
 # allocation churn; on CUDA, the engine needs a wide batch to fill the device.
 DEFAULT_MAX_BATCH_SIZE = {"cpu": 64, "cuda": 256}
 MAX_BATCH_SIZE = 16384  # beyond any device's KV cache at Moondream's 730-token image prefix
 # The most concurrent sequences a device type runs, whatever max_batch_size asks: on CPU a wider
 # batch only adds memory (its KV cache and staging are host RAM: 16384 rows took 12 GB for 20
-# tiny images), not speed (README, "Batch size"). GPUs are bounded by their memory (engine.py).
+# tiny images), not speed (docs/benchmarks.md, "Batch size"). GPUs are bounded by their memory (engine/sizing.py).
 DEVICE_MAX_BATCH_SIZE = {"cpu": 1024}
 
 NonEmpty = Annotated[str, Field(min_length=1, pattern=r"^[^\x00]*\S[^\x00]*$")]  # and no NUL: no path holds one

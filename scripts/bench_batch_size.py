@@ -6,7 +6,7 @@ Moondream-shaped checkpoint with random weights: the full vision tower's depth a
 (27 layers, 378-px crops, 729-token image prefix) with narrower widths, so a CPU sweep ends
 in minutes; `--full` uses full-size Moondream 2 shapes (for a GPU). Every sequence runs to its
 length limit (EOS forbidden), so each batch size does the same work. The defaults in
-job.py's DEFAULT_MAX_BATCH_SIZE come from this curve (README, "Batch size").
+job.py's DEFAULT_MAX_BATCH_SIZE come from this curve (docs/benchmarks.md, "Batch size").
 
     python scripts/bench_batch_size.py                        # CPU
     python scripts/bench_batch_size.py --full --batch 64 128 256 512 1024 --images 512   # GPU

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""xgrammar vs llguidance for `json` tasks, in one run on one vocabulary (README "classify and json").
+"""xgrammar vs llguidance for `json` tasks, in one run on one vocabulary (docs/benchmarks.md, "Grammar engines").
 
 The vocabulary: a byte-level BPE of --vocab tokens (default 151,643, Qwen's size) trained here with
 `tokenizers` on the Python, JSON and text files of this machine (no download; built once into
@@ -20,7 +20,7 @@ Compared, the libraries alternated (A B, then B A) so both see the same machine 
 - memory: resident memory a fresh process gains by the setup, the five grammars and 256 matchers
   each (one process per library, so neither sees the other's allocations).
 
-`xgrammar+utf8` is xgrammar as batchvlm runs it (models/grammar.py: each mask ANDed with the
+`xgrammar+utf8` is xgrammar as batchvlm runs it (models/base/grammar.py: each mask ANDed with the
 row's UTF-8 state). A library that is not installed is skipped with a line saying so.
 
   python scripts/bench_grammar.py [--tokenizer /tmp/bpe151k.json] [--repeats 2] [--steps 24]
@@ -149,7 +149,7 @@ class XGrammar:
 
 
 class XGrammarUtf8:
-    """xgrammar as batchvlm runs it: models/grammar.py's Vocabulary, Answer and fill_masks."""
+    """xgrammar as batchvlm runs it: models/base/grammar.py's Vocabulary, Answer and fill_masks."""
 
     name = "xgrammar+utf8"
 

@@ -22,20 +22,8 @@
 #                                     on a fresh machine (checks the script and every step's arguments;
 #                                     budgets x4 for a shared CPU). tests/gpu/test_gpu_check.py runs it.
 #
-# The procedure, for a session whose task has a device (the device tool's `status`: can_start_another):
-#   1. here:  scripts/gpu_check.sh --prepare && scripts/gpu_check.sh --dry-run   (a few minutes)
-#   2. the first call, carry [".whl"] (shared/ travels by itself), timeout_s 440:
-#             OUT=$OUT scripts/gpu_check.sh
-#      then give_back at once (a warm machine's idle 30 s count too).
-#   3. record from $OUT (the device tool brings back 8 files at most; there are three):
-#      bench.json (the headline rows, rewritten after every runner: a call killed mid-bench still
-#      returns the runners it finished), summary.txt (each step: rc, seconds / budget, or why
-#      skipped) and logs.tar.gz (every step's log: env.txt, bench.log, flex_smoke_cut.log,
-#      gpu_tests_new.log, ...; rewritten after each step). The README's GPU numbers come from these.
-#   4. the second call, with what `status` says is left: budget_left_s less 1-2 minutes of start-up
-#      and a margin, e.g. about 220 s after a 380 s first call:
-#             CALL_BUDGET_S=220 OUT=$OUT scripts/gpu_check.sh --call 2
-#      (timeout_s CALL_BUDGET_S + 60), or a step fixed on CPU meanwhile by name; then give_back.
+# The procedure (prepare and dry-run here, the two calls, what to record from $OUT): CONTRIBUTING.md,
+# "The GPU check"; docs/benchmarks.md's GPU numbers come from what it records.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=0 PLAN_ONLY=0 PREPARE=0 CALLS=""
@@ -143,7 +131,7 @@ step() {
 }
 
 # Each call's first work, as on a fresh machine: the carried wheels installed, every module the
-# package and the GPU tests import (tests/test_gpu_imports.py checks the same set on CPU), the
+# package and the GPU tests import (tests/gpu/test_gpu_imports.py checks the same set on CPU), the
 # parity fixtures found.
 setup() {
     local wheels

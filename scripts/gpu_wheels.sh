@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetch the wheels the H200 image lacks (Python 3.12, x86_64) into .whl/, for gpu_check.sh.
 # Run where pip reaches PyPI; .whl/ is git-ignored and travels with the device call's `carry`.
-# What the image holds: /work/.library/device/KINDS.md, copied into tests/test_gpu_imports.py, which
+# What the image holds: /work/.library/device/KINDS.md, copied into tests/gpu/test_gpu_imports.py, which
 # imports every GPU test module with only that set and these wheels importable.
 #
 #   scripts/gpu_wheels.sh          download REQUIRED (a failure fails) and OPTIONAL (a failure is said)
@@ -14,7 +14,7 @@ REQUIRED=(
     webdataset braceexpand
     pydantic pydantic-core annotated-types typing-inspection
     typing-extensions  # pydantic needs a newer one than an image may have (it shadows the old one)
-    # json tasks' schema checks (batchvlm/json_schema.py); tests/test_qwen3vl_engine.py imports it at
+    # json tasks' schema checks (batchvlm/json_schema.py); tests/models/qwen3_vl/test_qwen3vl_engine.py imports it at
     # module level, and the GPU tests import that module
     jsonschema referencing jsonschema-specifications rpds-py attrs
     # the json GPU test, at the versions the CPU suite ran

@@ -1,7 +1,8 @@
 """Attention over a flat batch of tokens from many sequences: the batch layout a step hands the
 model (layout.py), the plain reference (reference.py, CPU and tests) and the fused flex kernels
-(fused.py, CUDA), one picked per device (dispatch.py). Below both the engine and the models: the
-engine builds an AttentionBatch, a family's layers call `attend`."""
+(fused.py, CUDA, with their paged block masks: paged_mask.py), one picked per device (dispatch.py)
+behind one interface (backend.py). Below both the engine and the models: the engine builds an
+AttentionBatch, a family's layers call `attend`."""
 
 from ..cache.tensors import KVCache
 from .backend import AttentionBackend

@@ -1,5 +1,5 @@
 """Where each sequence's tokens sit in a step's flat batch, for layers with a recurrent state
-(models/recurrent.py runs a family's scan over them). Built by the engine, read by families."""
+(a recurrent family runs its scan over them: models/qwen3_5/linear_state.py). Built by the engine, read by families."""
 
 from __future__ import annotations
 

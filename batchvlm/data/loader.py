@@ -8,7 +8,7 @@ an error row (`duplicate key`): no two rows of a shard share a key, and nothing 
 silently. Crops travel as uint8 tensors (shared memory), never floats; a worker moves them there
 itself, so a full /dev/shm stops the run with one line instead of losing the sample in the
 queue's feeder thread (where the main process would wait for it forever). Workers ignore SIGTERM /
-SIGINT: the main process decides when to stop.
+SIGINT: the main process decides when to stop; they die with it (kill -9 too).
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ import dataclasses
 import multiprocessing
 import os
 import signal
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -171,9 +173,17 @@ class ShardStream(IterableDataset):
         yield ShardEnd(i, count, skipped=skipped)
 
 
-def _quiet_worker(_: int) -> None:
+def _quiet_worker(parent: int, _: int) -> None:
+    """A worker ignores stop signals, and dies with the run: killed (SIGKILL) the moment its
+    parent dies, however it dies (kill -9 too), where Linux can say so (PR_SET_PDEATHSIG)."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before that took effect
+            os._exit(1)
 
 
 @dataclass
@@ -205,5 +215,6 @@ def load(shards: list[ShardRef], inp: InputSpec, spec: LoaderSpec, pre: Preproce
         return Stream(iter(stream), [])
     before = set(multiprocessing.active_children())
     items = iter(DataLoader(stream, batch_size=None, num_workers=workers, prefetch_factor=spec.prefetch,
-                            multiprocessing_context="fork", persistent_workers=False, worker_init_fn=_quiet_worker))
+                            multiprocessing_context="fork", persistent_workers=False,
+                            worker_init_fn=partial(_quiet_worker, os.getpid())))
     return Stream(items, [p for p in multiprocessing.active_children() if p not in before])  # started by iter()

@@ -7,6 +7,12 @@ A graph reads rows, own indices, positions and block tables from static buffers.
 point at the scratch state row and the null block (they write only there); padding images
 have no query rows and a one-slot prefix in the null block. Every output head is computed for
 every row here (fixed shapes). Prefix tables are as wide as the widest prefix the job can have.
+
+What a replay owns: its static inputs (filled by `run`), every intermediate, and its outputs
+(the returned Decision's tensors): all in the graphs' memory pool, rewritten by the next replay
+of any bucket. Whoever reads an output after launching another step must copy it first
+(runner.py `emitted`). The uncaptured body (tests, on CPU) keeps that contract: it writes its
+outputs into the same fixed buffers each step.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ class DecodeGraphs:
         self.padding = padding
         self.device, self.compute = device, compute
         self.capture = capture  # False: run the same fixed-shape body eagerly (tests it on CPU)
-        self.graphs: dict[tuple[int, int], tuple] = {}  # (graph | None, static inputs, outputs | body)
+        self.graphs: dict[tuple[int, int], tuple] = {}  # (graph | None, static inputs, outputs)
         self.pool = None
         t0 = time.perf_counter()
         # Under inference_mode, as the steps that replay them: flex_attention's compiled entries
@@ -79,8 +85,8 @@ class DecodeGraphs:
         def body() -> Decision:
             return self.step(static)
 
-        if not self.capture:
-            self.graphs[(n_rows, n_images)] = (None, static, body)
+        if not self.capture:  # outputs held in fixed buffers as a replay's are (see run)
+            self.graphs[(n_rows, n_images)] = (None, static, body())
             return
         # Warm-up and capture run the body for real: on the scratch row and the null block only.
         side = torch.cuda.Stream(dev)
@@ -101,7 +107,10 @@ class DecodeGraphs:
         d = slot.upload(self._pad(decode_inputs(plan, 0, key[0]), *key), self.device, self.compute)
         for f in fields(DecodeInputs):
             getattr(static, f.name).copy_(getattr(d, f.name))
-        if graph is None:
-            return out()  # the uncaptured body
-        graph.replay()
+        if graph is None:  # the uncaptured body, its outputs written where a replay writes them
+            fresh = self.step(static)
+            for f in fields(Decision):
+                getattr(out, f.name).copy_(getattr(fresh, f.name))
+        else:
+            graph.replay()
         return out

@@ -1,5 +1,5 @@
 """StepInputs: one step's device inputs as named fields, built once on the host from a StepPlan
-and uploaded in one copy per dtype (staging.py `Slot.upload`). The eager path reads all of
+and uploaded in one copy per dtype (staging.py `Staging.upload`). The eager path reads all of
 them; the CUDA-graph path reads `DecodeInputs` only, padded to the captured bucket. Fields
 are numpy arrays on the host and device tensors (same shapes) after the upload.
 
@@ -63,7 +63,7 @@ class StepInputs:
     decode: DecodeInputs
     last: Array  # [S + D] flat row of each emitting row's last token
     # Prompt rows that MODE_SCORE sequences score (their last `limit` rows). Logits are computed
-    # once per distinct context among them and for no other row (models/decoding.py choice_scores):
+    # once per distinct context among them and for no other row (models/base/decoding.py choice_scores):
     # the choices of one classify repeat the prompt's last token, and choices that begin alike
     # repeat their shared tokens, at the same positions after the same prefix (score_contexts).
     score_rows: Array  # [U] flat rows, one per distinct context

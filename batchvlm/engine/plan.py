@@ -54,7 +54,7 @@ class StepPlan:
     needs: np.ndarray  # [S + D] int64
     # Host bookkeeping (the runner ignores it): who each emission belongs to.
     seqs: list[Sequence] = field(default_factory=list)
-    # Token masks (models/grammar.py) the runner writes into its row-indexed mask table before
+    # Token masks (models/base/grammar.py) the runner writes into its row-indexed mask table before
     # the step's forward: each constrained emitting row's mask, computed on the host from every
     # token the row has emitted (scheduler.py), and all-allowed for a free row that a constrained
     # sequence held before. Rows not listed keep their table entry (all-allowed or unused).

@@ -10,7 +10,12 @@ Invariants (the pipelined engine depends on them):
   * Vision batches (vision.py) run on their own stream, each with its own event; a step waits
     only for the events of the images it prefills.
   * Decode-only steps replay CUDA graphs captured at start-up per padded batch size (CUDA
-    only); padding rows use a scratch state row and the null KV block.
+    only); padding rows use a scratch state row and the null KV block. A replay owns its static
+    inputs, its intermediates and its outputs (the Decision it returns): the next replay rewrites
+    them while the copy stream may still be reading this step's. So a step's emissions are first
+    copied into tensors of its own (`emitted`), on the compute stream, before anything else is
+    launched; the row buffers below (state, next inputs, masks) are the runner's, written in
+    plan order by every step, graph or eager.
   * An eager step that runs out of memory is run as two half plans (split.py), recursively:
     every row is still written, in the plan's order.
 On CPU the same code runs with synchronous copies and no graphs.
@@ -47,6 +52,14 @@ def _extent(lens: np.ndarray) -> tuple[int, bool]:
     """(longest prefix, every prefix that long) of a step's prefixes, from the host's plan."""
     n = int(lens.max())
     return n, bool((lens == n).all())
+
+
+def emitted(d: Decision, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first n rows' emissions as ([3, n] long: code, token, finished; [n, 2] float32 values),
+    in new tensors: never views of `d`, which may be a graph's outputs (`.float()` of a float32
+    value would be one)."""
+    return (torch.stack([d.code[:n], d.token[:n], d.finished[:n].long()]),
+            d.value[:n].to(torch.float32, copy=True))
 
 
 class Runner:
@@ -162,8 +175,7 @@ class Runner:
         return Emissions(ints[0].copy(), ints[1].copy(), ints[2].astype(bool), floats.copy())
 
     def _download(self, d: Decision, n: int, slot: Staging) -> None:
-        packed_i = torch.stack([d.code[:n], d.token[:n], d.finished[:n].long()])
-        packed_f = d.value[:n].float()
+        packed_i, packed_f = emitted(d, n)
         out_i, out_f = slot.out_views(n)
         if self.copy_stream is None:
             out_i.copy_(packed_i)

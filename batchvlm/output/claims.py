@@ -50,6 +50,15 @@ class Claims:
             f.write(self.me)
         return True
 
+    def is_free(self, stem: str) -> bool:
+        """No live holder: no claim, one not refreshed for a lease, or one of a dead process here."""
+        path = self.path(stem)
+        try:
+            mtime_ns = path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return True
+        return time.time() - mtime_ns / 1e9 > self.lease_s or self._holder_died(path)
+
     def _holder_died(self, path: Path) -> bool:
         """A holder on this host whose process is gone (kill -9): no need to wait for its lease."""
         try:

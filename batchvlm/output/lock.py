@@ -7,6 +7,10 @@ output folder: the kernel (or the NFS lock manager) drops it when its holder die
 dies, so a killed run never leaves a stale lock. The file lives in the metadata folder
 (`__batchvlm__/run-<rank>-of-<world>.lock`): nothing but Parquet files sits at the top level. The file holds who took it, for the message.
 Work stealing needs no lock: its claims already keep ranks apart.
+
+The lock follows the process that took it: a forked child (a loader worker) closes its copy of
+the file at once, so the kernel drops the lock when the run itself dies, whatever its children
+still do. (An flock belongs to the open file, which a fork shares.)
 """
 
 from __future__ import annotations
@@ -20,6 +24,21 @@ from pathlib import Path
 
 from .layout import Layout
 from .manifest import OutputConflict, lock_path
+
+
+_HELD: set[int] = set()  # the fds of the run locks this process holds
+
+
+def _close_in_child() -> None:
+    for fd in _HELD:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 class RunLockHeld(OutputConflict):
@@ -49,6 +68,7 @@ class RunLock:
         os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode())
         self._fd = fd
+        _HELD.add(fd)
 
     @staticmethod
     def _holder(fd: int) -> str:
@@ -60,6 +80,7 @@ class RunLock:
 
     def release(self) -> None:
         if self._fd is not None:
+            _HELD.discard(self._fd)
             os.close(self._fd)  # closing drops the flock; the file stays (unlinking would race)
             self._fd = None
 

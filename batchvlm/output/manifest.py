@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..data.sources import NO_IMAGE_KINDS
 from ..job import is_url, model_path
-from .layout import OLD_JOB_FILE, Layout, OutputConflict, is_old_stats, own_stats
+from .layout import META_DIR, OLD_JOB_FILE, Layout, OutputConflict, is_old_stats, own_stats
 from .writer import atomic_write_bytes, output_stat
 
 if TYPE_CHECKING:
@@ -67,6 +67,41 @@ def has_output(layout: Layout, stats: dict[str, Any]) -> bool:
         return path.exists()
     now = output_stat(path)
     return now is not None and now["size"] == stats["output"].get("size")
+
+
+def prior_output(layout: Layout, stem: str) -> dict[str, Any] | None:
+    """The stats of a shard that was done, whatever its input is now: complete, its file still the
+    one they were written for. A run replaces such a shard only by a complete new one."""
+    stats = read_stats(layout, stem)
+    return stats if stats and stats.get("complete") and has_output(layout, stats) else None
+
+
+def missing_inputs(ref: ShardRef) -> list[str]:
+    """The local input files of `ref` that are not there (a folder's images, a tar or Parquet
+    file): an unmounted mount point, a sync in progress. URLs are not looked at."""
+    if is_url(ref.url):
+        return []
+    folder = ref.kind == "folder" and ref.files is not None
+    paths = [Path(ref.url) / f for f in ref.files] if folder else [Path(ref.url)]
+    return [str(p) for p in paths if not p.exists()]
+
+
+def kept_note(stem: str, why: str) -> str:
+    """One line for a done shard a run did not replace, and how to relabel it on purpose."""
+    return (f"{stem}: labels from before kept ({why}); restore the input and run again, or delete "
+            f"{META_DIR}/{stem}.stats.json to relabel it as it is now")
+
+
+def inputs_gone(layout: Layout, ref: ShardRef) -> str | None:
+    """A kept_note for a shard that was done and whose input files are all gone now (an unmounted
+    mount point: relabelling it would replace its labels by "file not found" rows), else None. A
+    folder shard that lost some of its images is relabelled (they become error rows). For run,
+    status and validate."""
+    if prior_output(layout, ref.stem) is None or not (gone := missing_inputs(ref)):
+        return None
+    if ref.kind == "folder" and ref.files is not None and len(gone) < len(ref.files):
+        return None
+    return kept_note(ref.stem, f"its {len(gone)} input file(s) are gone, {gone[0]} first")
 
 
 def images_in(stats: dict[str, Any]) -> int:
@@ -129,12 +164,28 @@ def is_our_stats(path: Path) -> bool:
     return (d := own_stats(path)) is not None and "complete" in d
 
 
+def own_stems(layout: Layout) -> set[str]:
+    """The shards this output wrote or planned: its shard list's, and those with a stats file (in
+    either layout). A batchvlm Parquet file copied in from another job is none of them."""
+    stems = set()
+    try:
+        shards = json.loads(layout.shard_list.read_text()).get("shards")
+        stems |= {s["stem"] for s in shards if isinstance(s, dict) and isinstance(s.get("stem"), str)}
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass  # no list (or not ours): the stats files still name what was written
+    for p in [*layout.meta.glob("*.stats.json"), *layout.dir.glob("*.stats.json")]:
+        if (d := own_stats(p)) is not None:
+            stems.add(d["shard"])
+    return stems
+
+
 def clear_outputs(layout: Layout) -> None:
-    """--overwrite: remove everything batchvlm wrote here (and nothing else), in either layout.
-    The run locks in the metadata folder stay: this run holds its own (unlinking a held lock
-    would let a second run take a fresh one)."""
-    for p in layout.dir.glob("*.parquet"):
-        if written_by_us(p):
+    """--overwrite: remove what this output wrote (and nothing else), in either layout: the
+    Parquet files of its own shards, not others that batchvlm wrote for other jobs. The run
+    locks in the metadata folder stay: this run holds its own (unlinking a held lock would let a
+    second run take a fresh one)."""
+    for stem in own_stems(layout):
+        if written_by_us(p := layout.parquet(stem)):
             p.unlink(missing_ok=True)
     if layout.meta.is_dir():
         for p in layout.meta.iterdir():

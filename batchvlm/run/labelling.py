@@ -73,8 +73,11 @@ class Labelling:
     together they are what the progress bar counted."""
 
     def __init__(self, layout: Layout, pending: list[ShardRef], summary: RunSummary, writer: WriterThread,
-                 bar: Progress, claims: Claims | None, stop: StopFlag, limit: int | None):
+                 bar: Progress, claims: Claims | None, stop: StopFlag, limit: int | None,
+                 replacing: set[str] | None = None):
         self.layout, self.summary, self.writer, self.bar = layout, summary, writer, bar
+        # stems of shards done before whose input changed: replaced only by a complete new shard
+        self.replacing = replacing or set()
         self.claims, self.stop, self.limit = claims, stop, limit
         self.assemblies = {i: ShardAssembly(ref) for i, ref in enumerate(pending)}
         self.claimed: set[str] = set()  # stems this rank holds claims on (work stealing)
@@ -92,7 +95,7 @@ class Labelling:
             raise self.interrupted() from None
         finally:
             self.close()
-        self.summary.shards_written = [s for s in self.writer.written if s not in self.summary.shards_partial]
+        self.summary.shards_written += [s for s in self.writer.written if s not in self.summary.shards_partial]
 
     def label(self, stream, labeler, family: Family, job: Job, seqs: list[TaskSequence]) -> None:
         for sample, raws in labeler.label(self.samples(stream)):
@@ -100,10 +103,10 @@ class Labelling:
         if self.limit is not None and not self.stop.event.is_set():
             # --limit: keep what was labelled, marked incomplete so the next run redoes it whole.
             for i, a in list(self.assemblies.items()):
-                if a.rows and not a.failed:
+                if a.rows and not a.failed and a.ref.stem not in self.replacing:
                     self.hand_over(i, complete=False)
                     self.summary.shards_partial.append(a.ref.stem)
-        self.summary.dropped = sum(len(a.rows) for a in self.assemblies.values())
+        self.summary.dropped += sum(len(a.rows) for a in self.assemblies.values())
 
     def interrupted(self) -> Interrupted:
         """The second Ctrl-C: the shards whose rows are all in are written before the run ends (a
@@ -150,12 +153,24 @@ class Labelling:
 
     def finish(self, i: int) -> None:
         a = self.assemblies[i]
+        if a.damaged and a.ref.stem in self.replacing:
+            self.keep_old(i, f"its input is damaged now: {a.damaged}")
+            return
         if a.damaged:
             log(f"batchvlm: shard {a.ref.stem} is damaged ({a.damaged}); {len(a.rows)} sample(s) kept")
             self.summary.shards_damaged.append(manifest.damaged_note(a.ref.stem, len(a.rows)))
         self.bar.shard_size(i, len(a.rows))
         if not manifest.images_in(self.hand_over(i, complete=True).stats) and not a.damaged:
             self.summary.shards_no_images.append(a.ref.stem)
+
+    def keep_old(self, i: int, why: str) -> None:
+        """A shard done before whose new input did not give a complete shard: its labels stay, the
+        rows made now are dropped, and the run says so (exit 1)."""
+        a = self.assemblies.pop(i)
+        self.bar.shard_size(i, len(a.rows))
+        self.summary.dropped += len(a.rows)
+        self.summary.shards_kept.append(note := manifest.kept_note(a.ref.stem, why))
+        log(f"batchvlm: shard {note}")
 
     def add_row(self, s: Sample, columns: dict[str, Any] | None = None) -> None:
         a = self.assemblies[s.shard]
@@ -171,7 +186,10 @@ class Labelling:
             self.bar.shard_size(item.shard, len(a.rows))
             log(f"batchvlm: shard {a.ref.stem} failed: {a.failed}")
             self.summary.shards_failed.append(a.ref.stem)
-            manifest.record_failure(self.layout, a.ref, a.failed)
+            if a.ref.stem in self.replacing:  # its done marker stays: the labels from before are kept
+                log(f"batchvlm: shard {manifest.kept_note(a.ref.stem, 'its input is unreadable now')}")
+            else:
+                manifest.record_failure(self.layout, a.ref, a.failed)
             a.expected = None
         elif a.complete:
             self.finish(item.shard)

@@ -97,7 +97,8 @@ class RankWorker:
     def run(self, limit: int | None, launch: str) -> dict[str, Any]:
         os.environ[LAUNCH_ENV] = launch  # in this rank's claims
         try:
-            summary = run_job(self.job, limit=limit, rank=self.rank, progress=True, stop=self.stop)
+            summary = run_job(self.job, limit=limit, rank=self.rank, progress=True, stop=self.stop,
+                              await_held=False)  # _drive frees a dead round's claims and runs another
         except Exception as e:
             if (failure := run_failure(e, self.job.output.dir)) is None:
                 raise  # a bug: Ray carries it to the driver

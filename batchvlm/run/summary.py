@@ -23,6 +23,8 @@ class RunSummary:
     shards_failed: list[str] = field(default_factory=list)
     shards_damaged: list[str] = field(default_factory=list)  # "<stem>: N samples kept", done now or before
     shards_no_images: list[str] = field(default_factory=list)  # written now, holding no image (an empty tar)
+    # done before, not replaced: their input is gone or came back damaged / unreadable (manifest.kept_note)
+    shards_kept: list[str] = field(default_factory=list)
     images: int = 0  # rows of the shards handed to the writer
     found: int = 0  # rows from an image (not a sample that held none) in this rank's shards written now or before
     no_images: bool = False  # every shard of the job is done and none holds an image: the input has none to label
@@ -48,6 +50,9 @@ class RunSummary:
             parts.append(f"{len(self.shards_failed)} FAILED ({', '.join(self.shards_failed[:3])})")
         if self.shards_damaged:
             parts.append(f"{len(self.shards_damaged)} DAMAGED ({', '.join(sorted(self.shards_damaged)[:3])})")
+        if self.shards_kept:
+            parts.append(f"{len(self.shards_kept)} KEPT FROM BEFORE, their input gone or broken "
+                         f"({', '.join(k.split(':')[0] for k in self.shards_kept[:3])})")
         if self.shards_no_images:
             parts.append(f"{len(self.shards_no_images)} with no images ({', '.join(self.shards_no_images[:3])})")
         if self.stopped_by_signal:
@@ -64,6 +69,7 @@ class RunSummary:
         self.shards_failed += [f for f in rank.shards_failed if f not in self.shards_failed]
         self.shards_damaged = sorted(set(self.shards_damaged) | set(rank.shards_damaged))
         self.shards_no_images += [w for w in rank.shards_no_images if w not in self.shards_no_images]
+        self.shards_kept += [k for k in rank.shards_kept if k not in self.shards_kept]
         self.no_images |= rank.no_images  # the rank that saw every shard done, none holding an image
         self.images += rank.images
         self.errors += rank.errors
@@ -75,7 +81,7 @@ class RunSummary:
         log(self.line(job.output.dir))
         if self.stopped_by_signal:
             return EXIT_STOPPED
-        if self.shards_failed or (self.shards_damaged and not job.input.allow_damaged):
+        if self.shards_failed or self.shards_kept or (self.shards_damaged and not job.input.allow_damaged):
             return EXIT_FAILED
         if self.no_images:  # as for an empty folder: the input, not the run, is wrong
             log(error_line(no_images_message(job.input, self.shards_total)))

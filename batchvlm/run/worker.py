@@ -49,7 +49,9 @@ from .summary import RunSummary
 
 
 def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: Rank | None = None,
-            progress: bool = True, stop: StopFlag | None = None) -> RunSummary:
+            progress: bool = True, stop: StopFlag | None = None, await_held: bool = True) -> RunSummary:
+    """`await_held` (work stealing): wait for the shards other ranks hold before returning, taking
+    those whose holder died; a launcher that frees its dead ranks' claims itself (Ray) says False."""
     t0 = time.time()
     rank = rank or Rank(0, 1, 0)
     pre = preflight(job, clears(job, overwrite), rank)  # a refused job writes nothing
@@ -61,7 +63,7 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
     if lock:
         lock.acquire()  # in __batchvlm__/; before anything is cleared or labelled; released when the process ends
     try:
-        return _run(pre, limit, rank, progress, stop or StopFlag(), t0)
+        return _run(pre, limit, rank, progress, stop or StopFlag(), t0, await_held)
     except Exception:
         if lock:
             lock.release()
@@ -72,13 +74,15 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
             lock.release()
 
 
-def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: StopFlag, t0: float) -> RunSummary:
+def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: StopFlag, t0: float,
+         await_held: bool) -> RunSummary:
     job, layout, shards = pre.job, pre.layout, pre.shards
     _open_folder(layout, pre.clear)
     claims = Claims(layout.meta) if job.runtime.work_stealing else None
     mine = shards if claims else my_shards(shards, rank)  # with claims every rank may take any shard
     summary = RunSummary(len(shards), 0, skipped=Counter(shards.skipped))
     pending = _skip_done(layout, mine, summary)
+    replacing = {s.stem for s in pending if manifest.prior_output(layout, s.stem)}
     if not pending:
         plan(job.input, layout, freeze=True)
         summary.no_images = _no_images(layout, shards, summary)
@@ -103,14 +107,25 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
         log(f"batchvlm: rank {rank.rank}/{rank.world}: {len(pending)} shard(s) to label; model {info.name} "
             f"({info.family}, {info.backend}, {info.dtype}, {info.device}) loaded in {t_load:.1f} s; labeler ready in "
             f"{time.time() - t_engine:.1f} s ({how}, {len(seqs)} sequences per image)")
-        # with work stealing this rank's share is not known in advance: no total
-        bar = Progress(job.name, len(pending), None if claims else shard_sizes(layout, mine, pending), enabled=progress)
-        labelling = Labelling(layout, pending, summary, writer, bar, claims, stop, limit)
-        labelling.run(stream, labeler, family, job, seqs)
+        handled: set[str] = set()  # with claims: the shards this rank took, whatever came of them
+        while True:
+            # with work stealing this rank's share is not known in advance: no total
+            bar = Progress(job.name, len(pending), None if claims else shard_sizes(layout, mine, pending),
+                           enabled=progress)
+            labelling = Labelling(layout, pending, summary, writer, bar, claims, stop, limit, replacing)
+            labelling.run(stream, labeler, family, job, seqs)
+            if not claims or not await_held or stop.event.is_set() or limit is not None:
+                break
+            handled |= labelling.claimed
+            if not (pending := _await_held(layout, pending, handled, claims, stop)):
+                break
+            log(f"batchvlm: rank {rank.rank}/{rank.world}: {len(pending)} shard(s) whose holder died "
+                f"({', '.join(s.stem for s in pending[:3])}): labelling them")
+            stream.close()
+            stream = load(pending, job.input, job.loader, family.preprocessor(), stealing)
+            writer = WriterThread(layout, writer.schema, job.output.compression, on_written=claims.release)
         if isinstance(labeler, EngineLabeler):
             log(f"batchvlm: rank {rank.rank}/{rank.world}: engine: {labeler.engine.summary()}")
-        if claims and not stop.event.is_set() and limit is None:
-            _report_held(layout, pending, writer.written, summary, claims)
         summary.stopped_by_signal = stop.event.is_set()
         summary.no_images = _no_images(layout, shards, summary)
         summary.seconds = time.time() - t0
@@ -128,11 +143,17 @@ def _open_folder(layout: Layout, clear: bool) -> None:
 
 
 def _skip_done(layout: Layout, mine: list[ShardRef], summary: RunSummary) -> list[ShardRef]:
-    """-> the shards of `mine` still to label; the done ones are counted (damaged ones noted)."""
+    """-> the shards of `mine` still to label; the done ones are counted (damaged ones noted). A
+    shard done before whose input files are gone now (an unmounted mount point) is not relabelled
+    into "file not found" rows: its labels are kept, and the run says so (exit 1)."""
     pending = []
     for s in mine:
         if (stats := manifest.done_stats(layout, s)) is None:
-            pending.append(s)
+            if note := manifest.inputs_gone(layout, s):
+                summary.shards_kept.append(note)
+                log(f"batchvlm: shard {note}")
+            else:
+                pending.append(s)
             continue
         summary.shards_done_before += 1
         summary.found += manifest.images_in(stats)
@@ -187,11 +208,23 @@ def _labeler(family: Family, model: EngineModel | StaticModel, seqs: list[TaskSe
                         if e.stats["compiled_shapes"] else ""))
 
 
-def _report_held(layout: Layout, pending: list[ShardRef], written: list[str], summary: RunSummary,
-                 claims: Claims) -> None:
-    held = [s.stem for s in pending if s.stem not in written and not manifest.is_done(layout, s)
-            and s.stem not in summary.shards_failed]
-    if held:
-        log(f"batchvlm: {len(held)} shard(s) are still claimed by other ranks ({', '.join(held[:3])}): they "
-            f"finish them, or, if a rank on another host died, its claims expire after "
-            f"{claims.lease_s:.0f} s and a re-run takes them")
+def _await_held(layout: Layout, pending: list[ShardRef], handled: set[str], claims: Claims,
+                stop: StopFlag) -> list[ShardRef]:
+    """Work stealing, after this rank's pass: wait until the shards of `pending` other ranks hold
+    are done (a rank exits 0 only when every shard is done); -> those whose holder died (its
+    claim gone, expired, or its process dead on this host), for this rank to take. [] once all
+    are done, or on a stop request (the run then exits as stopped)."""
+    said = False
+    while not stop.event.is_set():
+        held = [s for s in pending if s.stem not in handled and not manifest.is_done(layout, s)]
+        if not held:
+            return []
+        if free := [s for s in held if claims.is_free(s.stem)]:
+            return free
+        if not said:
+            log(f"batchvlm: waiting for {len(held)} shard(s) claimed by other ranks "
+                f"({', '.join(s.stem for s in held[:3])}): they finish them, or, if a rank died, its claims "
+                f"expire after {claims.lease_s:.0f} s and this rank takes them")
+            said = True
+        stop.event.wait(1.0)
+    return []

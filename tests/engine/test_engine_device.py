@@ -9,6 +9,7 @@ from support.moondream import LoadedMoondream, TASKS, TINY, hub_folder, id_token
 from PIL import Image
 
 import batchvlm.engine.engine as engine_mod
+import batchvlm.engine.runner as runner_mod
 import batchvlm.engine.sizing as sizing_mod
 from batchvlm.data.loader import Sample
 from batchvlm.engine.engine import Engine
@@ -105,6 +106,35 @@ def test_graph_buckets_are_built_at_start_up_and_used_by_decode_steps(tiny):
     assert r.graphs.graphs == built  # nothing captured mid-run
     assert 0 < engine.stats["graph_steps"] < engine.stats["steps"]
     assert "replayed a CUDA graph" in engine.summary()
+
+
+def test_a_held_emission_survives_the_next_graph_step(tiny, monkeypatch):
+    """A replay rewrites its outputs (graphs.py): the emissions the copy stream reads after the
+    next step is launched must be the step's own tensors. The uncaptured body keeps a replay's
+    fixed output buffers, so on the CPU an alias would change under the held copy."""
+    md, prepared, seqs, reference = tiny
+    engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=16), md.P)
+    r = engine.runner
+    r.graphs = r.decode_graphs(capture=False)
+    outputs = [out for _, _, out in r.graphs.graphs.values()]
+    assert all(out.value.dtype == torch.float32 for out in outputs)  # `.float()` would be a view
+    held, emitted = [], runner_mod.emitted
+
+    def spy(d, n):
+        ints, floats = emitted(d, n)
+        held.append((ints, floats, ints.clone(), floats.clone()))
+        return ints, floats
+
+    monkeypatch.setattr(runner_mod, "emitted", spy, raising=True)
+    engine.scheduler.admit_rows = 4
+    out = {im.sample.index: [(s.output.tokens, s.output.objects) for s in im.seqs]
+           for im in engine.run(Sample(0, i, f"key{i}", p) for i, p in enumerate(prepared))}
+    assert [out[i] for i in range(len(prepared))] == reference
+    assert engine.stats["graph_steps"] > 1
+    for ints, floats, ints0, floats0 in held:
+        assert torch.equal(ints, ints0) and torch.equal(floats, floats0)
+        for o in outputs:
+            assert floats.untyped_storage().data_ptr() != o.value.untyped_storage().data_ptr()
 
 
 def test_batched_admission_raises_the_share_of_decode_only_steps(tiny):

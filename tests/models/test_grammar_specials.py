@@ -1,4 +1,4 @@
-"""Special and added tokens in json answers (models/grammar.py `text_vocab`): a mask never allows
+"""Special and added tokens in json answers (models/base/grammar.py `text_vocab`): a mask never allows
 one, but for the stop tokens where the answer may end; every other token's bit is xgrammar's own
 on the tokenizer as transformers hands it over (the reference). Fixture tokenizers: Qwen's <|...|>
 special tokens (and logits wider than the tokenizer), Qwen3's <think> added as a plain token, and

@@ -185,3 +185,30 @@ def test_a_launcher_frees_the_claims_of_its_ended_ranks_only(tmp_path, monkeypat
         assert Claims(tmp_path).take(stem)  # a live holder (this process): no lease has run out
     assert release_launch(tmp_path, "L1") == ["a"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.claim", "c.claim"]
+
+
+def test_work_stealing_exits_0_only_once_every_shard_is_done(tmp_path):
+    """A rank whose pass is over waits for the shards other ranks hold; one whose holder dies
+    (here a process on this host, killed) it takes and labels: its exit 0 means the job is done."""
+    import socket
+
+    write_shards(tmp_path / "data", 4, 2, seed=14)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", runtime={"work_stealing": True})
+    meta = tmp_path / "out" / "__batchvlm__"
+    meta.mkdir(parents=True)
+    holder = subprocess.Popen(["sleep", "600"])  # a live rank that holds shapes-000003
+    (meta / "shapes-000003.claim").write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid}))
+    p = subprocess.Popen([sys.executable, "-m", "batchvlm.cli", "run", str(job)], cwd=tmp_path,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and p.poll() is None and len(list(meta.glob("*.stats.json"))) < 3:
+            time.sleep(0.05)
+    finally:
+        holder.kill()  # the holder dies (and is reaped: its pid is free, not a zombie)
+        holder.wait()
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    for s in range(4):
+        assert pq.read_table(tmp_path / "out" / f"shapes-{s:06d}.parquet").num_rows == 2, err
+    assert not list(meta.glob("*.claim*"))

@@ -78,7 +78,7 @@ class ToyModel:
         self.info = ModelInfo("toy", None, "", "none", "float32", "cpu", "toy", "native")
         self.stop_ids = torch.tensor([STOP])
 
-    # --- the engine's interface (models/family.py EngineModel)
+    # --- the engine's interface (models/base/contract.py EngineModel)
     def state_specs(self) -> list[PagedKV]:
         return [PagedKV("attn", LAYERS, KV_HEADS, HEAD_DIM, self.dtype)]
 

@@ -97,45 +97,65 @@ def sequence_seed(job_seed: int, key: str, seq: int) -> int:
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix held in int64 (products stay below 2**63)."""
-    m = 0xFFFFFFFF
-    x = ((x ^ (x >> 16)) * 0x45D9F3B) & m
-    x = ((x ^ (x >> 16)) * 0x45D9F3B) & m
-    return x ^ (x >> 16)
+    """A 32-bit integer mix, in int32 (wrapping products, shifts made logical by a mask) or in
+    int64 holding values below 2**32: the same 32 bits either way."""
+    m = 0xFFFFFFFF if x.dtype == torch.int64 else -1
+    x = ((x ^ ((x >> 16) & 0xFFFF)) * 0x45D9F3B) & m
+    x = ((x ^ ((x >> 16) & 0xFFFF)) * 0x45D9F3B) & m
+    return x ^ ((x >> 16) & 0xFFFF)
 
 
 def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
-    """32 random bits -> float32 strictly inside (0, 1), for every input.
+    """32 random bits (int64 below 2**32, or int32) -> float32 strictly inside (0, 1), for every input.
 
     The top 23 bits plus half a step: (k + 0.5) * 2^-23 for k < 2^23 is exact in float32 and
     lies in [2^-24, 1 - 2^-24]. Using more bits is wrong: (bits + 0.5) / 2^32 rounds to 1.0 for
     the top 128 values and `((bits >> 8) + 0.5) * 2^-24` ties to 1.0 for the largest, and
     u = 1 makes the Gumbel term +inf (an arbitrary token wins).
     """
-    return ((bits >> 9).float() + 0.5) * 2.0**-23
+    return (((bits >> 9) & 0x7FFFFF).float() + 0.5) * 2.0**-23
 
 
 def uniform(seed_B: torch.Tensor, step_B: torch.Tensor, V: int) -> torch.Tensor:
     """[B, V] uniforms in (0, 1) from (seed, step, vocab index): the same draw for a sequence
-    whatever batch it runs in."""
-    base = _hash32(_hash32(seed_B & 0xFFFFFFFF) ^ (step_B & 0xFFFFFFFF))
-    idx = torch.arange(V, device=seed_B.device)
+    whatever batch it runs in. The [B, V] hash runs in int32 (4 bytes per token, not 8)."""
+    base = _hash32(_hash32(seed_B & 0xFFFFFFFF) ^ (step_B & 0xFFFFFFFF))  # [B] in [0, 2**32)
+    base = torch.where(base >= 2**31, base - 2**32, base).to(torch.int32)  # the same 32 bits
+    idx = torch.arange(V, device=seed_B.device, dtype=torch.int32)
     return uniform_from_bits(_hash32(base[:, None] ^ idx[None, :]))
+
+
+# Elements of the [rows, V] block sampled at a time: sampling's temporaries (softmax, sort and its
+# int64 order, cumsum, the hash, the Gumbel scores: ~40 bytes per element) stay near 320 MiB
+# whatever the batch; at V = 248k that is 33 rows a block, 8 blocks at 256 rows.
+SAMPLE_BLOCK = 1 << 23
 
 
 def sample_tokens(logits_BV: torch.Tensor, state: RowState, sampling: bool) -> torch.Tensor:
     greedy = logits_BV.argmax(dim=-1)
     if not sampling:
         return greedy
-    # Gumbel-max over the top-p nucleus of softmax(logits / T).
-    t = state.temperature.clamp_min(1e-5)[:, None]
+    # Each row's draw depends on its own logits and state alone (batch-invariant), so blocks of
+    # rows give the samples the whole batch would; the shapes are fixed (graph-safe).
+    B, V = logits_BV.shape
+    rows = max(1, SAMPLE_BLOCK // V)
+    sampled = torch.cat([_nucleus_gumbel(logits_BV[i : i + rows], state.temperature[i : i + rows],
+                                         state.top_p[i : i + rows], state.seed[i : i + rows],
+                                         state.count[i : i + rows]) for i in range(0, B, rows)])
+    return torch.where(state.temperature > 0, sampled, greedy)
+
+
+def _nucleus_gumbel(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_p_B: torch.Tensor,
+                    seed_B: torch.Tensor, step_B: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max over the top-p nucleus of softmax(logits / T)."""
+    t = temperature_B.clamp_min(1e-5)[:, None]
     probs = torch.softmax(logits_BV.float() / t, dim=-1)
     sorted_p, order = probs.sort(dim=-1, descending=True)
-    outside = (sorted_p.cumsum(-1) - sorted_p) > state.top_p[:, None]
+    outside = (sorted_p.cumsum(-1) - sorted_p) > top_p_B[:, None]
     keep = torch.zeros_like(outside).scatter_(1, order, ~outside)
-    gumbel = -torch.log(-torch.log(uniform(state.seed, state.count, logits_BV.shape[-1])))
+    gumbel = -torch.log(-torch.log(uniform(seed_B, step_B, logits_BV.shape[-1])))
     scores = torch.where(keep, probs.log() + gumbel, float("-inf"))
-    return torch.where(state.temperature > 0, scores.argmax(dim=-1), greedy)
+    return scores.argmax(dim=-1)
 
 
 def decide_text(logits_BV: torch.Tensor, state: RowState, stop_ids: torch.Tensor, sampling: bool) -> Decision:

@@ -11,7 +11,7 @@ import torch
 
 from .contract import ModelInfo, Prepared
 from .decoding import Decision, PromptRows, RowState, choice_scores, scores_only, with_scores
-from .grammar import fill_masks
+from .grammar import fill_masks, mask_threads
 from .pinned import PinnedUpload
 
 
@@ -27,6 +27,7 @@ class EngineModelBase(ABC):
         self.device, self.dtype = model.device, model.dtype
         self.end_id = end_id
         self._upload = PinnedUpload(self.device)
+        self._mask_threads = mask_threads(self.device)
 
     def prefix_layout(self, image: Prepared, prompt: tuple[int, ...]) -> tuple[int, int]:
         return image.prefix_len + len(prompt), image.next_pos + len(prompt)
@@ -34,7 +35,9 @@ class EngineModelBase(ABC):
     def own_positions(self, pos_N: torch.Tensor) -> torch.Tensor:
         return pos_N
 
-    fill_masks = staticmethod(fill_masks)  # json (and constrained) tasks: base/grammar.py
+    def fill_masks(self, states: list[Any], out_MW) -> None:
+        """json (and constrained) tasks: base/grammar.py, on as many threads as the device allows."""
+        fill_masks(states, out_MW, self._mask_threads)
 
     @abstractmethod
     def logits(self, hidden_NC: torch.Tensor) -> torch.Tensor:

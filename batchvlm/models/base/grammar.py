@@ -5,7 +5,7 @@ answers filled at once (`fill_masks`), and the mask step applied on the device b
 never while a launch waits (engine/scheduler.py); the transformers backend inside `generate`.
 
 The library is xgrammar (`pip install 'batchvlm[structured]'`), chosen by measurement against
-llguidance 1.9.1 (scripts/bench_grammar.py, README "classify and json"): on a 151,650-token
+llguidance 1.9.1 (scripts/bench_grammar.py, docs/benchmarks.md "Grammar engines"): on a 151,650-token
 byte-level BPE, over random walks at batch 64 and 256, its masks cost 3-10x less host time per
 row for four of the five test schemas (llguidance wins enums, 1.4-1.8x) and its tokenizer setup
 takes 77 MiB against 269; its compile is slower (21 ms-3.1 s per schema against 1-3 ms) but
@@ -22,6 +22,7 @@ token of the tokenizer; a stop token only ends one (`text_vocab`).
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import numpy as np
@@ -166,22 +167,36 @@ class Answer:
         return self.matcher.is_terminated()
 
 
-_BATCH = None  # one xgrammar batch filler per process (it holds a thread pool of one)
+def mask_threads(device: torch.device) -> int:
+    """xgrammar's threads for one step's masks, from the device the forward runs on. On a CPU
+    device, 1: the forward itself needs the cores. On a CUDA device the host only launches and
+    the masks are its longest work per step: half of this process's share of the cores (one
+    process per GPU; the other half for the scheduler loop, the loaders and the image
+    preprocessing), at most 8 (a cap not yet measured). An H200 host with 16 cores: 8. What it
+    buys is to be measured on such a host: the json rows of the host bench (issue 37 item 6, mask
+    time per step) at this count against 1."""
+    if device.type != "cuda":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cores // max(1, torch.cuda.device_count()) // 2))
 
 
-def fill_masks(answers: list[Answer], out_MW: np.ndarray | torch.Tensor) -> None:
+_FILLERS: dict[int, Any] = {}  # xgrammar batch fillers by thread count, one each per process (a thread pool)
+
+
+def fill_masks(answers: list[Answer], out_MW: np.ndarray | torch.Tensor, threads: int = 1) -> None:
     """The next-token masks of `answers` into `out_MW[:len(answers)]` (host int32, C-contiguous,
-    `words` wide): the grammar's, ANDed with the UTF-8 state's. An ended answer gets every bit
-    (its row may run one more step whose emission is ignored)."""
-    global _BATCH
+    `words` wide): the grammar's, ANDed with the UTF-8 state's, filled on `threads` threads (the
+    masks do not depend on it). An ended answer gets every bit (its row may run one more step
+    whose emission is ignored)."""
     out = torch.from_numpy(out_MW) if isinstance(out_MW, np.ndarray) else out_MW
     out[: len(answers)].fill_(ALL_ALLOWED)
     held = [i for i, a in enumerate(answers) if not a.ended]
     if not held:
         return
-    if _BATCH is None:
-        _BATCH = _xgrammar().BatchGrammarMatcher(max_threads=1)
-    _BATCH.batch_fill_next_token_bitmask([answers[i].matcher for i in held], out, indices=held)
+    if threads not in _FILLERS:
+        _FILLERS[threads] = _xgrammar().BatchGrammarMatcher(max_threads=threads)
+    _FILLERS[threads].batch_fill_next_token_bitmask([answers[i].matcher for i in held], out, indices=held)
     vocab = answers[held[0]].vocab
     out[held] &= vocab.utf8_masks_SW[[answers[i].utf8 for i in held]]
 

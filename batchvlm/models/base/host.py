@@ -1,9 +1,10 @@
 """The host-side base every family builds on: its checkpoint folder, the one `load()`, and the
-checks a family makes of a job's tasks."""
+checks a family makes of a job's tasks (a classify task's choices as tokens among them)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,3 +83,26 @@ def check_context(seqs: list[TaskSequence], prefix_len: int, n_ctx: int, prefix:
         if prefix_len + n_prompt + s.spec.budget > n_ctx:
             raise FamilyError(f"tasks.{s.task}: a {n_prompt}-token prompt and up to {s.spec.budget} generated "
                               f"tokens after {prefix} exceed the model's context of {n_ctx}; {fix}")
+
+
+def choice_tokens(t: int, choices: Sequence[str], tokens_of: Callable[[str], tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """Each of task t's classify choices as its own tokens, `tokens_of(choice)`, in order; refuses,
+    naming the field, a choice with the same tokens as an earlier one (no score tells them apart)."""
+    out: list[tuple[int, ...]] = []
+    for c in choices:
+        own = tokens_of(c)
+        if own in out:
+            raise FamilyError(f"tasks.{t}.classify.choices: {choices[out.index(own)]!r} and {c!r} are the same tokens "
+                              "for this model")
+        out.append(own)
+    return out
+
+
+def tokens_after(encode: Callable[[str], list[int]], text: str, base: list[int], choice: str,
+                 t: int) -> tuple[int, ...]:
+    """A choice's tokens in context: what encoding `text + choice` adds to `base` (= encode(text)).
+    Refuses a choice that merges with the prompt's last token (changes it, or adds no token)."""
+    full = encode(text + choice)
+    if full[: len(base)] != base or len(full) == len(base):
+        raise FamilyError(f"tasks.{t}.classify.choices: {choice!r} merges with the prompt's last token")
+    return tuple(full[len(base):])

@@ -19,7 +19,7 @@ json rows (a grammar mask `mask_BW`, base/grammar.py) meet these settings so:
                     grammar allows: then that row's ban is lifted for that step (the grammar wins,
                     so a row always has a token to write).
 Classify choices (MODE_SCORE rows, `PromptRows`) are scored from the raw logits: no ban, no
-forced token (engine.py).
+forced token (base/device.py EngineModelBase.decide).
 
 The n-gram ban needs each row's tokens: `History` keeps them on the device, one row per
 device-state row of the engine (RowState.row), written by every decision.

@@ -28,7 +28,7 @@ from ..base.columns import task_columns
 from ..base.decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
 from ..base.errors import FamilyError, ModelLoadError
 from ..base.contract import ModelInfo, TaskSequence
-from ..base.host import FamilyBase, check_kinds, refuse_constrain
+from ..base.host import FamilyBase, check_kinds, choice_tokens, refuse_constrain
 from ..base.grammar import Grammars
 from ..base.hub import load_tokenizer, read_json
 from ..base.errors import ConfigError
@@ -174,15 +174,9 @@ class Florence2(FamilyBase):
         it does alone."""
         g = self.generation
         start = (g.decoder_start,) if g.forced_bos is None else (g.decoder_start, g.forced_bos)
-        seqs: list[TaskSequence] = []
-        for c in choices:
-            ids = self.tokenizer.encode(c)
-            for s in seqs:
-                if s.spec.prompt[len(start):] == ids:
-                    raise FamilyError(f"tasks.{t}.classify.choices: {s.label!r} and {c!r} are the same tokens for "
-                                      "this model")
-            seqs.append(TaskSequence(t, c, SeqSpec(MODE_SCORE, start + ids, len(ids) + 1, prefix_prompt=prefix)))
-        return seqs
+        ids = choice_tokens(t, choices, self.tokenizer.encode)
+        return [TaskSequence(t, c, SeqSpec(MODE_SCORE, start + own, len(own) + 1, prefix_prompt=prefix))
+                for c, own in zip(choices, ids)]
 
     def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput],
                 seen: tuple[int, int] | None = None) -> dict[str, Any]:

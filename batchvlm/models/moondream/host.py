@@ -15,7 +15,7 @@ from ..base.contract import ModelInfo, TaskSequence
 from ..base.decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
 from ..base.errors import FamilyError, ModelLoadError
 from ..base.grammar import Grammars
-from ..base.host import FamilyBase, check_context, check_kinds
+from ..base.host import FamilyBase, check_context, check_kinds, choice_tokens
 from ..base.hub import TokenizerAdapter, load_tokenizer
 from . import grammar
 from .config import MoondreamConfig
@@ -103,15 +103,8 @@ class Moondream(FamilyBase):
         if tpl is None:
             raise FamilyError("tasks: the model has no query template")
         prompt = tuple(tpl["prefix"] + self.tokenizer.encode(a.question) + tpl["suffix"] + tpl["suffix"])
-        out: list[tuple[str, SeqSpec]] = []
-        for c in a.choices:
-            own = (prompt[-1], *self.tokenizer.encode(c))
-            for label, s in out:
-                if s.prompt == own:
-                    raise FamilyError(f"tasks.{t}.classify.choices: {label!r} and {c!r} are the same tokens for "
-                                      "this model")
-            out.append((c, SeqSpec(MODE_SCORE, own, len(own), prefix_prompt=prompt[:-1])))
-        return out
+        owns = choice_tokens(t, a.choices, lambda c: (prompt[-1], *self.tokenizer.encode(c)))
+        return [(c, SeqSpec(MODE_SCORE, own, len(own), prefix_prompt=prompt[:-1])) for c, own in zip(a.choices, owns)]
 
     def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput],
                 seen: tuple[int, int] | None = None) -> dict[str, Any]:

@@ -8,8 +8,8 @@ g_t <= 0 (log space), write strength beta_t in (0, 1), and L2-normalised q_t, k_
     S  <- S + k_t u_t^T                       write it
     o_t = S^T (q_t / sqrt(Dk))                read
 
-`recurrent_step` is that, one token for a batch of sequences (decode). `chunked` is the same
-recurrence over whole sequences, C tokens at a time (prefill): inside a chunk, with
+`recurrent_step_` is that, one token for a batch of sequences (decode), in place. `chunked` is
+the same recurrence over whole sequences, C tokens at a time (prefill): inside a chunk, with
 gamma_t = g_1 + ... + g_t and S_0 the state at the chunk start, the u_t solve a unit lower-
 triangular system (I + A) U = beta V - beta exp(gamma) K S_0 with
 A[t, s] = beta_t exp(gamma_t - gamma_s) k_t . k_s (s < t); then
@@ -33,20 +33,30 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def recurrent_step(q_BHK: torch.Tensor, k_BHK: torch.Tensor, v_BHV: torch.Tensor, g_BH: torch.Tensor,
-                   beta_BH: torch.Tensor, state_BHKV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per sequence; q, k already normalised and q scaled. -> (o [B, H, V], new state)."""
-    S = state_BHKV * g_BH.exp()[..., None, None]
-    u = (v_BHV - (S * k_BHK[..., None]).sum(-2)) * beta_BH[..., None]
-    S = S + k_BHK[..., None] * u[..., None, :]
-    return (S * q_BHK[..., None]).sum(-2), S
+def recurrent_step_(q_BHK: torch.Tensor, k_BHK: torch.Tensor, v_BHV: torch.Tensor, g_BH: torch.Tensor,
+                    beta_BH: torch.Tensor, S_BHKV: torch.Tensor) -> torch.Tensor:
+    """One token per sequence; q, k already normalised and q scaled; `S_BHKV` (float32,
+    contiguous) updated in place. -> o [B, H, V].
+
+    The state is the big operand (Hv * Dk * Dv floats per sequence and layer): it is read once for
+    both k and q and then scaled and written in place. With a = exp(g) and S the old state,
+        (a S)^T k = a S^T k,   u = beta (v - a S^T k),   S <- a S + k u^T,
+        o = S_new^T q = a S^T q + (k . q) u,
+    so S^T [k q] is one batched matmul, and the update is `mul_` then a rank-one `baddbmm_`."""
+    B, H, K, V = S_BHKV.shape
+    a_BH11 = g_BH.exp()[..., None, None]
+    read_BH2V = torch.stack([k_BHK, q_BHK], dim=-2) @ S_BHKV * a_BH11
+    u_BHV = (v_BHV - read_BH2V[..., 0, :]) * beta_BH[..., None]
+    S_BHKV.mul_(a_BH11)
+    S_BHKV.view(B * H, K, V).baddbmm_(k_BHK.reshape(B * H, K, 1), u_BHV.reshape(B * H, 1, V))
+    return read_BH2V[..., 1, :] + (k_BHK * q_BHK).sum(-1, keepdim=True) * u_BHV
 
 
 def chunked(q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTV: torch.Tensor, g_BHT: torch.Tensor,
             beta_BHT: torch.Tensor, state_BHKV: torch.Tensor, chunk: int = CHUNK
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole sequences (T tokens each, padded as the module docstring says); q, k normalised and q
-    scaled. -> (o [B, H, T, V], the state after the last token)."""
+    scaled. -> (o [B, H, T, V], the state after the last token; `state_BHKV` is not written)."""
     B, H, T, K = k_BHTK.shape
     V = v_BHTV.shape[-1]
     pad = -T % chunk
@@ -62,16 +72,21 @@ def chunked(q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTV: torch.Tensor, g_
     decay_CC = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(future, float("-inf")).exp()
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2)) * decay_CC  # its diagonal is ignored: the solve is unit-triangular
-    w_v = torch.linalg.solve_triangular(A, v * beta[..., None], upper=False, unitriangular=True)
-    w_k = torch.linalg.solve_triangular(A, kb * gamma.exp()[..., None], upper=False, unitriangular=True)
+    # one solve for both right-hand sides (each column is solved on its own)
+    w = torch.linalg.solve_triangular(A, torch.cat([v * beta[..., None], kb * gamma.exp()[..., None]], dim=-1),
+                                      upper=False, unitriangular=True)
+    w_v, w_k = w.split([V, K], dim=-1)
     qk = (q @ k.transpose(-1, -2)) * decay_CC
     q_read = q * gamma.exp()[..., None]  # reads S_0 decayed to each token
-    k_write = k * (gamma[..., -1:] - gamma).exp()[..., None]  # writes decayed to the chunk end
-    chunk_decay = gamma[..., -1].exp()[..., None, None]  # [B, H, n, 1, 1]
-    S = state_BHKV.float()
-    out = []
+    reads = torch.cat([w_k, q_read], dim=-2).view(B * H, n, 2 * chunk, K)  # both read the chunk's S_0
+    k_write = (k * (gamma[..., -1:] - gamma).exp()[..., None]).transpose(-1, -2).reshape(B * H, n, K, chunk)
+    chunk_decay = gamma[..., -1].exp().view(B * H, n, 1, 1)  # writes above: decayed to the chunk end
+    w_v, qk = w_v.reshape(B * H, n, chunk, V), qk.reshape(B * H, n, chunk, chunk)
+    S = state_BHKV.to(torch.float32, copy=True).view(B * H, K, V)
+    out = S.new_empty(n, B * H, chunk, V)
     for i in range(n):
-        u = w_v[:, :, i] - w_k[:, :, i] @ S  # [B, H, C, V]
-        out.append(q_read[:, :, i] @ S + qk[:, :, i] @ u)
-        S = S * chunk_decay[:, :, i] + k_write[:, :, i].transpose(-1, -2) @ u
-    return torch.cat(out, dim=2)[:, :, :T], S
+        kS, qS = (reads[:, i] @ S).split(chunk, dim=1)  # [BH, C, V] each: S read once
+        u = w_v[:, i] - kS
+        torch.baddbmm(qS, qk[:, i], u, out=out[i])
+        S.mul_(chunk_decay[:, i]).baddbmm_(k_write[:, i], u)
+    return out.transpose(0, 1).reshape(B, H, n * chunk, V)[:, :, :T], S.view(B, H, K, V)

@@ -35,11 +35,9 @@ class Qwen35EngineModel(QwenVLEngineModel):
         kv = cache.paged["attn"]
         plans = plan_groups(batch, kv)
         st = cache.recurrent["linear"]
-        s = batch.states
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return attend(q, k, v, kv.k[layer], kv.v[layer], batch, plans)
 
-        segments = Segments(s.scan_start, s.scan_len, s.scan_read, s.scan_write, s.step_rows, s.first_step,
-                            self.device)
-        return self.model.text(embeds_NC, positions, attention, segments, LinearState(st["conv"], st["recurrent"]))
+        return self.model.text(embeds_NC, positions, attention, Segments(batch.states, self.device),
+                               LinearState(st["conv"], st["recurrent"]))

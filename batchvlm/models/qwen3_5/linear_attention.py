@@ -6,6 +6,11 @@ serving lin_v_heads / lin_k_heads consecutive value heads; beta = sigmoid(in_pro
 g = -exp(A_log) softplus(in_proj_a x + dt_bias) (float32); the gated delta rule
 (delta_rule.py) with the recurrent state; an RMSNorm per value head gated by SiLU(in_proj_z x);
 out_proj. Parameter names are the checkpoint's.
+
+The delta rule runs in two places, the seam where flash-linear-attention's CUDA kernels would
+plug in (not yet: the torch path runs everywhere): `_runs` (prefill: its chunk_gated_delta_rule
+over the step's StateSpans.cu_seqlens, initial states gathered by StateSpans.read, unpadded) and
+`_steps` (decode: its fused_recurrent_gated_delta_rule over the rows' gathered states).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import TextConfig
-from .delta_rule import chunked, l2_normalize, recurrent_step
+from .delta_rule import chunked, l2_normalize, recurrent_step_
 from .linear_state import Runs, Segments
 
 
@@ -81,15 +86,20 @@ class GatedDeltaNet(nn.Module):
             if runs.any:
                 self._runs(runs, mixed_NC, b_NH, a_NH, conv_state, recurrent_state, o_NHV)
         if len(seg.step_states):
-            r, at = seg.step_rows, seg.step_states
-            window = torch.cat([conv_state[at], mixed_NC[r, :, None].to(conv_state.dtype)], dim=2)  # [D, C, K]
-            conv_state[at] = window[:, :, 1:]
-            q, k, v, g, beta = self._heads(self._conv(window), b_NH[r, None], a_NH[r, None])
-            o, S = recurrent_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], recurrent_state[at])
-            recurrent_state[at] = S
-            o_NHV[r] = o
+            self._steps(seg, mixed_NC, b_NH, a_NH, conv_state, recurrent_state, o_NHV)
         o = self.norm(o_NHV.to(x_NC.dtype), z_NC.view(N, c.lin_v_heads, c.lin_v_dim))
         return self.out_proj(o.reshape(N, -1))
+
+    def _steps(self, seg: Segments, mixed_NC: torch.Tensor, b_NH: torch.Tensor, a_NH: torch.Tensor,
+               conv_state: torch.Tensor, recurrent_state: torch.Tensor, o_NHV: torch.Tensor) -> None:
+        """The decode tokens: one per row, each reading and updating its row's state."""
+        r, at = seg.step_rows, seg.step_states
+        window = torch.cat([conv_state[at], mixed_NC[r, :, None].to(conv_state.dtype)], dim=2)  # [D, C, K]
+        conv_state[at] = window[:, :, 1:]
+        q, k, v, g, beta = self._heads(self._conv(window), b_NH[r, None], a_NH[r, None])
+        S = recurrent_state[at]  # the rows' states gathered once, updated in place, written back once
+        o_NHV[r] = recurrent_step_(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], S)
+        recurrent_state[at] = S
 
     def _runs(self, w: Runs, mixed_NC: torch.Tensor, b_NH: torch.Tensor, a_NH: torch.Tensor,
               conv_state: torch.Tensor, recurrent_state: torch.Tensor, o_NHV: torch.Tensor) -> None:

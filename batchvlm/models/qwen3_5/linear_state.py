@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...cache.spans import ZERO  # `read` of a run that starts from zero state
+from ...cache.spans import ZERO, StateSpans  # ZERO: `read` of a run that starts from zero state
 from .config import TextConfig
 
 
@@ -42,58 +42,65 @@ class LinearState:
                                                                                  device=device))
 
 
-def _upload(device: torch.device, *columns: np.ndarray) -> list[torch.Tensor]:
-    """Host int arrays -> device long tensors, in one copy that never waits for the device: from
-    pageable memory the driver stages the bytes before returning, so nothing needs to stay alive
-    (`torch.tensor(list, device=...)` would block until the device has run everything queued)."""
-    flat = torch.from_numpy(np.concatenate(columns).astype(np.int64, copy=False))
-    return list(flat.to(device, non_blocking=True).split([len(c) for c in columns]))
-
-
 class Runs:
-    """Runs of one wave, batched: padded to the longest for the chunked rule."""
+    """Spans lo..hi-1 of a step (one wave), padded to the longest for the chunked rule. Their
+    state indices and bounds are slices of the step's uploaded spans (StateSpans.read / write /
+    cu_seqlens, staged with the other inputs): nothing is uploaded here and nothing syncs."""
 
-    def __init__(self, start: list[int], length: list[int], read: list[int], write: list[int],
-                 device: torch.device):
-        self.any = bool(start)
+    def __init__(self, spans: StateSpans, lo: int, hi: int):
+        self.any = hi > lo
         if not self.any:
             return
-        self.fresh = all(r == ZERO for r in read)  # else: none is (waves are split so)
-        L = max(length)
-        lens = np.asarray(length, dtype=np.int64)
-        b = np.repeat(np.arange(len(length)), lens)
-        t = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-        # the real tokens, from the host's lengths (no boolean indexing, no sync): their flat rows
-        # and their places in the padded [B * L] layout
-        self.read, self.write, self.lens_B, start_B, self.rows, self.padded = _upload(
-            device, np.asarray(read), np.asarray(write), lens, np.asarray(start), np.asarray(start)[b] + t, b * L + t)
-        j = torch.arange(L, device=device)
+        self.fresh = all(r == ZERO for r in spans.scan_read[lo:hi])  # else: none is (Segments splits so)
+        L = max(spans.scan_len[lo:hi])
+        self.read, self.write = spans.read[lo:hi], spans.write[lo:hi]
+        start_B, end_B = spans.cu_seqlens[lo:hi], spans.cu_seqlens[lo + 1 : hi + 1]
+        self.lens_B = end_B - start_B
+        dev = start_B.device
+        j = torch.arange(L, device=dev)
         self.valid_BL = j[None] < self.lens_B[:, None]
         self.rows_BL = torch.where(self.valid_BL, start_B[:, None] + j[None], 0)
+        # the real tokens (the wave's spans are consecutive flat rows): their flat rows and their
+        # places b * L + t in the padded [B * L] layout
+        self.rows = torch.arange(spans.scan_start[lo], spans.scan_start[hi - 1] + spans.scan_len[hi - 1], device=dev)
+        b = torch.searchsorted(end_B, self.rows, right=True)
+        self.padded = b * L + self.rows - start_B[b]
 
 
 class Segments:
-    """Where a forward's sequences sit (see the module docstring). Host lists come from the
-    plan, so building this needs no device sync; built once per forward, shared by the layers."""
+    """Where a forward's sequences sit (see the module docstring), from the step's StateSpans:
+    host lists for the shapes, device tensors for the indices, so building this needs no device
+    sync and no upload; built once per forward, shared by the layers.
 
-    def __init__(self, scan_start: list[int], scan_len: list[int], scan_read: list[int], scan_write: list[int],
-                 step_states: torch.Tensor, first_step: int, device: torch.device):
-        fresh = [i for i, r in enumerate(scan_read) if r == ZERO]
-        rest = [i for i, r in enumerate(scan_read) if r != ZERO]
+    The spans tile the flat rows from row 0 in order (StateSpans.cu_seqlens), those from ZERO
+    first (engine/inputs.py: prefixes, then prompts): each wave is a slice of them."""
 
-        def runs(ix: list[int]) -> Runs:
-            return Runs(*([lst[i] for i in ix] for lst in (scan_start, scan_len, scan_read, scan_write)),
-                        device=device)
+    def __init__(self, spans: StateSpans, device: torch.device):
+        reads = spans.scan_read
+        n_fresh = next((i for i, r in enumerate(reads) if r != ZERO), len(reads))
+        if ZERO in reads[n_fresh:]:
+            raise ValueError("spans from a zero state must come before the others")
+        self.waves = [Runs(spans, 0, n_fresh), Runs(spans, n_fresh, len(reads))]
+        self.step_states = spans.step_rows  # [D] long: state index of step token d (flat row first_step + d)
+        self.step_rows = torch.arange(spans.first_step, spans.first_step + len(spans.step_rows), device=device)
 
-        self.waves = [runs(fresh), runs(rest)]
-        self.step_states = step_states  # [D] long: state index of step token d (flat row first_step + d)
-        self.step_rows = torch.arange(first_step, first_step + len(step_states), device=device)
+    @classmethod
+    def of(cls, start: list[int], length: list[int], read: list[int], write: list[int], step_states: torch.Tensor,
+           first_step: int, device: torch.device) -> Segments:
+        """From host lists, uploading the indices the engine's StepInputs would carry (tests and
+        tools). `start`: consecutive spans from flat row 0."""
+        cu = np.concatenate([[0], np.cumsum(length, dtype=np.int64)])
+        if list(start) != cu[:-1].tolist():
+            raise ValueError(f"spans must tile the flat rows from 0: starts {start}, lengths {length}")
+        spans = StateSpans(list(start), list(length), list(read), list(write), step_states.to(device), first_step,
+                           torch.from_numpy(cu).to(device), torch.tensor(read, dtype=torch.long, device=device),
+                           torch.tensor(write, dtype=torch.long, device=device))
+        return cls(spans, device)
 
     @classmethod
     def single(cls, n_tokens: int, device: torch.device, fresh: bool = False) -> Segments:
         """One sequence in state 0, from zeros or continuing (tests and tools). One token from
         state 0 is a decode step."""
         if n_tokens == 1 and not fresh:
-            return cls([], [], [], [], torch.zeros(1, dtype=torch.long, device=device), 0, device)
-        return cls([0], [n_tokens], [ZERO if fresh else 0], [0], torch.zeros(0, dtype=torch.long, device=device),
-                   n_tokens, device)
+            return cls.of([], [], [], [], torch.zeros(1, dtype=torch.long), 0, device)
+        return cls.of([0], [n_tokens], [ZERO if fresh else 0], [0], torch.zeros(0, dtype=torch.long), n_tokens, device)

@@ -23,9 +23,9 @@ from ...tasks import args_of, kind_of
 from ..base.columns import task_columns
 from ..base.contract import ModelInfo, TaskSequence
 from ..base.decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
-from ..base.errors import ConfigError, FamilyError, ModelLoadError
+from ..base.errors import ConfigError, ModelLoadError
 from ..base.grammar import Grammars
-from ..base.host import FamilyBase, check_context, check_kinds
+from ..base.host import FamilyBase, check_context, check_kinds, choice_tokens, tokens_after
 from ..base.hub import TokenizerAdapter, load_tokenizer
 from .chat import ChatTemplate, read_template, special_tokens
 from .config import QwenVLConfig, VisionConfig
@@ -163,18 +163,9 @@ class QwenVLHost(FamilyBase):
         scored, then <|im_end|> (docs/adding-a-family.md, classify)."""
         text = self.template.split(QWEN3.words("query", a))[1]
         base = self.tokenizer.encode(text)
-        seqs: list[TaskSequence] = []
-        for c in a.choices:
-            full = self.tokenizer.encode(text + c)
-            if full[: len(base)] != base or len(full) == len(base):
-                raise FamilyError(f"tasks.{t}.classify.choices: {c!r} merges with the prompt's last token")
-            own = (base[-1], *full[len(base):])
-            for s in seqs:
-                if s.spec.prompt == own:
-                    raise FamilyError(f"tasks.{t}.classify.choices: {s.label!r} and {c!r} are the same tokens for "
-                                      "this model")
-            seqs.append(TaskSequence(t, c, SeqSpec(MODE_SCORE, own, len(own), prefix_prompt=tuple(base[:-1]))))
-        return seqs
+        owns = choice_tokens(t, a.choices, lambda c: (base[-1], *tokens_after(self.tokenizer.encode, text, base, c, t)))
+        return [TaskSequence(t, c, SeqSpec(MODE_SCORE, own, len(own), prefix_prompt=tuple(base[:-1])))
+                for c, own in zip(a.choices, owns)]
 
     def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput],
                 seen: tuple[int, int] | None = None) -> dict[str, Any]:

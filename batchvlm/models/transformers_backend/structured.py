@@ -16,6 +16,7 @@ overlap the two: engine/scheduler.py).
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -23,6 +24,7 @@ from ...tasks import Task, args_of, kind_of
 from ..base.errors import FamilyError
 from ..base.contract import TaskSequence
 from ..base.grammar import RowGrammars, Vocabulary, apply_mask_
+from ..base.host import choice_tokens, tokens_after
 
 
 def end_of_turn(tokenizer) -> int:
@@ -37,17 +39,10 @@ def with_choices(seqs: list[TaskSequence], tasks: list[Task], tokenizer) -> list
     for p in seqs:
         task = tasks[p.task]
         if kind_of(task) == "classify":
-            base = tokenizer.encode(p.spec.text, add_special_tokens=False)
-            ids = []
-            for c in args_of(task).choices:
-                full = tokenizer.encode(p.spec.text + c, add_special_tokens=False)
-                if full[: len(base)] != base or len(full) == len(base):
-                    raise FamilyError(f"tasks.{p.task}.classify.choices: {c!r} merges with the prompt's last token")
-                ids.append(tuple(full[len(base):]) + (end,))
-            for i, c in enumerate(ids):
-                if c in ids[:i]:
-                    raise FamilyError(f"tasks.{p.task}.classify.choices: {args_of(task).choices[ids.index(c)]!r} and "
-                                      f"{args_of(task).choices[i]!r} are the same tokens for this model")
+            text, encode = p.spec.text, partial(tokenizer.encode, add_special_tokens=False)
+            base = encode(text)
+            ids = choice_tokens(p.task, args_of(task).choices,
+                                lambda c: (*tokens_after(encode, text, base, c, p.task), end))
             p = replace(p, spec=replace(p.spec, choices=tuple(ids)))
         elif kind_of(task) == "json":
             try:

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from batchvlm.models.base.hub import weight_files
 from batchvlm.models.qwen3_5.config import Qwen35Config
-from batchvlm.models.qwen3_5.delta_rule import chunked, l2_normalize, recurrent_step
+from batchvlm.models.qwen3_5.delta_rule import chunked, l2_normalize, recurrent_step_
 from batchvlm.cache.spans import ZERO
 from batchvlm.models.qwen3_5.linear_state import LinearState, Segments
 from batchvlm.models.qwen3_5.model import Qwen35Model
@@ -210,15 +210,15 @@ def test_mixed_flat_batch_equals_each_alone(case):
 
     flat = new_state(case, 4)
     flat.recurrent.fill_(7.0)  # runs from zeros must not read their states
-    segments = Segments(starts, lengths, [r[3] for r in runs], [r[4] for r in runs], torch.zeros(0, dtype=torch.long),
-                        sum(lengths), e0.device)
+    segments = Segments.of(starts, lengths, [r[3] for r in runs], [r[4] for r in runs],
+                           torch.zeros(0, dtype=torch.long), sum(lengths), e0.device)
     out = forward(case, torch.cat([r[1] for r in runs]), torch.cat([r[2] for r in runs], dim=1), attend, segments,
                   flat).split(lengths)
     torch.testing.assert_close(out[0], alone[0], atol=2e-5, rtol=1e-4)  # same chunk boundaries: tight
     torch.testing.assert_close(out[2], alone[2], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(torch.cat([out[1], out[3]]), alone[1][:cut], **SPLIT)
     snapshot = flat.recurrent[3].clone()
-    step = forward(case, e1[cut:], p1[:, cut:], kvs[1], Segments([], [], [], [], torch.tensor([1]), 0, e1.device),
+    step = forward(case, e1[cut:], p1[:, cut:], kvs[1], Segments.of([], [], [], [], torch.tensor([1]), 0, e1.device),
                    flat)
     torch.testing.assert_close(step, alone[1][cut:], **SPLIT)
     assert torch.equal(flat.recurrent[3], snapshot)  # the snapshot stays for other sequences
@@ -248,10 +248,10 @@ def test_delta_rule_equals_the_transformers_torch_reference():
     torch.testing.assert_close(S, ref_S, atol=1e-5, rtol=1e-4)
     rec_o, rec_S = torch_recurrent_gated_delta_rule(q, k, v, g=decay, beta=beta, initial_state=S0,
                                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
-    St, outs = S0, []
+    St, outs = S0.clone(), []
     for t in range(T):
-        ot, St = recurrent_step(qn[:, :, t], kn[:, :, t], v[:, t], decay[:, t], beta[:, t], St)
-        outs.append(ot)
+        outs.append(recurrent_step_(qn[:, :, t].contiguous(), kn[:, :, t].contiguous(), v[:, t], decay[:, t],
+                                    beta[:, t], St))
     torch.testing.assert_close(torch.stack(outs, 1), rec_o, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(St, rec_S, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(St, S, atol=1e-5, rtol=1e-4)  # chunked prefill state == recurrent state
