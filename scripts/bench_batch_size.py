@@ -37,9 +37,10 @@ def one(batch: int, images: int, full: bool, device: str, max_new_tokens: int) -
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
 
+    from batchvlm.data.loader import Sample
     from batchvlm.engine.engine import Engine
     from batchvlm.job import EngineSpec
-    from batchvlm.models.base.contract import ModelInfo, WorkItem
+    from batchvlm.models.base.contract import ModelInfo
     from batchvlm.models.base.hub import resolve_device, resolve_dtype
     from batchvlm.models.moondream.config import MoondreamConfig
     from batchvlm.models.moondream.host import Moondream
@@ -76,7 +77,7 @@ def one(batch: int, images: int, full: bool, device: str, max_new_tokens: int) -
     engine = Engine(engine_model, seqs, spec, family.max_prefix_len())
     before = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
-    for _ in engine.run([WorkItem(i, p, str(i)) for i, p in enumerate(prepared)]):
+    for _ in engine.run([Sample(0, i, str(i), p) for i, p in enumerate(prepared)]):
         pass
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

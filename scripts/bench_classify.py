@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
+from batchvlm.data.loader import Sample
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.registry import open_family
 from batchvlm.shapes.world import COUNT_QUESTION, NUMBERS, SPEC, draw_scene
 from batchvlm.tasks import ClassifyTask, QueryTask
@@ -46,7 +46,7 @@ def label(family, model, tasks, prepared, batch: int) -> tuple[list[dict], tuple
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     t0, c0 = time.perf_counter(), time.process_time()
-    done = {im.ticket: [s.output for s in im.seqs] for im in engine.run(WorkItem(i, p, f"k{i}")
+    done = {im.sample.index: [s.output for s in im.seqs] for im in engine.run(Sample(0, i, f"k{i}", p)
                                                                          for i, p in enumerate(prepared))}
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)

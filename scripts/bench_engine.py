@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
+from batchvlm.data.loader import Sample
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.moondream.host import Moondream
 from batchvlm.models.moondream.device import MoondreamEngineModel
 from batchvlm.models.moondream.generate import generate
@@ -172,8 +172,8 @@ def engine_runner(md, prepared, seqs, batch, pipelined, cuda_graphs, kv_blocks: 
     engine = FixedKV(md.engine, seqs, spec, md.family.max_prefix_len(), log=lambda m: print(m, file=sys.stderr))
 
     def run():
-        items = [WorkItem(i, p, str(i)) for i, p in enumerate(prepared)]
-        out = {im.ticket: [s.output for s in im.seqs] for im in engine.run(items)}
+        items = [Sample(0, i, str(i), p) for i, p in enumerate(prepared)]
+        out = {im.sample.index: [s.output for s in im.seqs] for im in engine.run(items)}
         return [out[i] for i in range(len(prepared))]
 
     return engine, run

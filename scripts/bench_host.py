@@ -65,7 +65,8 @@ from batchvlm.cache.specs import PagedKV  # noqa: E402
 from batchvlm.engine import runner as runner_mod  # noqa: E402
 from batchvlm.engine.engine import Engine  # noqa: E402
 from batchvlm.job import EngineSpec, ModelSpec  # noqa: E402
-from batchvlm.models.base.contract import PrefixInputs, WorkItem  # noqa: E402
+from batchvlm.data.loader import Sample  # noqa: E402
+from batchvlm.models.base.contract import PrefixInputs  # noqa: E402
 from batchvlm.models.registry import open_family  # noqa: E402
 from batchvlm.tasks import Task  # noqa: E402
 
@@ -260,7 +261,7 @@ _STEP_INPUTS = runner_mod.step_inputs  # restored after each run (instrument wra
 def images(prefix: tuple[int, int]):
     i = 0
     while True:
-        yield WorkItem(i, FakeImage(*prefix), f"img{i:08d}")
+        yield Sample(0, i, f"img{i:08d}", FakeImage(*prefix))
         i += 1
 
 

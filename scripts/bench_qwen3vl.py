@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the ra
 from support import qwen3vl_fixture, qwen35_fixture  # noqa: E402
 from support.qwen3vl_fixture import IDS  # noqa: E402
 
+from batchvlm.data.loader import Sample  # noqa: E402
 from batchvlm.engine.engine import Engine  # noqa: E402
 from batchvlm.job import EngineSpec, ModelSpec  # noqa: E402
-from batchvlm.models.base.contract import WorkItem  # noqa: E402
 from batchvlm.models.registry import open_family  # noqa: E402
 from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask  # noqa: E402
 
@@ -154,8 +154,8 @@ def engine_runner(family, model, seqs, images, max_new, batch):
     prepared = [pre(im) for im in images]
 
     def run() -> list[list[list[int]]]:
-        items = [WorkItem(i, p, str(i)) for i, p in enumerate(prepared)]
-        out = {im.ticket: [s.output.tokens for s in im.seqs] for im in engine.run(items)}
+        items = [Sample(0, i, str(i), p) for i, p in enumerate(prepared)]
+        out = {im.sample.index: [s.output.tokens for s in im.seqs] for im in engine.run(items)}
         return [out[i] for i in range(len(images))]
 
     return engine, run

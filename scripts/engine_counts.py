@@ -32,9 +32,25 @@ def measure(images: int, batch: int, pipelined: bool) -> dict:
 
     from batchvlm.engine.engine import Engine
     try:
-        from batchvlm.models.base.contract import WorkItem
-    except ImportError:  # a tree from before WorkItem moved beside the family interface
-        from batchvlm.engine.labeler import WorkItem
+        from batchvlm.models.base.contract import SampleLike  # noqa: F401 - the engine takes samples
+
+        def item(i, p):
+            from batchvlm.data.loader import Sample
+            return Sample(0, i, str(i), p)
+
+        def index(done):
+            return done.sample.index
+    except ImportError:  # a tree from before the engine took the loader's samples (WorkItem, ticket)
+        try:
+            from batchvlm.models.base.contract import WorkItem
+        except ImportError:  # a tree from before WorkItem moved beside the family interface
+            from batchvlm.engine.labeler import WorkItem
+
+        def item(i, p):
+            return WorkItem(i, p, str(i))
+
+        def index(done):
+            return done.ticket
     from batchvlm.job import EngineSpec, ModelSpec
     from batchvlm.models.registry import open_family
     from batchvlm.shapes.world import SPEC, draw_scene
@@ -54,8 +70,8 @@ def measure(images: int, batch: int, pipelined: bool) -> dict:
                       max_images_in_flight=max(8, 2 * batch // len(seqs)))
 
     def run(engine: Engine) -> list:
-        items = [WorkItem(i, p, str(i)) for i, p in enumerate(prepared)]
-        return [im.ticket for im in engine.run(items)]
+        items = [item(i, p) for i, p in enumerate(prepared)]
+        return [index(done) for done in engine.run(items)]
 
     run(Engine(model, seqs, spec, family.max_prefix_len(), log=lambda m: None))  # warm: lazy imports, caches
 

@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -34,14 +34,25 @@ from .sources import Encoded, ShardRef, TarSkipped, read_shard
 
 @dataclass
 class Sample:
+    """One image on its whole way from the loader to its row: decoded and preprocessed in a
+    worker, labelled (models/base/contract.py SampleLike: what a labeler reads), then its row."""
+
     shard: int  # index into the loader's shard list
     index: int  # position in the shard
     key: str
-    width: int
-    height: int
-    error: str | None
-    prepared: Prepared | None  # the family's preprocessed image (tensors travel in shared memory)
+    # The family's preprocessed image (tensors travel in shared memory); None for an error
+    # sample, and set to None by the engine once the pixels are on the device.
+    prepared: Prepared | None
+    width: int = 0  # 0: not known (the image could not be read)
+    height: int = 0
+    error: str | None = None
     meta: dict[str, Any] | None = None  # the `input.keep` values, passed through to the row
+    # Prepared.seen, kept when the pixels are dropped: the family's columns read it.
+    seen: tuple[int, int] | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.prepared is not None:
+            self.seen = self.prepared.seen
 
 
 @dataclass
@@ -91,15 +102,15 @@ def _to_shared(obj: Any, depth: int = 0) -> None:
 
 def prepare(enc: Encoded, pre: Preprocessor, spec: LoaderSpec, shard: int, index: int) -> Sample:
     if enc.error is not None:
-        return Sample(shard, index, enc.key, 0, 0, enc.error, None)
+        return Sample(shard, index, enc.key, None, error=enc.error)
     d = decode(enc.data, spec.max_image_pixels, pre.largest_size if spec.jpeg_draft else None)
     if d.error is not None:
-        return Sample(shard, index, enc.key, d.width, d.height, d.error, None)
+        return Sample(shard, index, enc.key, None, d.width, d.height, d.error)
     try:
         p = pre(d.image, d.width, d.height)
     except (OSError, ValueError) as e:
-        return Sample(shard, index, enc.key, d.width, d.height, f"preprocess: {e}", None)
-    return Sample(shard, index, enc.key, d.width, d.height, None, p)
+        return Sample(shard, index, enc.key, None, d.width, d.height, f"preprocess: {e}")
+    return Sample(shard, index, enc.key, p, d.width, d.height)
 
 
 @dataclass(frozen=True)

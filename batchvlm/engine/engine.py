@@ -15,7 +15,6 @@ from __future__ import annotations
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
 import torch
 
@@ -25,11 +24,11 @@ from ..cache.blocks import BlockManager, SnapshotSlots
 from ..cache.tensors import EngineCache
 from ..job import EngineSpec
 from ..models.base.decoding import RawOutput, sequence_seed
-from ..models.base.contract import EngineModel, TaskSequence, WorkItem
+from ..models.base.contract import EngineModel, SampleLike, SampleT, TaskSequence
 from .plan import StepPlan
 from .runner import Runner
 from .scheduler import Scheduler
-from .sequence import ImageWork, Prefix, Sequence
+from .sequence import Prefix, Request, Sequence
 from .shape import JobShape
 from .sizing import Sizer
 from .staging import InFlight
@@ -76,7 +75,7 @@ class Engine:
                                    emit=model.emit, fill_masks=model.fill_masks if shape.mask_words else None,
                                    mask_words=shape.mask_words, pipelined=self.pipelined)
         self.inflight: deque[InFlight] = deque()
-        self._held: WorkItem | None = None  # the next image, when it did not fit in the last vision batch
+        self._held: SampleLike | None = None  # the next sample, when it did not fit in the last vision batch
         self.step = self._step_pipelined if self.pipelined else self._step_sync
         self.stats = {"steps": 0, "graph_steps": 0, "vision_images": 0, "kv_blocks": sizing.kv_blocks,
                       "rows": n_rows, "prefix_view_bytes": sizing.view_bytes,
@@ -104,14 +103,14 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
 
-    def _step_sync(self) -> list[ImageWork] | None:
-        """-> images completed by this step, or None when there was nothing to do."""
+    def _step_sync(self) -> list[Request] | None:
+        """-> requests completed by this step, or None when there was nothing to do."""
         plan = self.scheduler.schedule()
         if plan is None:
             return None
         return self.scheduler.commit(plan, self.runner.collect(self._launch(plan)))
 
-    def _step_pipelined(self) -> list[ImageWork] | None:
+    def _step_pipelined(self) -> list[Request] | None:
         plan = self.scheduler.schedule()
         if plan is not None:
             self.inflight.append(self._launch(plan))
@@ -140,50 +139,50 @@ class Engine:
                 f"{s['rows']} rows, {s['kv_blocks']} KV blocks, flex_attention compiled {s['compiled_shapes']} shapes "
                 f"in {s['compile_s']:.1f} s")
 
-    def _feed(self, items: Iterator[WorkItem]) -> bool:
+    def _feed(self, samples: Iterator[SampleLike]) -> bool:
         """Encode more images when the admission queue runs short, each into a feature slot the
         scheduler hands out. -> False once input is exhausted."""
         sched = self.scheduler
-        batch: list[tuple[ImageWork, int]] = []
+        batch: list[tuple[Request, int]] = []
         cost = 0
         while len(sched.encoded) + len(batch) < self.images_to_fill and cost < MAX_VISION_COST \
                 and sched.has_feature_slot:
-            item, self._held = self._held or next(items, None), None
-            if item is None:
+            sample, self._held = self._held or next(samples, None), None
+            if sample is None:
                 self._encode(batch)
                 return False
-            if batch and cost + item.image.cost > MAX_VISION_COST:  # the warm-up measured at most this
-                self._held = item
+            if batch and cost + sample.prepared.cost > MAX_VISION_COST:  # the warm-up measured at most this
+                self._held = sample
                 break
-            batch.append((self._image_work(item), sched.take_feature_slot()))
-            cost += item.image.cost
+            batch.append((self._request(sample), sched.take_feature_slot()))
+            cost += sample.prepared.cost
         self._encode(batch)
         return True
 
-    def _image_work(self, item: WorkItem) -> ImageWork:
-        """An image, its prefixes (one per distinct prefix prompt) and its task sequences."""
-        image = ImageWork(item.ticket, item.image, item.key)
+    def _request(self, sample: SampleLike) -> Request:
+        """A sample, its prefixes (one per distinct prefix prompt) and its task sequences."""
+        request = Request(sample)
         by_prompt: dict[tuple[int, ...], Prefix] = {}
         for s in self.seqs:
             if s.spec.prefix_prompt not in by_prompt:
                 by_prompt[s.spec.prefix_prompt] = Prefix(s.spec.prefix_prompt,
-                                                         *self.model.prefix_layout(item.image, s.spec.prefix_prompt))
-        image.prefixes = list(by_prompt.values())
-        image.seqs = [Sequence(image, by_prompt[s.spec.prefix_prompt], j, s.spec,
-                               sequence_seed(self.settings.seed, item.key, j)) for j, s in enumerate(self.seqs)]
-        return image
+                                                         *self.model.prefix_layout(sample.prepared, s.spec.prefix_prompt))
+        request.prefixes = list(by_prompt.values())
+        request.seqs = [Sequence(request, by_prompt[s.spec.prefix_prompt], j, s.spec,
+                                 sequence_seed(self.settings.seed, sample.key, j)) for j, s in enumerate(self.seqs)]
+        return request
 
-    def _encode(self, batch: list[tuple[ImageWork, int]]) -> None:
+    def _encode(self, batch: list[tuple[Request, int]]) -> None:
         if not batch:
             return
-        self.runner.vision.encode([im.prepared for im, _ in batch], [slot for _, slot in batch])
+        self.runner.vision.encode([r.sample.prepared for r, _ in batch], [slot for _, slot in batch])
         self.stats["vision_images"] += len(batch)
-        for image, slot in batch:
-            image.prepared = None  # crops are on the device now
-            self.scheduler.add_encoded(image, slot)
+        for request, slot in batch:
+            request.sample.prepared = None  # crops are on the device now: nothing keeps the pixels
+            self.scheduler.add_encoded(request, slot)
 
-    def run(self, items: Iterable[WorkItem]) -> Iterator[ImageWork]:
-        it = iter(items)
+    def run(self, samples: Iterable[SampleLike]) -> Iterator[Request]:
+        it = iter(samples)
         more = True
         while True:
             if more:
@@ -201,6 +200,6 @@ class EngineLabeler:
                  log: Callable[[str], None] = print_stderr):
         self.engine = Engine(model, seqs, settings, max_prefix_len, log)
 
-    def label(self, items: Iterable[WorkItem]) -> Iterator[tuple[Any, list[RawOutput]]]:
-        for image in self.engine.run(items):
-            yield image.ticket, [s.output for s in image.seqs]
+    def label(self, samples: Iterable[SampleT]) -> Iterator[tuple[SampleT, list[RawOutput]]]:
+        for request in self.engine.run(samples):
+            yield request.sample, [s.output for s in request.seqs]

@@ -43,7 +43,7 @@ import numpy as np
 from ..cache.blocks import BlockManager, SnapshotSlots
 from ..models.base.decoding import RawOutput, SeqSpec, emit_text
 from .plan import PREFILL_TOKENS_PER_STEP, Emissions, StepPlan
-from .sequence import ImageWork, Prefix, SeqState, Sequence
+from .sequence import Prefix, Request, SeqState, Sequence
 
 
 Emit = Callable[[RawOutput, SeqSpec, int, int, float, float], None]
@@ -84,11 +84,11 @@ class Scheduler:
         # plans a sequence on it then).
         self._prefix_blocks: dict[Prefix, np.ndarray] = {}
         self.free_feature_slots = list(range(n_feature_slots - 1, -1, -1))
-        self.encoded: deque[ImageWork] = deque()  # features ready, prefix not yet admitted
-        self.admitted: deque[ImageWork] = deque()  # prefix admitted, some sequences still waiting
+        self.encoded: deque[Request] = deque()  # features ready, prefix not yet admitted
+        self.admitted: deque[Request] = deque()  # prefix admitted, some sequences still waiting
         self.running: list[Sequence] = []  # started, not yet retired
-        self.feature_of: dict[int, int] = {}  # id(image) -> feature slot, until its prefill is committed
-        self._forked: list[ImageWork] = []  # admitted earlier, every sequence started in this step
+        self.feature_of: dict[int, int] = {}  # id(request) -> feature slot, until its prefill is committed
+        self._forked: list[Request] = []  # admitted earlier, every sequence started in this step
         self.step = 0
 
     # ------------------------------------------------------------------ images in
@@ -105,9 +105,9 @@ class Scheduler:
     def take_feature_slot(self) -> int | None:
         return self.free_feature_slots.pop() if self.free_feature_slots else None
 
-    def add_encoded(self, image: ImageWork, slot: int) -> None:
-        self.feature_of[id(image)] = slot
-        self.encoded.append(image)
+    def add_encoded(self, request: Request, slot: int) -> None:
+        self.feature_of[id(request)] = slot
+        self.encoded.append(request)
 
     def shrink(self, rows: int) -> int:
         """After a step ran out of memory: at most `rows` sequences per step from now. -> the cap."""
@@ -122,10 +122,10 @@ class Scheduler:
         return (bool(self.free_rows) and self._rows_left > 0
                 and self.blocks.free >= self._seq_blocks(s) + extra_blocks)
 
-    def _image_fits(self, image: ImageWork) -> bool:
-        if self.snapshots is not None and self.snapshots.free < len(image.prefixes):
+    def _request_fits(self, request: Request) -> bool:
+        if self.snapshots is not None and self.snapshots.free < len(request.prefixes):
             return False
-        return self._fits(image.seqs[0], sum(self.blocks.blocks_for(p.length) for p in image.prefixes))
+        return self._fits(request.seqs[0], sum(self.blocks.blocks_for(p.length) for p in request.prefixes))
 
     # ------------------------------------------------------------------ plan
 
@@ -137,7 +137,7 @@ class Scheduler:
         decoding = decoding[: self.row_cap]
         self._rows_left = self.row_cap - len(decoding)
         new: list[Sequence] = []
-        prefilled: list[ImageWork] = []
+        prefilled: list[Request] = []
         if not decoding or min(len(self.free_rows), self._rows_left) >= self.admit_rows:
             self._admit(new, prefilled)
         if not new and not decoding:
@@ -161,7 +161,7 @@ class Scheduler:
         self.step += 1
         return plan
 
-    def _plan(self, new: list[Sequence], decoding: list[Sequence], prefilled: list[ImageWork]) -> StepPlan:
+    def _plan(self, new: list[Sequence], decoding: list[Sequence], prefilled: list[Request]) -> StepPlan:
         """The step's plan from what it prefills, starts and decodes (bookkeeping is the caller's)."""
         prompt_prefixes, prompt_image = _by_prefix(new)
         decode_prefixes, decode_image = _by_prefix(decoding)
@@ -226,29 +226,29 @@ class Scheduler:
         self._masked_rows.update(s.row for s in held)
         return _ints([s.row for s in held] + freed), masks
 
-    def _admit(self, new: list[Sequence], prefilled: list[ImageWork]) -> None:
+    def _admit(self, new: list[Sequence], prefilled: list[Request]) -> None:
         while self.admitted and self._start_waiting(self.admitted[0], new):
             self._forked.append(self.admitted.popleft())
         budget = PREFILL_TOKENS_PER_STEP
         while (not self.admitted and self.encoded
                and (not prefilled or budget >= sum(p.length for p in self.encoded[0].prefixes))
-               and self._image_fits(self.encoded[0])):
-            image = self.encoded.popleft()
-            for p in image.prefixes:
+               and self._request_fits(self.encoded[0])):
+            request = self.encoded.popleft()
+            for p in request.prefixes:
                 p.blocks = self.blocks.allocate(self.blocks.blocks_for(p.length))
                 self._prefix_blocks[p] = np.array(p.blocks, dtype=np.int64)
                 if self.snapshots is not None:
                     p.snapshot = self.snapshots.take()
-            image.unfinished = len(image.seqs)
-            prefilled.append(image)
-            budget -= sum(p.length for p in image.prefixes)
-            if not self._start_waiting(image, new):
-                self.admitted.append(image)
+            request.unfinished = len(request.seqs)
+            prefilled.append(request)
+            budget -= sum(p.length for p in request.prefixes)
+            if not self._start_waiting(request, new):
+                self.admitted.append(request)
 
-    def _start_waiting(self, image: ImageWork, new: list[Sequence]) -> bool:
+    def _start_waiting(self, request: Request, new: list[Sequence]) -> bool:
         """Start the image's waiting sequences while they fit. -> True when none is left waiting;
         the image then drops its own reference to its prefixes (its sequences hold the rest)."""
-        for s in image.seqs:
+        for s in request.seqs:
             if s.state is not SeqState.WAITING:
                 continue
             if not self._fits(s):
@@ -261,7 +261,7 @@ class Scheduler:
             s.state = SeqState.RUNNING
             self.running.append(s)
             new.append(s)
-        for p in image.prefixes:
+        for p in request.prefixes:
             self.blocks.release(p.blocks)
         return True
 
@@ -276,8 +276,8 @@ class Scheduler:
             self._row_blocks = grown
         self._row_blocks[s.row, :n] = s.blocks
 
-    def _drop_snapshots(self, image: ImageWork) -> None:
-        for p in image.prefixes:
+    def _drop_snapshots(self, request: Request) -> None:
+        for p in request.prefixes:
             if p.snapshot >= 0:
                 self.snapshots.give(p.snapshot)
                 p.snapshot = -1
@@ -306,9 +306,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ commit
 
-    def commit(self, plan: StepPlan, em: Emissions) -> list[ImageWork]:
+    def commit(self, plan: StepPlan, em: Emissions) -> list[Request]:
         """Apply one step's emissions (oldest step first). -> images whose labels are complete."""
-        done: list[ImageWork] = []
+        done: list[Request] = []
         # Python ints and floats once per step (the same values: float32 -> float is exact), not
         # one numpy scalar per row and field.
         values = zip(em.code.tolist(), em.token.tolist(), em.value.tolist(), em.finished.tolist())
@@ -319,10 +319,10 @@ class Scheduler:
                     s.state = SeqState.FINISHED
                     # or the family's emit saw a cut the count cannot show (a forced end token)
                     s.output.cut = s.output.cut or s.output.hit_limit(s.spec)
-                    s.image.unfinished -= 1
-                    if s.image.unfinished == 0:
-                        done.append(s.image)
-                        for p in s.image.prefixes:
+                    s.request.unfinished -= 1
+                    if s.request.unfinished == 0:
+                        done.append(s.request)
+                        for p in s.request.prefixes:
                             del self._prefix_blocks[p]
             s.inflight -= 1
             if s.state is SeqState.FINISHED and s.inflight == 0:

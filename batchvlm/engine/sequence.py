@@ -1,4 +1,5 @@
-"""Images, their prefix segments and their task sequences, with an explicit lifecycle.
+"""Requests (one per image), their prefix segments and their task sequences, with an explicit
+lifecycle.
 
 Prefix:   a read-only segment every sequence on it attends to or forks from: the image's
           features followed by the sequences' `prefix_prompt` (empty for decoder-only families:
@@ -7,9 +8,10 @@ Prefix:   a read-only segment every sequence on it attends to or forks from: the
           sequences have started); its recurrent-state snapshot slot (models with a Recurrent
           spec) is held until every sequence on it has been planned to fork from it.
 
-ImageWork: QUEUED -> ENCODED (features on the device) -> ADMITTED (prefixes + prompts planned)
-          -> DONE when every sequence has finished (its result can be handed out). (Not
-          `Image`, which would shadow PIL's.)
+Request:  one image's work in the engine: the caller's sample (the engine reads its key and
+          prepared image, and drops the image once encoded), its prefixes and its sequences.
+          QUEUED -> ENCODED (features on the device) -> ADMITTED (prefixes + prompts planned)
+          -> DONE when every sequence has finished (the sample goes back with its outputs).
 Sequence: WAITING -> RUNNING (a row of the device state) -> FINISHED (host saw EOS or a limit)
           -> RETIRED once no in-flight step refers to it (row and blocks are freed then)
 
@@ -22,10 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
+from ..models.base.contract import SampleLike
 from ..models.base.decoding import RawOutput, SeqSpec
-from ..models.base.contract import Prepared
 
 
 class SeqState(Enum):
@@ -45,10 +46,8 @@ class Prefix:
 
 
 @dataclass(eq=False)
-class ImageWork:
-    ticket: Any
-    prepared: Prepared | None  # dropped once encoded (its pixels are on the device then)
-    key: str
+class Request:
+    sample: SampleLike
     prefixes: list[Prefix] = field(default_factory=list)  # distinct prefix prompts, first use first
     seqs: list[Sequence] = field(default_factory=list)
     unfinished: int = 0
@@ -56,7 +55,7 @@ class ImageWork:
 
 @dataclass(eq=False)
 class Sequence:
-    image: ImageWork
+    request: Request
     prefix: Prefix
     index: int  # position in the image's sequence list
     spec: SeqSpec

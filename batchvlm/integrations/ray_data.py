@@ -65,8 +65,6 @@ class Labeler:
         self.schema = pa.schema([f for f in full if f.name not in IDENTITY])
 
     def __call__(self, batch: Any) -> pa.Table:
-        from ..models.base.contract import WorkItem
-
         table = _to_arrow(batch)
         if self.input.image_column not in table.column_names:
             raise KeyError(f"Labeler: the batch has no column {self.input.image_column!r} (has {table.column_names}); "
@@ -76,12 +74,11 @@ class Labeler:
         samples = [prepare(enc, self.preprocess, self.job.loader, 0, i) for i, enc in enumerate(encoded)]
         rows: list[dict[str, Any]] = [{"width": s.width or None, "height": s.height or None,
                                        "status": "error" if s.error else "ok", "error": s.error} for s in samples]
-        items = [WorkItem((i, s.prepared.seen), s.prepared,
-                          encoded[i].key if self.input.key_column else _digest(encoded[i].data))
-                 for i, s in enumerate(samples) if s.error is None]
-        del samples  # the pixels are the items' alone now: freed once encoded
-        for (i, seen), raws in self.labeler.label(items):
-            rows[i] |= self.family.columns(self.job.tasks, self.seqs, raws, seen)
+        for s in samples:  # the key seeds sampling: without a key column, the image's bytes name it
+            if not self.input.key_column and s.error is None:
+                s.key = _digest(encoded[s.index].data)
+        for s, raws in self.labeler.label([s for s in samples if s.error is None]):
+            rows[s.index] |= self.family.columns(self.job.tasks, self.seqs, raws, s.seen)
         labels = pa.Table.from_pylist(rows, schema=self.schema)
         for name in labels.column_names:  # a label column replaces an input column of its name
             if name in table.column_names:

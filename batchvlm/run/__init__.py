@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-_PUBLIC = {"RunSummary": "summary", "StopFlag": "stop", "Ticket": "labelling", "run_job": "worker"}
+_PUBLIC = {"RunSummary": "summary", "StopFlag": "stop", "run_job": "worker"}
 __all__ = sorted(_PUBLIC)
 
 

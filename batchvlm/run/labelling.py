@@ -15,7 +15,7 @@ from .. import __version__
 from ..data.loader import Sample, ShardEnd
 from ..data.sources import ShardRef, shown
 from ..job import Job
-from ..models.base.contract import PARSE_FAILURES, Family, TaskSequence, WorkItem
+from ..models.base.contract import PARSE_FAILURES, Family, TaskSequence
 from ..output import manifest
 from ..output.claims import Claims
 from ..output.layout import Layout
@@ -59,27 +59,10 @@ class ShardAssembly:
         return ShardOutput(self.ref.stem, rows, stats)
 
 
-@dataclass(frozen=True)
-class Ticket:
-    """What the row of a sample in the engine needs, without its pixels (the engine drops those
-    once the image is encoded): identity, size, kept input fields, the size the model saw."""
-
-    shard: int
-    index: int
-    key: str
-    width: int
-    height: int
-    meta: dict[str, Any] | None
-    seen: tuple[int, int] | None  # Prepared.seen: the family's columns read it
-
-    @classmethod
-    def of(cls, s: Sample) -> Ticket:
-        return cls(s.shard, s.index, s.key, s.width, s.height, s.meta, s.prepared.seen)
-
-
-def row_for(ref: ShardRef, s: Sample | Ticket, columns: dict[str, Any] | None, error: str | None) -> dict[str, Any]:
+def row_for(ref: ShardRef, s: Sample, columns: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A labelled sample's row (its columns), or an error sample's."""
     row = {"key": s.key, "source": shown(ref.url), "width": s.width or None, "height": s.height or None,
-           "status": "error" if error else "ok", "error": error}
+           "status": "error" if s.error else "ok", "error": s.error}
     return row | (columns or {}) | (s.meta or {})
 
 
@@ -115,9 +98,8 @@ class Labelling:
         self.summary.shards_written += [s for s in self.writer.written if s not in self.summary.shards_partial]
 
     def label(self, stream, labeler, family: Family, job: Job, seqs: list[TaskSequence]) -> None:
-        for ticket, raws in labeler.label(self.items(stream)):
-            columns = family.columns(job.tasks, seqs, raws, ticket.seen)
-            self.add_row(ticket.shard, ticket.index, row_for(self.assemblies[ticket.shard].ref, ticket, columns, None))
+        for sample, raws in labeler.label(self.samples(stream)):
+            self.add_row(sample, family.columns(job.tasks, seqs, raws, sample.seen))
         if self.limit is not None and not self.stop.event.is_set():
             # --limit: keep what was labelled, marked incomplete so the next run redoes it whole.
             for i, a in list(self.assemblies.items()):
@@ -190,12 +172,12 @@ class Labelling:
         self.summary.shards_kept.append(note := manifest.kept_note(a.ref.stem, why))
         log(f"batchvlm: shard {note}")
 
-    def add_row(self, i: int, index: int, row: dict[str, Any]) -> None:
-        a = self.assemblies[i]
-        a.rows[index] = row
-        self.bar.add(row["status"] == "error", len(self.writer.written))
+    def add_row(self, s: Sample, columns: dict[str, Any] | None = None) -> None:
+        a = self.assemblies[s.shard]
+        a.rows[s.index] = row_for(a.ref, s, columns)
+        self.bar.add(bool(s.error), len(self.writer.written))
         if a.complete:
-            self.finish(i)
+            self.finish(s.shard)
 
     def shard_end(self, item: ShardEnd) -> None:
         a = self.assemblies[item.shard]
@@ -212,7 +194,7 @@ class Labelling:
         elif a.complete:
             self.finish(item.shard)
 
-    def items(self, stream) -> Iterator[WorkItem]:
+    def samples(self, stream) -> Iterator[Sample]:
         """The images to label; error samples and shard ends are taken care of on the way."""
         try:
             for item in stream:
@@ -225,9 +207,9 @@ class Labelling:
                     return
                 self.taken += 1
                 if item.error is not None:
-                    self.add_row(item.shard, item.index, row_for(self.assemblies[item.shard].ref, item, None, item.error))
+                    self.add_row(item)
                 else:
-                    yield WorkItem(Ticket.of(item), item.prepared, item.key)
+                    yield item
         except Exception:
             if not self.stop.event.is_set():  # loader workers dying during a shutdown is expected
                 raise

@@ -3,9 +3,9 @@
     run_job(job) ─ preflight ─ lock ─ clear / sweep ─ take mine ─ skip done ─ start loader ─ load model ─┐
                                                freeze the shard list once nothing refuses ◀┘
                                                                                    ▼
-      loader (Sample | ShardEnd) ──▶ items() ──▶ labeler.label() ──▶ results
-             error rows, shard ends ─────────────────────────────┐     │
-                                                                 ▼     ▼
+      loader (Sample | ShardEnd) ──▶ samples() ──▶ labeler.label() ──▶ (Sample, raws)
+             error rows, shard ends ───────────────────────────────┐     │
+                                                                   ▼     ▼
                                                     ShardAssembly (rows by shard, labelling.py)
                                                                  │ complete shard
                                                                  ▼

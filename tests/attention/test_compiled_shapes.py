@@ -11,13 +11,13 @@ from support.moondream import LoadedMoondream, TASKS, TINY, hub_folder, id_token
 from PIL import Image
 from support.paged_batches import random_batch, run
 
+from batchvlm.data.loader import Sample
 from batchvlm.device import CUDA_BLOCK_SIZES, check_block_size
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import buckets
 from batchvlm.engine.sizing import Sizer
 from batchvlm.job import EngineSpec, JobError
 from batchvlm.attention import dispatch as attention
-from batchvlm.models.base.contract import WorkItem
 from batchvlm.attention.fused import COMPILED, FusedAttention, bucket
 from batchvlm.attention.paged_mask import Q_BLOCK, flex_tiles
 from batchvlm.models.moondream.config import MoondreamConfig
@@ -55,8 +55,8 @@ def test_one_engine_configuration_compiles_at_most_8_shapes(tmp_path, counted):
     # Every graph bucket's fixed-shape body, run once as capture runs it (under inference_mode).
     r.graphs = r.decode_graphs(capture=False)
     assert set(r.graphs.graphs) == set(buckets(r.n_rows))
-    out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
-           for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
+    out = {im.sample.index: [(s.output.tokens, s.output.objects) for s in im.seqs]
+           for im in engine.run(Sample(0, i, f"key{i}", p) for i, p in enumerate(prepared))}
     assert [out[i] for i in range(len(prepared))] == reference
     assert r.graph_steps > 0 and engine.stats["steps"] > r.graph_steps  # both kinds of step ran
     shapes = COMPILED.shapes - before

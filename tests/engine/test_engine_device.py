@@ -11,13 +11,13 @@ from PIL import Image
 import batchvlm.engine.engine as engine_mod
 import batchvlm.engine.runner as runner_mod
 import batchvlm.engine.sizing as sizing_mod
+from batchvlm.data.loader import Sample
 from batchvlm.engine.engine import Engine
 from batchvlm.engine.graphs import DecodeGraphs, buckets, key_of
 from batchvlm.engine.runner import Runner
 from batchvlm.engine.staging import Staging
 from batchvlm.cache.specs import bytes_per_slot
 from batchvlm.job import EngineSpec
-from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.moondream.config import MoondreamConfig
 from batchvlm.models.moondream.generate import generate
 
@@ -74,7 +74,9 @@ def test_prefilled_slots_release_their_features_and_events(tiny):
         return launch(plan)
 
     r.launch = spy
-    list(engine.run(WorkItem(i, p, str(i)) for i, p in enumerate(prepared)))
+    done = [im.sample for im in engine.run(Sample(0, i, str(i), p) for i, p in enumerate(prepared))]
+    assert sorted(s.index for s in done) == list(range(len(prepared)))
+    assert all(s.prepared is None for s in done)  # the engine dropped the pixels once encoded
     prefills = [(slots, events) for slots, events in seen if slots]
     assert sum(len(slots) for slots, _ in prefills) == len(prepared)
     assert all(ev is not None for _, events in prefills for ev in events)
@@ -98,8 +100,8 @@ def test_graph_buckets_are_built_at_start_up_and_used_by_decode_steps(tiny):
     built = dict(r.graphs.graphs)
     assert set(built) == set(buckets(16))
     engine.scheduler.admit_rows = 4  # as with CUDA graphs: admit in batches
-    out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
-           for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
+    out = {im.sample.index: [(s.output.tokens, s.output.objects) for s in im.seqs]
+           for im in engine.run(Sample(0, i, f"key{i}", p) for i, p in enumerate(prepared))}
     assert [out[i] for i in range(len(prepared))] == reference
     assert r.graphs.graphs == built  # nothing captured mid-run
     assert 0 < engine.stats["graph_steps"] < engine.stats["steps"]
@@ -125,8 +127,8 @@ def test_a_held_emission_survives_the_next_graph_step(tiny, monkeypatch):
 
     monkeypatch.setattr(runner_mod, "emitted", spy, raising=True)
     engine.scheduler.admit_rows = 4
-    out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
-           for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
+    out = {im.sample.index: [(s.output.tokens, s.output.objects) for s in im.seqs]
+           for im in engine.run(Sample(0, i, f"key{i}", p) for i, p in enumerate(prepared))}
     assert [out[i] for i in range(len(prepared))] == reference
     assert engine.stats["graph_steps"] > 1
     for ints, floats, ints0, floats0 in held:
@@ -151,8 +153,8 @@ def test_batched_admission_raises_the_share_of_decode_only_steps(tiny):
             return plan
 
         engine.scheduler.schedule = spy
-        out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
-               for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
+        out = {im.sample.index: [(s.output.tokens, s.output.objects) for s in im.seqs]
+               for im in engine.run(Sample(0, i, f"key{i}", p) for i, p in enumerate(prepared))}
         assert [out[i] for i in range(len(prepared))] == reference
         shares.append(sum(decode_only) / len(decode_only))
     assert shares[1] > shares[0], shares
@@ -190,8 +192,8 @@ def test_out_of_memory_steps_run_in_halves_and_lose_no_row(tiny, pipelined):
         return eager(plan, slot)
 
     r._eager = fault
-    out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
-           for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
+    out = {im.sample.index: [(s.output.tokens, s.output.objects) for s in im.seqs]
+           for im in engine.run(Sample(0, i, f"key{i}", p) for i, p in enumerate(prepared))}
     assert [out[i] for i in range(len(prepared))] == reference  # every row, every label
     assert engine.scheduler.blocks.used == 0
     assert failed and engine.stats["oom_halvings"] >= 1
@@ -234,8 +236,8 @@ def test_a_vision_batch_never_outgrows_the_warm_up(tiny, monkeypatch):
     encode = engine.runner.vision.encode
     monkeypatch.setattr(engine.runner.vision, "encode",
                         lambda images, slots: (batches.append([p.cost for p in images]), encode(images, slots)))
-    out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
-           for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
+    out = {im.sample.index: [(s.output.tokens, s.output.objects) for s in im.seqs]
+           for im in engine.run(Sample(0, i, f"key{i}", p) for i, p in enumerate(prepared))}
     assert [out[i] for i in range(len(prepared))] == reference
     assert sorted(c for b in batches for c in b) == sorted(costs) and max(costs) > 1
     assert all(sum(b) <= 3 or len(b) == 1 for b in batches), batches
@@ -263,8 +265,8 @@ def test_out_of_memory_in_vision_or_graph_capture_still_labels_everything(tiny, 
     logged = []
     engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=16), md.P, log=logged.append)
     assert engine.runner.graphs is None and any("capturing CUDA graphs" in m for m in logged)
-    out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
-           for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
+    out = {im.sample.index: [(s.output.tokens, s.output.objects) for s in im.seqs]
+           for im in engine.run(Sample(0, i, f"key{i}", p) for i, p in enumerate(prepared))}
     assert [out[i] for i in range(len(prepared))] == reference
     assert max(sizes) > 1 and sizes.count(1) == len(prepared)
 

@@ -9,7 +9,8 @@ import pytest
 from batchvlm.cache.blocks import BlockManager, OutOfBlocks
 from batchvlm.engine.plan import Emissions
 from batchvlm.engine.scheduler import Scheduler
-from batchvlm.engine.sequence import ImageWork, Prefix, SeqState, Sequence
+from batchvlm.data.loader import Sample
+from batchvlm.engine.sequence import Prefix, Request, SeqState, Sequence
 from batchvlm.models.base.decoding import EMIT_NONE, MODE_TEXT, SeqSpec
 from batchvlm.models.moondream.grammar import MODE_DETECT, MODE_POINT, spec
 
@@ -33,11 +34,11 @@ SPECS = [SeqSpec(MODE_TEXT, (1, 2, 3), 6), SeqSpec(MODE_TEXT, (1, 2, 3, 4, 5, 6,
          spec(MODE_DETECT, (1, 9, 3), 4), spec(MODE_POINT, (1, 10, 3), 2)]
 
 
-def make_images(n: int, rng: random.Random, prefix_len: int | None = None) -> list[ImageWork]:
+def make_images(n: int, rng: random.Random, prefix_len: int | None = None) -> list[Request]:
     """Images with 1..all of SPECS; prefix lengths vary per image unless given."""
     images = []
     for i in range(n):
-        image = ImageWork(ticket=i, prepared=None, key=str(i), prefixes=[Prefix((), prefix_len or rng.randint(3, 24), 0)])
+        image = Request(Sample(0, i, str(i), None), prefixes=[Prefix((), prefix_len or rng.randint(3, 24), 0)])
         specs = rng.sample(SPECS, rng.randint(1, len(SPECS)))
         image.seqs = [Sequence(image, image.prefixes[0], j, s, seed=0) for j, s in enumerate(specs)]
         images.append(image)
@@ -87,7 +88,7 @@ def test_random_finishes_never_leak_or_overcommit(seed, pipelined, batched):
                 if f and s.state is SeqState.RUNNING:
                     finished_at[id(s)] = step
             for image in sched.commit(p, em):
-                returned.append(image.ticket)
+                returned.append(image.sample.index)
                 # Prefix blocks are held while any of the image's sequences is not retired.
                 live = [s for s in image.seqs if s.state is not SeqState.RETIRED]
                 for b in image.prefixes[0].blocks:

@@ -8,10 +8,11 @@ import torch
 from support.toy_family import PIXELS, ToyImage
 from support.toy_states import DEC_START, EncDecToy, HybridToy, encdec_reference, hybrid_reference
 
+from batchvlm.data.loader import Sample
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec
 from batchvlm.models.base.decoding import MODE_TEXT, SeqSpec
-from batchvlm.models.base.contract import TaskSequence, WorkItem
+from batchvlm.models.base.contract import TaskSequence
 
 LENGTHS = [3, 23, 5, 14, 8]
 
@@ -25,8 +26,8 @@ def _run(model, images, specs, batch, pipelined):
     seqs = [TaskSequence(i, None, sp) for i, sp in enumerate(specs)]
     engine = Engine(model, seqs, EngineSpec(max_batch_size=batch, pipelined=pipelined, max_images_in_flight=3,
                                             block_size=8), max_prefix_len=max(LENGTHS))
-    got = {im.ticket: [s.output.tokens for s in im.seqs]
-           for im in engine.run(WorkItem(i, p, str(i)) for i, p in enumerate(images))}
+    got = {im.sample.index: [s.output.tokens for s in im.seqs]
+           for im in engine.run(Sample(0, i, str(i), p) for i, p in enumerate(images))}
     sched = engine.scheduler
     assert sched.blocks.used == 0 and len(sched.free_rows) == engine.runner.n_rows  # nothing leaked
     assert sched.snapshots is None or sched.snapshots.free == sched.snapshots.n

@@ -10,10 +10,11 @@ import torch
 from support.toy_family import PIXELS, ToyImage, ToyModel, reference
 from support.paths import REPO
 
+from batchvlm.data.loader import Sample
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec
 from batchvlm.models.base.decoding import MODE_TEXT, SeqSpec
-from batchvlm.models.base.contract import TaskSequence, WorkItem
+from batchvlm.models.base.contract import TaskSequence
 
 ROOT = REPO / "batchvlm"
 
@@ -37,8 +38,8 @@ def test_toy_family_equals_its_dense_reference(toy, batch, pipelined):
     model, images, seqs, want = toy
     engine = Engine(model, seqs, EngineSpec(max_batch_size=batch, pipelined=pipelined, max_images_in_flight=5,
                                             block_size=16), max_prefix_len=300)
-    got = {im.ticket: [s.output.tokens for s in im.seqs]
-           for im in engine.run(WorkItem(i, p, str(i)) for i, p in enumerate(images))}
+    got = {im.sample.index: [s.output.tokens for s in im.seqs]
+           for im in engine.run(Sample(0, i, str(i), p) for i, p in enumerate(images))}
     assert [got[i] for i in range(len(images))] == want
     assert engine.scheduler.blocks.used == 0  # every block came back
 

@@ -16,10 +16,10 @@ from support.moondream import LoadedMoondream, TASKS, TINY, hub_folder, id_token
 from PIL import Image
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from batchvlm.data.loader import Sample
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
 from batchvlm.attention import dispatch as attention
-from batchvlm.models.base.contract import WorkItem
 from batchvlm.attention.fused import FusedAttention
 from batchvlm.models.moondream.config import MoondreamConfig
 
@@ -81,7 +81,7 @@ def audit_graph_body_run(family, model, seqs, settings: EngineSpec, prepared: li
         engine = Engine(model, seqs, settings, family.max_prefix_len())
         r = engine.runner
         r.graphs = r.decode_graphs(capture=False)
-        done = list(engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared)))
+        done = list(engine.run(Sample(0, i, f"k{i}", p) for i, p in enumerate(prepared)))
     assert len(done) == len(prepared) and r.graph_steps > 0
     assert audit.found == [], "\n".join(dict.fromkeys(audit.found))
 
@@ -157,7 +157,7 @@ def test_qwen3_vl_hot_path_has_no_host_sync(tmp_path, monkeypatch, moe_path, con
         engine = Engine(model, seqs, settings, family.max_prefix_len())
         r = engine.runner
         r.graphs = r.decode_graphs(capture=False)
-        done = list(engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared)))
+        done = list(engine.run(Sample(0, i, f"k{i}", p) for i, p in enumerate(prepared)))
     assert len(done) == 2 and r.graph_steps > 0
     assert audit.found == [], "\n".join(dict.fromkeys(audit.found))
 

@@ -108,10 +108,10 @@ def test_emission_views_are_pinned_and_contiguous():
 
 
 def test_graphs_are_captured_at_start_up_and_replayed(tiny_cuda):
+    from batchvlm.data.loader import Sample
     from batchvlm.engine.engine import Engine
     from batchvlm.engine.graphs import buckets
     from batchvlm.job import EngineSpec
-    from batchvlm.models.base.contract import WorkItem
 
     md, prepared = tiny_cuda
     seqs = md.sequences(TASKS, max_new_tokens=9, max_objects=3)
@@ -119,7 +119,7 @@ def test_graphs_are_captured_at_start_up_and_replayed(tiny_cuda):
     graphs = engine.runner.graphs
     assert set(graphs.graphs) == set(buckets(32)) and all(g[0] is not None for g in graphs.graphs.values())
     captured = dict(graphs.graphs)
-    list(engine.run(WorkItem(i, p, str(i)) for i, p in enumerate(prepared)))
+    list(engine.run(Sample(0, i, str(i), p) for i, p in enumerate(prepared)))
     assert graphs.graphs == captured
     assert 0 < engine.stats["graph_steps"] < engine.stats["steps"], engine.stats
 
@@ -178,10 +178,10 @@ def test_warm_up_halves_the_rows_until_the_largest_step_fits(tiny_cuda, monkeypa
     engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=64), md.P, log=logged.append)
     assert engine.stats["rows"] == 8 and len(logged) == 3
     reference = [[(o.tokens, o.objects) for o in img] for img in generate(md.model, prepared, [s.spec for s in seqs])]
-    from batchvlm.models.base.contract import WorkItem
+    from batchvlm.data.loader import Sample
 
-    out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
-           for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
+    out = {im.sample.index: [(s.output.tokens, s.output.objects) for s in im.seqs]
+           for im in engine.run(Sample(0, i, f"key{i}", p) for i, p in enumerate(prepared))}
     assert [out[i] for i in range(len(prepared))] == reference
 
 
@@ -228,9 +228,9 @@ def test_json_masks_on_cuda_agree_and_do_not_starve_the_device(tmp_path):
     from support.qwen_vl import images
 
     from batchvlm.data.decode import decode
+    from batchvlm.data.loader import Sample
     from batchvlm.engine.engine import Engine
     from batchvlm.job import EngineSpec, ModelSpec
-    from batchvlm.models.base.contract import WorkItem
     from batchvlm.models.registry import open_family
     from batchvlm.tasks import CaptionTask, DetectTask, JsonTask
     from support.inputs import encode_image
@@ -259,7 +259,7 @@ def test_json_masks_on_cuda_agree_and_do_not_starve_the_device(tmp_path):
             return launch(plan)
 
         engine.runner.launch = launch
-        done = {im.ticket: im for im in engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared))}
+        done = {im.sample.index: im for im in engine.run(Sample(0, i, f"k{i}", p) for i, p in enumerate(prepared))}
         cols = [family.columns(tasks, seqs, [s.output for s in done[i].seqs]) for i in sorted(done)]
         return cols, (sum(ahead) / len(ahead) if ahead else 0.0)
 
@@ -275,14 +275,14 @@ def test_json_masks_on_cuda_agree_and_do_not_starve_the_device(tmp_path):
 
 def _labels(family, model, tasks, prepared, **engine) -> tuple[list[dict], dict]:
     """The finished columns of every image, and the engine's stats."""
+    from batchvlm.data.loader import Sample
     from batchvlm.engine.engine import Engine
     from batchvlm.job import EngineSpec
-    from batchvlm.models.base.contract import WorkItem
 
     settings = EngineSpec(**engine)
     seqs = family.sequences(tasks, settings)
     eng = Engine(model, seqs, settings, family.max_prefix_len())
-    done = {im.ticket: im for im in eng.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared))}
+    done = {im.sample.index: im for im in eng.run(Sample(0, i, f"k{i}", p) for i, p in enumerate(prepared))}
     assert eng.scheduler.blocks.used == 0
     return [family.columns(tasks, seqs, [s.output for s in done[i].seqs]) for i in range(len(prepared))], eng.stats
 

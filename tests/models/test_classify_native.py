@@ -14,9 +14,9 @@ from support.qwen3vl_fixture import IDS
 from support.structured_cases import CASES, assert_classify_columns
 from support.qwen_vl import MOE, images, prepared
 
+from batchvlm.data.loader import Sample
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.registry import open_family
 from batchvlm.tasks import ClassifyTask, choice_values
 
@@ -119,8 +119,8 @@ def test_probabilities_equal_transformers(setups, variant, batch, pipelined, n_i
     setup = setups(variant)
     engine = Engine(setup["model"], setup["seqs"], EngineSpec(max_batch_size=batch, pipelined=pipelined),
                     setup["family"].max_prefix_len())
-    done = {im.ticket: [s.output for s in im.seqs]
-            for im in engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(setup["prepared"][:n_images]))}
+    done = {im.sample.index: [s.output for s in im.seqs]
+            for im in engine.run(Sample(0, i, f"k{i}", p) for i, p in enumerate(setup["prepared"][:n_images]))}
     assert engine.scheduler.blocks.used == 0
     rows = [setup["family"].columns(TASKS, setup["seqs"], done[i]) for i in range(n_images)]
     assert_classify_columns(rows, setup["expected"])

@@ -11,9 +11,9 @@ from support.mask_trace import MaskTrace
 from support.qwen3vl_fixture import write_checkpoint
 from support.structured_cases import SCHEMAS, assert_finished_answers_validate
 
+from batchvlm.data.loader import Sample
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.qwen_vl.labels import parses_cleanly
 from batchvlm.models.registry import open_family
 from batchvlm.tasks import DetectTask, JsonTask, PointTask
@@ -50,7 +50,7 @@ def engine_for(setup, batch: int, pipelined: bool) -> Engine:
 
 
 def columns(setup, engine: Engine) -> list[dict]:
-    done = {im.ticket: im for im in engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(setup["prepared"]))}
+    done = {im.sample.index: im for im in engine.run(Sample(0, i, f"k{i}", p) for i, p in enumerate(setup["prepared"]))}
     assert engine.scheduler.blocks.used == 0
     return [setup["family"].columns(TASKS, setup["seqs"], [s.output for s in done[i].seqs]) for i in sorted(done)]
 

@@ -218,9 +218,9 @@ def test_a_prompt_longer_than_the_context_is_one_line(tmp_path):
         "batchvlm: error: tasks.0: a ") and "context" in r.stderr
 
 
-def test_a_ticket_keeps_no_pixels():
-    """The run loop's ticket holds what the row needs (and the size the model saw, for columns):
-    once the engine drops the prepared image, nothing else keeps its pixels alive."""
+def test_a_sample_keeps_no_pixels_once_encoded():
+    """A sample keeps what its row needs (and the size the model saw, for columns) when the engine
+    drops its prepared image after encoding: nothing else keeps the pixels alive."""
     import gc
     import weakref
 
@@ -228,12 +228,13 @@ def test_a_ticket_keeps_no_pixels():
 
     from batchvlm.data.loader import Sample
     from batchvlm.models.qwen_vl.preprocess import PreparedImage
-    from batchvlm.run import Ticket
 
     prepared = PreparedImage(torch.zeros(28, 56, 3, dtype=torch.uint8), (1, 2), 3)
     pixels = weakref.ref(prepared.pixels)
-    ticket = Ticket.of(Sample(0, 5, "k", 640, 480, None, prepared, {"id": 1}))
+    sample = Sample(0, 5, "k", prepared, 640, 480, meta={"id": 1})
     del prepared
+    sample.prepared = None  # what the engine does once the image is encoded (tests/engine checks it does)
     gc.collect()
     assert pixels() is None
-    assert ticket == Ticket(0, 5, "k", 640, 480, {"id": 1}, (56, 28))
+    assert (sample.shard, sample.index, sample.key, sample.width, sample.height, sample.error, sample.meta,
+            sample.seen) == (0, 5, "k", 640, 480, None, {"id": 1}, (56, 28))

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from batchvlm.data.loader import Sample
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec
 from batchvlm.models.base.decoding import RawOutput
-from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.moondream.config import MoondreamConfig
 from batchvlm.models.moondream.host import Moondream
 from batchvlm.models.moondream.device import MoondreamEngineModel
@@ -111,8 +111,8 @@ def run_engine_outputs(md, prepared, seqs, fixed_shape_decode=False, **settings)
     if fixed_shape_decode:  # the CUDA-graph decode body (padding, scratch row, null block), uncaptured
         r = engine.runner
         r.graphs = r.decode_graphs(capture=False)
-    out = {im.ticket: [s.output for s in im.seqs]
-           for im in engine.run(WorkItem(i, p, f"key{i}") for i, p in enumerate(prepared))}
+    out = {im.sample.index: [s.output for s in im.seqs]
+           for im in engine.run(Sample(0, i, f"key{i}", p) for i, p in enumerate(prepared))}
     assert engine.scheduler.blocks.used == 0  # every block came back
     return [out[i] for i in range(len(prepared))]
 

@@ -36,6 +36,10 @@ class ToyImage:
     def cost(self) -> int:
         return 1
 
+    @property
+    def seen(self) -> None:
+        return None  # the toy family writes no coordinates
+
 
 def prefix_positions(L: int) -> torch.Tensor:
     """[2, L]: a 4-wide grid (row, column), after one leading token at (0, 0)."""

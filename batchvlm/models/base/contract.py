@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from PIL import Image
@@ -132,18 +132,23 @@ class StaticModel(Protocol):
     def labeler(self, seqs: list[TaskSequence], engine: EngineSpec) -> Labeler: ...
 
 
-@dataclass
-class WorkItem:
-    """What the run loop hands a labeler: one image to label, with a handle to get it back."""
+class SampleLike(Protocol):
+    """What a labeler reads of the run's image (data/loader.py `Sample`, which the loader and the
+    Ray UDF make): models/ declares it here rather than import data/. A labeler hands the same
+    objects back, so the caller keeps its own fields (shard, index, size, kept input fields)."""
 
-    ticket: Any  # the caller's handle, returned with the result
-    image: Prepared
     key: str  # sample key: with the job seed it seeds sampling, whatever the batch
+    # The image ready for the device. A labeler may set it to None once the pixels are on the
+    # device (the engine does after encoding): nothing then keeps them alive.
+    prepared: Prepared | None
+
+
+SampleT = TypeVar("SampleT", bound=SampleLike)  # a labeler gives back the samples it was given
 
 
 class Labeler(Protocol):
-    def label(self, items: Iterable[WorkItem]) -> Iterator[tuple[Any, list[Any]]]:
-        """-> (ticket, raw output per sequence) for each item, in any order."""
+    def label(self, samples: Iterable[SampleT]) -> Iterator[tuple[SampleT, list[RawOutput]]]:
+        """-> (sample, raw output per sequence) for each sample, in any order."""
 
 
 class EngineModel(Protocol):

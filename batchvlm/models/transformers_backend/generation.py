@@ -25,7 +25,7 @@ from PIL import Image
 
 from ...job import EngineSpec
 from ..base.decoding import RawOutput, sequence_seed
-from ..base.contract import TaskSequence, WorkItem
+from ..base.contract import SampleT, TaskSequence
 from .prompts import Prompt
 from .structured import GrammarLogits, end_of_turn, score_choices
 
@@ -74,21 +74,21 @@ class StaticLabeler:
         self.vocab = vocab
         return [vocab.compile(s) if s else None for s in schemas]
 
-    def label(self, items: Iterable[WorkItem]) -> Iterator[tuple[Any, list[RawOutput]]]:
-        batch: list[WorkItem] = []
-        for item in items:
-            batch.append(item)
+    def label(self, samples: Iterable[SampleT]) -> Iterator[tuple[SampleT, list[RawOutput]]]:
+        batch: list[SampleT] = []
+        for sample in samples:
+            batch.append(sample)
             if len(batch) == self.batch_size:
                 yield from self._batch(batch)
                 batch = []
         if batch:
             yield from self._batch(batch)
 
-    def _batch(self, batch: list[WorkItem]) -> Iterator[tuple[Any, list[RawOutput]]]:
-        images = [Image.fromarray(item.image.pixels) for item in batch]
+    def _batch(self, batch: list[SampleT]) -> Iterator[tuple[SampleT, list[RawOutput]]]:
+        images = [Image.fromarray(sample.prepared.pixels) for sample in batch]
         per_seq = [self._generate(images, s, batch[0].key) for s in range(len(self.prompts))]
-        for j, item in enumerate(batch):
-            yield item.ticket, [out[j] for out in per_seq]
+        for j, sample in enumerate(batch):
+            yield sample, [out[j] for out in per_seq]
 
     @torch.inference_mode()
     def _generate(self, images: list[Image.Image], s: int, first_key: str) -> list[RawOutput]:

@@ -12,9 +12,9 @@ import yaml
 from support.moondream import LoadedMoondream
 from support.paths import DATA, REPO
 
+from batchvlm.data.loader import Sample
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, load_job
-from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.moondream.generate import generate
 from batchvlm.shapes.evaluate import score_model, score_output
 from batchvlm.shapes.world import SPEC, draw_scene
@@ -57,6 +57,6 @@ def test_demo_labels_identical_across_engine_modes_and_the_simple_generation():
         n = 8 if batch < 2 * len(seqs) else len(prepared)
         for pipelined in (False, True):
             engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=batch, pipelined=pipelined), md.P)
-            out = {im.ticket: [(s.output.tokens, s.output.objects) for s in im.seqs]
-                   for im in engine.run(WorkItem(i, p, str(i)) for i, p in enumerate(prepared[:n]))}
+            out = {im.sample.index: [(s.output.tokens, s.output.objects) for s in im.seqs]
+                   for im in engine.run(Sample(0, i, str(i), p) for i, p in enumerate(prepared[:n]))}
             assert [out[i] for i in range(n)] == reference[:n], (batch, pipelined)

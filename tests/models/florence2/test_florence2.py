@@ -20,12 +20,12 @@ import yaml
 from support.cli import cli_app
 from support.florence2 import NEW_TOKENS, TASKS, Reference, random_images, tasks_of, tf
 
+from batchvlm.data.loader import Sample
 from batchvlm.engine import memory
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
 from batchvlm.models.base import grounding
 from batchvlm.models.base.errors import FamilyError
-from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.florence2 import prompts
 from batchvlm.models.registry import open_family
 from support.tiny_vlms import florence2
@@ -145,7 +145,7 @@ def run_engine(family, model, prepared, batch: int, pipelined: bool, fixed_shape
     if fixed_shape_decode:  # the CUDA-graph decode body (padding, scratch row, null block), uncaptured
         r = engine.runner
         r.graphs = r.decode_graphs(capture=False)
-    got = {im.ticket: [s.output for s in im.seqs] for im in engine.run(WorkItem(i, p, f"k{i}")
+    got = {im.sample.index: [s.output for s in im.seqs] for im in engine.run(Sample(0, i, f"k{i}", p)
                                                                          for i, p in enumerate(prepared))}
     assert engine.scheduler.blocks.used == 0 and len(engine.scheduler.free_rows) == engine.runner.n_rows
     return [got[i] for i in range(len(prepared))], engine
@@ -244,7 +244,7 @@ def test_a_prefill_step_ends_the_prefix_view(greedy):
     steps: list[tuple[bool, bytes]] = []  # (prefills, the decode group's prefix tables and lengths)
     spy_launches(engine, lambda p: steps.append((len(p.prefix_features) > 0, p.decode_image_tables.tobytes()
                                                  + p.decode_image_lens.tobytes())))
-    got = {im.ticket: im.seqs[0].output.tokens for im in engine.run(WorkItem(i, p, f"k{i}")
+    got = {im.sample.index: im.seqs[0].output.tokens for im in engine.run(Sample(0, i, f"k{i}", p)
                                                                      for i, p in enumerate(prepared[:n]))}
     assert [tuple(got[i]) for i in range(n)] == [want[i][0] for i in range(n)]
     prefills = [i for i, (pre, _) in enumerate(steps) if pre]
@@ -264,7 +264,7 @@ def test_cpu_kv_sizing_reserves_the_largest_prefix_view(greedy, tmp_path, monkey
     engine = Engine(model, family.sequences(tasks_of(TASKS[:1]), settings), settings, family.max_prefix_len())
     held: list[int] = []  # the view's bytes after each step
     spy_launches(engine, lambda p: held.append(engine.runner._view.nbytes if engine.runner._view else 0))
-    got = {im.ticket: im.seqs[0].output.tokens for im in engine.run(WorkItem(i, p, f"k{i}")
+    got = {im.sample.index: im.seqs[0].output.tokens for im in engine.run(Sample(0, i, f"k{i}", p)
                                                                      for i, p in enumerate(prepared[:n]))}
     assert [tuple(got[i]) for i in range(n)] == [want[i][0] for i in range(n)]
     assert engine.stats["rows"] == n and held[0] == 0  # the first step prefills all four images

@@ -29,11 +29,11 @@ from support.structured_cases import CASES, SCHEMAS, assert_classify_columns, as
 from support.florence2 import Reference, random_images
 from support.tiny_vlms import florence2
 
+from batchvlm.data.loader import Sample
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
 from batchvlm.models.base.decoding import RowState
 from batchvlm.models.base.errors import FamilyError
-from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.florence2 import decoding
 from batchvlm.models.florence2.config import GenerationSettings
 from batchvlm.models.registry import open_family
@@ -74,8 +74,8 @@ def run(setup, tasks, seqs, batch: int, pipelined: bool, n_images: int, trace: l
     if fixed_shape_decode:
         r = e.runner
         r.graphs = r.decode_graphs(capture=False)
-    done = {im.ticket: [s.output for s in im.seqs]
-            for im in e.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(setup["prepared"][:n_images]))}
+    done = {im.sample.index: [s.output for s in im.seqs]
+            for im in e.run(Sample(0, i, f"k{i}", p) for i, p in enumerate(setup["prepared"][:n_images]))}
     assert e.scheduler.blocks.used == 0 and (not fixed_shape_decode or e.runner.graph_steps > 0)
     return [setup["family"].columns(tasks, seqs, done[i]) for i in range(n_images)]
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from support.moondream import LoadedMoondream
 
+from batchvlm.data.loader import Sample
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec
 from batchvlm.attention import AttentionBatch, PrefixGroup, SharedPrefix, TaskGroup, slot_of
-from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.moondream.generate import encode_images
 from batchvlm.shapes.world import COUNT_QUESTION, NUMBERS, SPEC, draw_scene
 from batchvlm.tasks import ClassifyTask, choice_values
@@ -74,8 +74,8 @@ def test_probabilities_equal_the_models_forward(setup, batch, pipelined, n_tasks
     seqs = [s for s in setup["seqs"] if s.task < n_tasks]
     assert all(s.spec.prefix_prompt == seqs[0].spec.prefix_prompt != () for s in seqs if s.task == 0)  # shared
     engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=batch, pipelined=pipelined), md.P)
-    done = {im.ticket: [s.output for s in im.seqs]
-            for im in engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(setup["prepared"][:n_images]))}
+    done = {im.sample.index: [s.output for s in im.seqs]
+            for im in engine.run(Sample(0, i, f"k{i}", p) for i, p in enumerate(setup["prepared"][:n_images]))}
     assert engine.scheduler.blocks.used == 0
     for i in range(n_images):
         row = md.family.columns(tasks, seqs, done[i])
@@ -107,7 +107,7 @@ def test_only_the_scored_rows_get_logits(setup, monkeypatch):
     tasks = [CaptionTask(caption={"length": "short"}), TASKS[0]]
     seqs = md.sequences(tasks)
     engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=64, max_new_tokens=4), md.P)
-    list(engine.run([WorkItem(0, setup["prepared"][0], "k0")]))
+    list(engine.run([Sample(0, 0, "k0", setup["prepared"][0])]))
     choices = [s.spec for s in seqs if s.task == 1]
     contexts = {s.prompt[: len(s.prompt) - s.limit + j + 1] for s in choices for j in range(s.limit)}
     assert rows == [(len(contexts), sum(s.limit for s in choices))]
@@ -129,7 +129,7 @@ def test_a_step_of_choices_alone_computes_no_other_logits(setup, monkeypatch):
     monkeypatch.setattr(text, "logits", counting)
     seqs = md.sequences(TASKS[:1])
     engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=64, max_new_tokens=4), md.P)
-    out = list(engine.run([WorkItem(0, setup["prepared"][0], "k0")]))
+    out = list(engine.run([Sample(0, 0, "k0", setup["prepared"][0])]))
     choices = [s.spec for s in seqs]
     contexts = {s.prompt[: len(s.prompt) - s.limit + j + 1] for s in choices for j in range(s.limit)}
     assert len(out) == 1 and rows == [len(contexts)]

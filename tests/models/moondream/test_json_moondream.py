@@ -11,9 +11,9 @@ import pytest
 from support.moondream import LoadedMoondream
 from support.structured_cases import SCHEMAS, assert_finished_answers_validate
 
+from batchvlm.data.loader import Sample
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec
-from batchvlm.models.base.contract import WorkItem
 from batchvlm.shapes.world import SPEC, draw_scene
 from batchvlm.tasks import JsonTask
 
@@ -37,7 +37,7 @@ def columns(setup, batch: int, pipelined: bool) -> list[dict]:
     md, seqs = setup["md"], setup["seqs"]
     engine = Engine(md.engine, seqs, EngineSpec(max_new_tokens=MAX_NEW, max_batch_size=batch, pipelined=pipelined),
                     md.P)
-    done = {im.ticket: im for im in engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(setup["prepared"]))}
+    done = {im.sample.index: im for im in engine.run(Sample(0, i, f"k{i}", p) for i, p in enumerate(setup["prepared"]))}
     assert engine.scheduler.blocks.used == 0
     return [md.family.columns(TASKS, seqs, [s.output for s in done[i].seqs]) for i in sorted(done)]
 

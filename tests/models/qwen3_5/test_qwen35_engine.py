@@ -11,9 +11,9 @@ from support.cli import heavy_imports_of_loading
 from support.qwen35_fixture import write_checkpoint
 from support.qwen_vl import MAX_NEW, MOE, PROMPTS, TASKS, cli_rows, images, prepared, reference_columns, reference_tokens
 
+from batchvlm.data.loader import Sample
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.registry import open_family
 from batchvlm.tasks import CaptionTask, QueryTask
 
@@ -40,8 +40,8 @@ def setup(request, tmp_path_factory):
 def run(setup, seqs, batch: int, pipelined: bool, n_images: int) -> list[list[list[int]]]:
     engine = Engine(setup["model"], seqs, EngineSpec(max_new_tokens=MAX_NEW, max_batch_size=batch,
                                                      pipelined=pipelined), setup["family"].max_prefix_len())
-    done = {im.ticket: [s.output.tokens for s in im.seqs]
-            for im in engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared(setup)[:n_images]))}
+    done = {im.sample.index: [s.output.tokens for s in im.seqs]
+            for im in engine.run(Sample(0, i, f"k{i}", p) for i, p in enumerate(prepared(setup)[:n_images]))}
     assert engine.scheduler.blocks.used == 0
     return [done[i] for i in range(n_images)]
 
@@ -110,7 +110,7 @@ def test_json_and_constrained_detect(setup):
     for batch, pipelined in ((7, True), (64, False)):
         engine = Engine(setup["model"], seqs, EngineSpec(max_new_tokens=MAX_NEW, max_batch_size=batch,
                                                          pipelined=pipelined), setup["family"].max_prefix_len())
-        done = {im.ticket: im for im in engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared(setup)))}
+        done = {im.sample.index: im for im in engine.run(Sample(0, i, f"k{i}", p) for i, p in enumerate(prepared(setup)))}
         runs.append([setup["family"].columns(tasks, seqs, [s.output for s in done[i].seqs]) for i in sorted(done)])
     assert runs[0] == runs[1]
     for n in ("bounds", "arrays"):

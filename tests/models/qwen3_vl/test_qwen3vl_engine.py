@@ -14,9 +14,9 @@ from support.qwen3vl_fixture import IDS, write_checkpoint
 from support.structured_cases import SCHEMAS
 from support.qwen_vl import MAX_NEW, MOE, PROMPTS, TASKS, cli_rows, images, prepared, reference_columns, reference_tokens
 
+from batchvlm.data.loader import Sample
 from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models.base.contract import WorkItem
 from batchvlm.models.base.grounding import qwen3_boxes, qwen3_points
 from batchvlm.models.qwen_vl.labels import parses_cleanly
 from batchvlm.models.registry import open_family
@@ -48,8 +48,8 @@ def test_engine_tokens_equal_transformers(setup, batch, pipelined, n_images):
     engine = Engine(setup["model"], setup["seqs"], EngineSpec(max_new_tokens=MAX_NEW, max_batch_size=batch,
                                                               pipelined=pipelined),
                     setup["family"].max_prefix_len())
-    done = {im.ticket: [s.output.tokens for s in im.seqs]
-            for im in engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared(setup)[:n_images]))}
+    done = {im.sample.index: [s.output.tokens for s in im.seqs]
+            for im in engine.run(Sample(0, i, f"k{i}", p) for i, p in enumerate(prepared(setup)[:n_images]))}
     assert engine.scheduler.blocks.used == 0
     assert [done[i] for i in range(n_images)] == setup["expected"][:n_images]
 
@@ -126,5 +126,5 @@ def test_bfloat16_runs(setup):
     model = setup["family"].load("bfloat16", "cpu")
     seqs = setup["family"].sequences(TASKS, EngineSpec(max_new_tokens=3))
     engine = Engine(model, seqs, EngineSpec(max_new_tokens=3), setup["family"].max_prefix_len())
-    done = list(engine.run(WorkItem(i, p, f"k{i}") for i, p in enumerate(prepared(setup)[:2])))
+    done = list(engine.run(Sample(0, i, f"k{i}", p) for i, p in enumerate(prepared(setup)[:2])))
     assert len(done) == 2 and all(len(s.output.tokens) <= 3 for im in done for s in im.seqs)

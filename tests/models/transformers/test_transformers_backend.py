@@ -316,20 +316,21 @@ def test_backend_choice_and_missing_package(tmp_path, checkpoints, monkeypatch):
 
 def test_sampling_follows_the_job_seed(checkpoints):
     """temperature > 0 samples (labels differ from greedy) and the same seed gives the same labels."""
+    from batchvlm.data.loader import Sample
     from batchvlm.job import EngineSpec, ModelSpec
-    from batchvlm.models.base.contract import WorkItem
     from batchvlm.models.registry import open_family
     from batchvlm.tasks import CaptionTask
 
     family = open_family(ModelSpec(name=str(checkpoints["qwen3_vl"]), backend="transformers"))
     model = family.load("float32", "cpu")
     ims = images(Path(checkpoints["qwen3_vl"]).parent / "sampling-imgs")
-    items = [WorkItem(k, family.preprocessor()(im), k) for k, im in ims.items()]
+    samples = [Sample(0, i, k, family.preprocessor()(im)) for i, (k, im) in enumerate(ims.items())]
 
     def captions(**engine) -> dict[str, str]:
         spec = EngineSpec(max_new_tokens=NEW_TOKENS, **engine)
         seqs = family.sequences([CaptionTask()], spec)
-        return {k: family.columns([CaptionTask()], seqs, raws)["caption"] for k, raws in model.labeler(seqs, spec).label(items)}
+        return {s.key: family.columns([CaptionTask()], seqs, raws)["caption"]
+                for s, raws in model.labeler(seqs, spec).label(samples)}
 
     greedy = captions()
     sampled = captions(temperature=1.0, seed=3)
@@ -345,8 +346,8 @@ def test_an_end_the_model_chose_at_the_forced_position_is_not_a_cut(checkpoints,
     copy of it also stops at a token its caption writes (a second eos_token_id)."""
     import shutil
 
+    from batchvlm.data.loader import Sample
     from batchvlm.job import EngineSpec, ModelSpec
-    from batchvlm.models.base.contract import WorkItem
     from batchvlm.models.registry import open_family
     from batchvlm.tasks import CaptionTask
 
@@ -369,5 +370,5 @@ def test_an_end_the_model_chose_at_the_forced_position_is_not_a_cut(checkpoints,
     for limit, cut in ((n, False), (n - 1, True)):
         engine = EngineSpec(max_new_tokens=limit, max_batch_size=1)
         (_, (raw,)), = model.labeler(family.sequences([CaptionTask(caption={"length": "short"})], engine),
-                                     engine).label([WorkItem(0, prepared, "k")])
+                                     engine).label([Sample(0, 0, "k", prepared)])
         assert (raw.cut, raw.tokens) == (cut, free[: limit - 1]), limit
