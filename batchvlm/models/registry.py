@@ -13,7 +13,7 @@ from pathlib import Path
 from ..job import EngineSpec, ModelSpec
 from .base.contract import Family
 from .base.errors import ModelLoadError
-from .base.hub import read_json, resolve_dir
+from .base.hub import read_json, resolve_dir, weight_files
 
 DEMO_DIR = Path(__file__).parent / "demo"
 
@@ -63,5 +63,10 @@ def open_family(spec: ModelSpec, weights: bool = True) -> Family:
 def check_tasks(spec: ModelSpec, tasks: list, engine: EngineSpec, constrain: bool = False) -> None:
     """What the model side of `validate` checks, loading no weights: the family's host side builds
     and every task becomes sequences it can run (raises ModelLoadError / FamilyError naming the
-    field). `run` calls it before it writes anything, so a refused job leaves no output folder."""
+    field). `run` calls it before it writes anything, so a refused job leaves no output folder.
+    A local folder's checkpoint is looked at too (safetensors: a folder with only
+    `pytorch_model.bin` is refused, as loading it would be); a hub repo's weights are fetched by the
+    run, validate fetches only its small files."""
+    if spec.name != "demo" and Path(spec.name).expanduser().is_dir():
+        weight_files(Path(spec.name).expanduser())
     open_family(spec, weights=False).sequences(tasks, engine, constrain)

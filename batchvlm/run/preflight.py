@@ -19,7 +19,7 @@ from pathlib import Path
 from ..data.checks import check_first_parquet, check_sidecars
 from ..data.sources import SourceError, count_samples, keep_fields, list_files
 from ..dist import Rank
-from ..job import Job, ModelSpec
+from ..job import Job
 from ..output import manifest
 from ..output.layout import Layout
 from ..output.placement import check_apart_from_inputs, check_no_foreign_files, check_writable
@@ -50,16 +50,6 @@ def clears(job: Job, overwrite: bool) -> bool:
     return overwrite or job.output.mode == "overwrite"
 
 
-def check_local_weights(model: ModelSpec) -> None:
-    """A local model folder holds a checkpoint a run can read (safetensors: a folder with only
-    `pytorch_model.bin` is refused, as loading it would be), looking at the files alone. A hub
-    repo's weights are fetched by the run; validate fetches only its small files."""
-    from ..models.base.hub import weight_files
-
-    if model.name != "demo" and Path(model.name).expanduser().is_dir():
-        weight_files(Path(model.name).expanduser())
-
-
 def preflight(job: Job, clear: bool, rank: Rank, dry: bool = False) -> Preflight:
     """Everything that can be checked before any work starts; `rank`: this process's, for the
     device. `dry` (validate, --dry-run) also refuses shards that cannot be read, which a run
@@ -86,7 +76,6 @@ def preflight(job: Job, clear: bool, rank: Rank, dry: bool = False) -> Preflight
     check_no_foreign_files(layout, [s.stem for s in shards], clear)
     job = for_device(job, rank)  # dtype resolved before any settings are compared
     check_tasks(job.model, job.tasks, job.engine, job.output.constrain)
-    check_local_weights(job.model)
     if resume:
         manifest.check_settings(layout, job.label_fingerprint(), job.label_settings())
     return Preflight(job, layout, shards, clear)
