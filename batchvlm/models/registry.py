@@ -67,6 +67,6 @@ def check_tasks(spec: ModelSpec, tasks: list, engine: EngineSpec, constrain: boo
     A local folder's checkpoint is looked at too (safetensors: a folder with only
     `pytorch_model.bin` is refused, as loading it would be); a hub repo's weights are fetched by the
     run, validate fetches only its small files."""
+    open_family(spec, weights=False).sequences(tasks, engine, constrain)
     if spec.name != "demo" and Path(spec.name).expanduser().is_dir():
         weight_files(Path(spec.name).expanduser())
-    open_family(spec, weights=False).sequences(tasks, engine, constrain)
