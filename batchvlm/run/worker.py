@@ -31,9 +31,10 @@ from ..data.loader import Stealing, load
 from ..data.sources import ShardRef, keep_fields
 from ..dist import Rank, my_shards
 from ..engine.engine import EngineLabeler
+from ..engine.images import ImageLabeler
 from ..job import Job
 from ..models import registry
-from ..models.base.contract import EngineModel, Family, StaticModel, TaskSequence
+from ..models.base.contract import EngineModel, Family, ImageModel, StaticModel, TaskSequence
 from ..output import manifest
 from ..output.claims import Claims
 from ..output.layout import Layout
@@ -100,7 +101,7 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
         t_load = time.time() - t_load
         manifest.check_weights(layout, model.info.weights_sha256)
         _freeze(job, layout, pending)  # nothing refuses the run from here on
-        writer = _start_output(job, layout, rank, model, shards, claims)
+        writer = _start_output(job, layout, rank, model, shards, claims, family.embed_dim)
         t_engine = time.time()
         labeler, how = _labeler(family, model, seqs, job)
         info = model.info
@@ -124,8 +125,8 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
             stream.close()
             stream = load(pending, job.input, job.loader, family.preprocessor(), stealing)
             writer = WriterThread(layout, writer.schema, job.output.compression, on_written=claims.release)
-        if isinstance(labeler, EngineLabeler):
-            log(f"batchvlm: rank {rank.rank}/{rank.world}: engine: {labeler.engine.summary()}")
+        if isinstance(labeler, (EngineLabeler, ImageLabeler)):
+            log(f"batchvlm: rank {rank.rank}/{rank.world}: engine: {labeler.summary()}")
         summary.stopped_by_signal = stop.event.is_set()
         summary.no_images = _no_images(layout, shards, summary)
         summary.seconds = time.time() - t0
@@ -180,8 +181,8 @@ def _freeze(job: Job, layout: Layout, pending: list[ShardRef]) -> None:
                                       "planned it differently); run again")
 
 
-def _start_output(job: Job, layout: Layout, rank: Rank, model: EngineModel | StaticModel, shards: ShardList,
-                  claims: Claims | None) -> WriterThread:
+def _start_output(job: Job, layout: Layout, rank: Rank, model: EngineModel | StaticModel | ImageModel,
+                  shards: ShardList, claims: Claims | None, embed_dim: int | None = None) -> WriterThread:
     """The job record (rank 0, or whoever comes first) and the writer of finished shards."""
     info = model.info
     meta = {"batchvlm": __version__, "job": job.name, "model": info.to_dict(),
@@ -191,14 +192,17 @@ def _start_output(job: Job, layout: Layout, rank: Rank, model: EngineModel | Sta
                                                    "label_settings": job.label_settings(),
                                                    "job_spec": job.model_dump(), "world_size": rank.world,
                                                    "skipped_files": shards.skipped})
-    return WriterThread(layout, schema(job.tasks, meta, keep_fields(job.input, shards), job.output.raw_text),
+    return WriterThread(layout, schema(job.tasks, meta, keep_fields(job.input, shards), job.output.raw_text, embed_dim),
                         job.output.compression, on_written=claims.release if claims else None)
 
 
-def _labeler(family: Family, model: EngineModel | StaticModel, seqs: list[TaskSequence], job: Job):
+def _labeler(family: Family, model: EngineModel | StaticModel | ImageModel, seqs: list[TaskSequence], job: Job):
     """-> (the labeler, how it batches, for the log)."""
     if isinstance(model, StaticModel):
         return model.labeler(seqs, job.engine), "static batches"
+    if isinstance(model, ImageModel):  # an encoder-only model: image batches, no decode
+        labeler = ImageLabeler(model, seqs, job.engine)
+        return labeler, f"image batches of up to {labeler.batch}, no decode"
     labeler = EngineLabeler(model, seqs, job.engine, family.max_prefix_len(), log)
     e = labeler.engine
     return labeler, (f"batch {e.settings.max_batch_size}, {e.stats['kv_blocks']} KV blocks of {job.engine.block_size}, "
