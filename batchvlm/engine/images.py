@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
+
 from ..job import EngineSpec
 from ..models.base.contract import ImageModel, SampleT, TaskSequence
 from ..models.base.decoding import RawOutput
@@ -34,23 +36,20 @@ class ImageLabeler:
         return f"{s['batches']} image batches of at most {self.batch}, {s['images']} images"
 
     def label(self, samples: Iterable[SampleT]) -> Iterator[tuple[SampleT, list[RawOutput]]]:
-        inflight: tuple[list[Any], Any] | None = None
+        inflight: list[tuple[list[Any], Any]] = []  # the batch launched last (in parts, after an OOM)
         for sample in samples:
             ready = self._add(sample)
             if ready is None:
                 continue
-            launched = self._launch(ready)
-            if inflight is not None:
-                yield from self._collect(inflight)
+            launched = self._launch(*ready)
+            yield from self._collect(inflight)
             inflight = launched
         for length in sorted(self.buckets):  # the end of the input: every bucket, partial or not
-            launched = self._launch((length, self.buckets[length]))
-            if inflight is not None:
-                yield from self._collect(inflight)
+            launched = self._launch(length, self.buckets[length])
+            yield from self._collect(inflight)
             inflight = launched
         self.buckets.clear()
-        if inflight is not None:
-            yield from self._collect(inflight)
+        yield from self._collect(inflight)
 
     def _add(self, sample: Any) -> tuple[int, list[Any]] | None:
         """Queue a sample; -> a batch to run (bucket length, samples), or None."""
@@ -68,15 +67,26 @@ class ImageLabeler:
         self.waiting -= len(batch)
         return length, batch
 
-    def _launch(self, ready: tuple[int, list[Any]]) -> tuple[list[Any], Any]:
-        length, samples = ready
-        handle = self.model.run(samples, length)
+    def _launch(self, length: int, samples: list[Any]) -> list[tuple[list[Any], Any]]:
+        """Run a batch; out of accelerator memory, its halves (recursively), and later batches
+        take at most half as many images."""
+        try:
+            handle = self.model.run(samples, length)
+        except torch.OutOfMemoryError:
+            if len(samples) < 2:
+                raise
+            if self.model.device.type == "cuda":
+                torch.cuda.empty_cache()
+            half = len(samples) // 2
+            self.batch = max(1, min(self.batch, half))
+            self.stats["oom_halvings"] = self.stats.get("oom_halvings", 0) + 1
+            return self._launch(length, samples[:half]) + self._launch(length, samples[half:])
         for s in samples:
             s.prepared = None  # the pixels are on the device: nothing keeps them alive
         self.stats["batches"] += 1
         self.stats["images"] += len(samples)
-        return samples, handle
+        return [(samples, handle)]
 
-    def _collect(self, inflight: tuple[list[Any], Any]) -> Iterator[tuple[Any, list[RawOutput]]]:
-        samples, handle = inflight
-        yield from zip(samples, self.model.collect(handle))
+    def _collect(self, inflight: list[tuple[list[Any], Any]]) -> Iterator[tuple[Any, list[RawOutput]]]:
+        for samples, handle in inflight:
+            yield from zip(samples, self.model.collect(handle))
