@@ -91,3 +91,26 @@ def test_validate_refuses_in_one_line(checkpoint, tmp_path, model, tasks, keep, 
     assert r.returncode == 2, r.stdout
     assert says in r.stdout
     assert len([line for line in r.stdout.splitlines() if line.strip()]) == 1, r.stdout
+
+
+def test_the_ray_data_udf_reads_a_similarity_text_from_the_batch(checkpoint, tmp_path):
+    """integrations/ray_data.Labeler (a plain callable; no Ray here): the similarity text is the batch's
+    column, the embed column has the run's type."""
+    import io
+
+    from batchvlm.integrations.ray_data import Labeler
+
+    images = random_images(3, seed=7)
+    data = []
+    for im in images:
+        buf = io.BytesIO()
+        im.save(buf, format="PNG")
+        data.append(buf.getvalue())
+    job = {"name": "udf", "input": {"parquet": "x.parquet", "keep": ["caption"]}, "model": {"name": str(checkpoint)},
+           "tasks": [{"embed": {}}, {"similarity": {"text_column": "caption"}}], "output": {"dir": "out"}}
+    udf = Labeler(job, image_column="image")
+    out = udf(pa.table({"image": data, "caption": ["a cat", None, "a dog"]}))
+    assert out.schema.field("embed").type == pa.list_(pa.float32(), 32)
+    sims = out.column("similarity").to_pylist()
+    assert sims[1] is None and all(0 < s < 1 for s in (sims[0], sims[2]))
+    assert out.column("status").to_pylist() == ["ok"] * 3
