@@ -43,7 +43,6 @@ class SiglipConfig:
     patch: int
     positions: int  # the vision position table's rows: a square grid
     image_size: int | None  # fixed resolution: the square side; None for NaFlex
-    use_head: bool
     vocab: int
     max_text: int  # text positions
     projection: int  # the text head's width: the embedding width
@@ -73,11 +72,10 @@ class SiglipConfig:
             if image_size % patch:
                 raise ConfigError(f"vision_config.image_size {image_size} is not a multiple of patch_size {patch}")
             positions = (image_size // patch) ** 2
-        use_head = bool(v.get("vision_use_head", True))
-        if not use_head:
+        if not v.get("vision_use_head", True):
             raise ConfigError("vision_config.vision_use_head false: the image embedding is the pooling head's")
         projection = int(t.get("projection_size") or text.hidden)
         if projection != vision.hidden:
             raise ConfigError(f"text_config.projection_size {projection} differs from the vision width {vision.hidden}")
-        return cls(mt, vision, text, patch, positions, image_size, use_head, int(t.get("vocab_size", 32000)),
+        return cls(mt, vision, text, patch, positions, image_size, int(t.get("vocab_size", 32000)),
                    int(t.get("max_position_embeddings", 64)), projection)

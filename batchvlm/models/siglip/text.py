@@ -19,7 +19,7 @@ MAX_LENGTH = 64  # Siglip2Processor's text max_length, and the zero-shot pipelin
 
 class TextPrep:
     def __init__(self, folder: Path, lowercase: bool, max_positions: int):
-        from tokenizers import Tokenizer, normalizers, processors
+        from tokenizers import Tokenizer, normalizers
 
         path = folder / "tokenizer.json"
         if not path.is_file():
@@ -30,13 +30,7 @@ class TextPrep:
         if lowercase and tok.normalizer is not None:
             tok.normalizer = normalizers.Sequence([normalizers.Lowercase(), tok.normalizer])
         if "add_bos_token" in cfg or "add_eos_token" in cfg:  # transformers rebuilds the post-processor then
-            specials = [(cfg.get(k), tok.token_to_id(_content(cfg.get(k)))) for k in ("bos_token", "eos_token")]
-            (bos, bos_id), (eos, eos_id) = [(_content(t), i) for t, i in specials]
-            add_bos, add_eos = cfg.get("add_bos_token", False) and bos_id is not None, \
-                cfg.get("add_eos_token", False) and eos_id is not None
-            single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-            used = ([(bos, bos_id)] if add_bos else []) + ([(eos, eos_id)] if add_eos else [])
-            tok.post_processor = processors.TemplateProcessing(single=single, pair=f"{single} $B:1", special_tokens=used)
+            tok.post_processor = _template(tok, cfg)
         self.length = MAX_LENGTH
         if self.length > max_positions:
             raise ConfigError(f"{folder}: the text tower has {max_positions} positions, fewer than the "
@@ -55,6 +49,21 @@ class TextPrep:
         enc = self.tok.encode_batch(texts)
         return (torch.tensor([e.ids for e in enc], dtype=torch.long),
                 torch.tensor([e.attention_mask for e in enc], dtype=torch.long))
+
+
+def _template(tok, cfg: dict):
+    """The post-processor transformers builds from add_bos_token / add_eos_token (a special token
+    the vocabulary lacks is not added)."""
+    from tokenizers import processors
+
+    parts, used = ["$A:0"], []
+    for flag, role in (("add_bos_token", "bos_token"), ("add_eos_token", "eos_token")):
+        token = _content(cfg.get(role))
+        if cfg.get(flag) and token is not None and (id_ := tok.token_to_id(token)) is not None:
+            parts.insert(0 if role == "bos_token" else len(parts), f"{token}:0")
+            used.append((token, id_))
+    single = " ".join(parts)
+    return processors.TemplateProcessing(single=single, pair=f"{single} $B:1", special_tokens=used)
 
 
 def _content(token) -> str | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -117,7 +118,7 @@ def test_embed_classify_similarity(checkpoint, batch):
     rows = label(family, model, tasks({"embed": {}}, {"classify": {"choices": CHOICES}},
                                       {"similarity": {"text_column": "txt"}}), images, texts)
     emb = ref.image_embeds(images)
-    ours = torch.tensor([r["embed"] for r in rows])
+    ours = torch.tensor(np.array([r["embed"] for r in rows]))
     assert (ours - emb).abs().max() < 1e-5
     probs = ref.logits(images, [f"This is a photo of {c}." for c in CHOICES]).softmax(-1)
     ours = torch.tensor([[s["prob"] for s in r["classify_scores"]] for r in rows])
