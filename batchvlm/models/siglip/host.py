@@ -4,7 +4,6 @@ one image-level sequence (device.py ImageTask); a classify task's choices are pu
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 from typing import Any
 
