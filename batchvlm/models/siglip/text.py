@@ -1,5 +1,6 @@
 """Texts as transformers' SigLIP processors and zero-shot pipeline give them to the text tower:
-the checkpoint's tokenizer.json (its normalizer, its post-processor: the EOS it appends), lower-cased
+the checkpoint's tokenizer.json (its normalizer, its post-processor: the EOS it appends; transformers
+keeps it whatever tokenizer_config.json's add_bos_token / add_eos_token say, tested), lower-cased
 first for SigLIP 2 (transformers' Siglip2Tokenizer puts Lowercase before the normalizer), truncated
 and padded to 64 tokens (padding="max_length", max_length=64, truncation=True), on the side
 tokenizer_config.json names (Siglip2Tokenizer's default: left), with the attention mask.
@@ -29,8 +30,6 @@ class TextPrep:
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         if lowercase and tok.normalizer is not None:
             tok.normalizer = normalizers.Sequence([normalizers.Lowercase(), tok.normalizer])
-        if "add_bos_token" in cfg or "add_eos_token" in cfg:  # transformers rebuilds the post-processor then
-            tok.post_processor = _template(tok, cfg)
         self.length = MAX_LENGTH
         if self.length > max_positions:
             raise ConfigError(f"{folder}: the text tower has {max_positions} positions, fewer than the "
@@ -49,21 +48,6 @@ class TextPrep:
         enc = self.tok.encode_batch(texts)
         return (torch.tensor([e.ids for e in enc], dtype=torch.long),
                 torch.tensor([e.attention_mask for e in enc], dtype=torch.long))
-
-
-def _template(tok, cfg: dict):
-    """The post-processor transformers builds from add_bos_token / add_eos_token (a special token
-    the vocabulary lacks is not added)."""
-    from tokenizers import processors
-
-    parts, used = ["$A:0"], []
-    for flag, role in (("add_bos_token", "bos_token"), ("add_eos_token", "eos_token")):
-        token = _content(cfg.get(role))
-        if cfg.get(flag) and token is not None and (id_ := tok.token_to_id(token)) is not None:
-            parts.insert(0 if role == "bos_token" else len(parts), f"{token}:0")
-            used.append((token, id_))
-    single = " ".join(parts)
-    return processors.TemplateProcessing(single=single, pair=f"{single} $B:1", special_tokens=used)
 
 
 def _content(token) -> str | None:

@@ -6,6 +6,7 @@ within 1e-5, at batch 1 / 7 / 64, through the image-level labeler."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -96,8 +97,19 @@ def test_pixels_equal_the_processor(checkpoint):
         assert torch.equal(ours, theirs)
 
 
-def test_texts_equal_the_tokenizer(checkpoint):
+@pytest.mark.parametrize("flags", [False, True])
+def test_texts_equal_the_tokenizer(checkpoint, flags, tmp_path):
     kind, folder = checkpoint
+    if flags:  # tokenizer_config.json's add_bos / add_eos flags (transformers keeps tokenizer.json's template),
+        # and no padding_side: the tokenizer class's default
+        import json
+        import shutil
+
+        folder = Path(shutil.copytree(folder, tmp_path / "flags"))
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config.update(add_bos_token=True, add_eos_token=True, bos_token="<bos>")
+        config.pop("padding_side", None)
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
     family = open_family(ModelSpec(name=str(folder)))
     ref = Reference(kind, folder)
     texts = ["This is a photo of A Cat.", "x" * 100, "", "Hello, World!"]
