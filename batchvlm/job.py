@@ -127,6 +127,12 @@ class ModelSpec(Strict):
     max_pixels: int | None = Field(None, ge=1, description="Qwen3-VL: images are resized to at most this many pixels "
                                                            "(default: the checkpoint's). Fewer pixels = fewer image "
                                                            "tokens: faster vision and prefill, less KV memory.")
+    prune_duplicates: float | None = Field(
+        None, ge=0.0, le=1.0, allow_inf_nan=False,
+        description="Qwen3-VL / Qwen3.5: drop every 2x2 merge group of image patches whose pixels equal an "
+                    "already-kept neighbour's (left or above) within this tolerance (largest difference of any "
+                    "pixel channel, as a share of 0-255; 0 = identical), before the vision tower and the prefill; "
+                    "kept tokens keep their positions. Off by default. docs/tune.md.")
 
     @field_validator("revision", mode="before")
     @classmethod
@@ -246,7 +252,10 @@ class Job(Strict):
         e = self.engine
         return {
             # the weights hash pins the family; a local folder is named by its real path
-            "model": self.model.model_dump(exclude={"device", "family"}) | {"name": model_path(self.model.name)},
+            # prune_duplicates only where set: the prints of jobs written before it stay the same
+            "model": self.model.model_dump(exclude={"device", "family"} | ({"prune_duplicates"} if
+                                                                           self.model.prune_duplicates is None else set()))
+                     | {"name": model_path(self.model.name)},
             "tasks": [t.model_dump(by_alias=True) for t in self.tasks],
             "engine": {k: getattr(e, k) for k in ("max_new_tokens", "max_objects", "temperature", "top_p", "seed")},
             # which image a row holds, and the pixels the model sees

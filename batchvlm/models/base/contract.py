@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 import torch
 from PIL import Image
 
+from .budget import Budget
 from .decoding import Decision, PromptRows, RawOutput, RowState, SeqSpec
 
 if TYPE_CHECKING:
@@ -115,6 +116,12 @@ class Family(Protocol):
 
     def max_prefix_len(self) -> int:
         """An upper bound of any image's prefix length under this job's preprocessing."""
+
+    def budget(self) -> Budget | None:
+        """The visual-budget knob `batchvlm tune` varies, at this job's setting; None: none."""
+
+    def can_prune(self) -> bool:
+        """Whether the family drops duplicate visual tokens (model.prune_duplicates)."""
 
     def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput],
                 seen: tuple[int, int] | None = None) -> dict[str, Any]:

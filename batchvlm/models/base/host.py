@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...tasks import IMAGE_LEVEL_KINDS, args_of, kind_of
+from .budget import Budget
 from .contract import ModelInfo, TaskSequence
 from .errors import FamilyError
 from .hub import resolve_device, resolve_dtype, weight_files, weights_sha256
@@ -48,6 +49,14 @@ class FamilyBase(ABC):
         info = ModelInfo(self.model_name, self.revision, str(self.folder), weights_sha256(files),
                          str(dt).removeprefix("torch."), str(dev), self.name, self.backend)
         return self.device_side(model, info)
+
+    def budget(self) -> Budget | None:
+        """The family's visual-budget knob at this job's setting (None: images have one fixed cost)."""
+        return None
+
+    def can_prune(self) -> bool:
+        """Whether the family drops duplicate visual tokens (model.prune_duplicates)."""
+        return False
 
     @abstractmethod
     def build(self, device: torch.device, dtype: torch.dtype) -> Any:

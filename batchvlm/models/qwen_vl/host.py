@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 import torch
 
 from ...tasks import args_of, kind_of
+from ..base.budget import Budget, halvings
 from ..base.columns import task_columns
 from ..base.contract import ModelInfo, TaskSequence
 from ..base.decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
@@ -127,6 +128,14 @@ class QwenVLHost(FamilyBase):
 
     def max_prefix_len(self) -> int:
         return len(self.head) + self.pre.max_tokens() + 1
+
+    def budget(self) -> Budget:
+        """max_pixels: image tokens follow the area (one per factor^2 pixels)."""
+        lo, full = self.pre.settings.min_pixels, self.pre.settings.max_pixels
+        return Budget("max_pixels", lo, full, halvings(full, lo))
+
+    def can_prune(self) -> bool:
+        return True
 
     def sequences(self, tasks: list[Task], engine: EngineSpec, constrain: bool = False) -> list[TaskSequence]:
         """`constrain` (output.constrain): detect / point answers follow the JSON grounding format
