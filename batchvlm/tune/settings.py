@@ -52,6 +52,9 @@ def settings_for(family_name: str, budget: Budget | None, can_prune: bool, asked
             raise ModelLoadError(f"tune: {family_name} has no visual budget to vary (its images have one fixed size) "
                                  "and cannot prune duplicate visual tokens")
         out = [Setting(f"{budget.field}={v}", v) for v in budget.ladder] if budget else []
+        if not out and not can_prune:
+            raise ModelLoadError(f"tune: model.{budget.field} is {budget.full}, the smallest {family_name} takes: "
+                                 "nothing smaller to compare; set it higher in the job file")
         return [FULL, *out, *([_prune("prune:0")] if can_prune else [])]
     out: list[Setting] = [FULL]
     for item in (i.strip() for i in asked.split(",") if i.strip()):
@@ -75,4 +78,6 @@ def settings_for(family_name: str, budget: Budget | None, can_prune: bool, asked
             setting = FULL if value == budget.full else Setting(f"{budget.field}={value}", value)
         if setting not in out:
             out.append(setting)
+    if len(out) == 1:
+        raise ModelLoadError("--budgets: only the full budget; name a smaller setting or prune[:TOL]")
     return out
