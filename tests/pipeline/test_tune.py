@@ -86,3 +86,33 @@ def test_agreement_metrics():
     t = {k: v["value"] for k, v in ag.table().items()}
     assert t == {"caption": pytest.approx((1 + 0.5 + 0) / 3, abs=1e-4), "query": pytest.approx(1 / 3, abs=1e-4),
                  "detect": pytest.approx(2 * 1 / (1 + 3), abs=1e-4), "point": pytest.approx(2 * 1 / (2 + 3), abs=1e-4)}
+
+
+def test_tune_on_qwen_reports_max_pixels_and_pruning(tmp_path):
+    pytest.importorskip("transformers")
+    import numpy as np
+    import yaml
+    from PIL import Image
+    from support.qwen3vl_fixture import write_checkpoint
+
+    folder = write_checkpoint(tmp_path / "ckpt", seed=2, likely_stops=True)
+    src = tmp_path / "images"
+    src.mkdir()
+    for i in range(5):  # flat backgrounds with one block: most merge groups repeat
+        a = np.full((128, 160, 3), 200 - 20 * i, dtype=np.uint8)
+        a[20 + 5 * i : 60 + 5 * i, 30:80] = (200, 40, 40)
+        Image.fromarray(a).save(src / f"im{i}.png")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"name": "q", "input": {"folder": str(src)}, "model": {"name": str(folder)},
+                                   "tasks": [{"caption": {}}, {"detect": {"objects": ["cat"]}}],
+                                   "engine": {"max_new_tokens": 12}, "output": {"dir": str(tmp_path / "out")}}))
+    r = cli_app(tmp_path, "tune", job, "--sample", "4", "--budgets", "8192,prune", "--no-plot")
+    assert r.returncode == 0, r.stdout
+    data = json.loads((tmp_path / "q.tune.json").read_text())
+    assert [s["setting"] for s in data["settings"]] == ["full", "max_pixels=8192", "prune=0"]
+    full, small, pruned = data["settings"]
+    assert pruned["visual_tokens"] < full["visual_tokens"] and small["visual_tokens"] < full["visual_tokens"]
+    assert all(a["value"] == 1.0 for a in full["agreement"].values())
+    r = cli_app(tmp_path, "tune", job, "--budgets", "999999999")
+    assert r.returncode == 2 and "outside model.max_pixels's range" in r.stdout
+    assert not (tmp_path / "out").exists()
