@@ -113,6 +113,6 @@ def test_tune_on_qwen_reports_max_pixels_and_pruning(tmp_path):
     full, small, pruned = data["settings"]
     assert pruned["visual_tokens"] < full["visual_tokens"] and small["visual_tokens"] < full["visual_tokens"]
     assert all(a["value"] == 1.0 for a in full["agreement"].values())
-    r = cli_app(tmp_path, "tune", job, "--budgets", "999999999")
+    r = cli_app(tmp_path, "tune", job, "--sample", "4", "--budgets", "999999999")
     assert r.returncode == 2 and "outside model.max_pixels's range" in r.stdout
     assert not (tmp_path / "out").exists()
