@@ -30,7 +30,7 @@ from .settings import FULL, Setting
 class Measured:
     setting: Setting
     images: int  # labelled (preprocessing errors left out)
-    visual_tokens: float  # mean image-prefix tokens (KV slots) per image
+    prefix_tokens: float  # mean image-prefix tokens (KV slots: the image tokens and the template tokens around them)
     vision_cost: float  # mean vision work per image (Prepared.cost: crops, or patches / 1024)
     seconds: float
     agreement: dict[str, dict[str, Any]]
@@ -41,7 +41,7 @@ class Measured:
 
     def to_dict(self) -> dict[str, Any]:
         return {"setting": self.setting.name, "value": self.setting.value, "prune": self.setting.prune,
-                "images": self.images, "visual_tokens": round(self.visual_tokens, 1),
+                "images": self.images, "prefix_tokens": round(self.prefix_tokens, 1),
                 "vision_cost": round(self.vision_cost, 2), "seconds": round(self.seconds, 3),
                 "images_per_s": round(self.images_per_s, 2), "agreement": self.agreement}
 

@@ -19,8 +19,8 @@ def record(job_name: str, family: str, device: str, seed: int, population: int, 
 def table(rows: list[Measured]) -> str:
     """One line per setting: tokens, vision work, images/s, then each task's agreement."""
     columns = list(rows[0].agreement) if rows else []
-    head = ["setting", "tokens/img", "vision", "img/s", *(f"{c} ({rows[0].agreement[c]['metric']})" for c in columns)]
-    body = [[r.setting.name, f"{r.visual_tokens:.0f}", f"{r.vision_cost:.2f}", f"{r.images_per_s:.2f}",
+    head = ["setting", "prefix/img", "vision", "img/s", *(f"{c} ({rows[0].agreement[c]['metric']})" for c in columns)]
+    body = [[r.setting.name, f"{r.prefix_tokens:.0f}", f"{r.vision_cost:.2f}", f"{r.images_per_s:.2f}",
              *(f"{r.agreement[c]['value']:.3f}" for c in columns)] for r in rows]
     widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
     return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in

@@ -37,7 +37,7 @@ def test_tune_subprocess_reports_every_setting_and_writes_nothing_into_the_outpu
     full = data["settings"][0]
     assert all(a["value"] == 1.0 for a in full["agreement"].values())  # the reference agrees with itself
     assert list(full["agreement"]) == ["caption", "query", "detect", "point"]
-    assert full["images_per_s"] > 0 and full["visual_tokens"] > 0
+    assert full["images_per_s"] > 0 and full["prefix_tokens"] > 0
     assert data["settings"][0]["vision_cost"] >= data["settings"][1]["vision_cost"]
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     assert not (tmp_path / "out").exists()
@@ -111,7 +111,7 @@ def test_tune_on_qwen_reports_max_pixels_and_pruning(tmp_path):
     data = json.loads((tmp_path / "q.tune.json").read_text())
     assert [s["setting"] for s in data["settings"]] == ["full", "max_pixels=8192", "prune=0"]
     full, small, pruned = data["settings"]
-    assert pruned["visual_tokens"] < full["visual_tokens"] and small["visual_tokens"] < full["visual_tokens"]
+    assert pruned["prefix_tokens"] < full["prefix_tokens"] and small["prefix_tokens"] < full["prefix_tokens"]
     assert all(a["value"] == 1.0 for a in full["agreement"].values())
     r = cli_app(tmp_path, "tune", job, "--sample", "4", "--budgets", "999999999")
     assert r.returncode == 2 and "outside model.max_pixels's range" in r.stdout
