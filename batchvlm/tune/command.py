@@ -15,7 +15,7 @@ from ..models.base.errors import ModelLoadError
 from ..models.registry import open_family
 from ..output.shardlist import plan
 from ..run.log import log
-from .measure import families, measure
+from .measure import check_settings, measure
 from .report import has_matplotlib, record, table, write_json, write_plot
 from .sample import check_size, draw
 from .settings import FULL, settings_for
@@ -49,7 +49,7 @@ def tune(job: Job, args: TuneArgs) -> str:
     check_size(shards, args.sample)
     base = open_family(FULL.spec(job.model, None), weights=False)
     settings = settings_for(base.name, base.budget(), base.can_prune(), args.budgets)
-    families(job, settings)  # each setting's tasks and context, before any work
+    check_settings(job, settings)
     drawn = draw(shards, job.input, args.sample, args.seed)
     rows = measure(job, settings, drawn.images, log)
     write_json(args.json_path, record(job.name, base.name, job.model.device, args.seed, drawn.population, rows))

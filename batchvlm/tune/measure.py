@@ -20,7 +20,6 @@ from ..data.loader import prepare
 from ..data.sources import Encoded
 from ..engine.engine import EngineLabeler
 from ..job import Job
-from ..models.base.contract import Family
 from ..models.registry import open_family
 from .agreement import Agreement
 from .settings import FULL, Setting
@@ -46,17 +45,12 @@ class Measured:
                 "images_per_s": round(self.images_per_s, 2), "agreement": self.agreement}
 
 
-def families(job: Job, settings: list[Setting]) -> list[Family]:
-    """Each setting's host side, its sequences built: what a setting cannot run is refused here,
-    before any image is read or weight loaded."""
-    base = open_family(FULL.spec(job.model, None), weights=False)
-    budget = base.budget()
-    out = []
+def check_settings(job: Job, settings: list[Setting]) -> None:
+    """Each setting's host side opened and its sequences built: what a setting cannot run is
+    refused here, before any image is read or weight loaded."""
+    budget = open_family(FULL.spec(job.model, None), weights=False).budget()
     for s in settings:
-        family = open_family(s.spec(job.model, budget), weights=False)
-        family.sequences(job.tasks, job.engine, job.output.constrain)
-        out.append(family)
-    return out
+        open_family(s.spec(job.model, budget), weights=False).sequences(job.tasks, job.engine, job.output.constrain)
 
 
 def measure(job: Job, settings: list[Setting], images: list[Encoded], log: Callable[[str], None]) -> list[Measured]:

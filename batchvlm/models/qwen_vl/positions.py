@@ -8,10 +8,11 @@ position per token, all three axes equal. With duplicate pruning (prune.py) only
 cells' tokens are in the prefix, each with its position above; vision_end and the text after it
 keep theirs.
 
-So positions are not KV slots: the prefix occupies s + gh * gw + 1 slots but ends at position
-s + max(gh, gw) (the vision_end token), and every later token's position is its slot index plus
-`delta = max(gh, gw) - gh * gw` (<= 0). The engine keeps a per-sequence next position beside
-its slot count; decode positions are 1-D (t = h = w).
+So positions are not KV slots: the prefix occupies s + n + 1 slots (n image tokens: gh * gw,
+fewer when pruned) but ends at position s + max(gh, gw) (the vision_end token), and every later
+token's position is its slot index plus `delta = max(gh, gw) - n` (<= 0 unless pruning left
+fewer tokens than a side of the grid). The engine keeps a per-sequence next position beside its
+slot count; decode positions are 1-D (t = h = w).
 """
 
 from __future__ import annotations
