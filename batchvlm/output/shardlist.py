@@ -55,7 +55,8 @@ def plan(inp: InputSpec, layout: Layout | None = None, freeze: bool = False) -> 
         for stem in dropped:
             layout.parquet(stem).unlink(missing_ok=True)
             layout.stats(stem).unlink(missing_ok=True)
-            layout.partial(stem).unlink(missing_ok=True)
+            for path in layout.partials(stem):
+                path.unlink(missing_ok=True)
         return shards
 
 

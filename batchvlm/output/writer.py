@@ -137,7 +137,8 @@ def write_shard(layout: Layout, stem: str, rows: list[dict[str, Any]], sch: pa.S
         os.replace(tmp, final)
     _fsync_dir(final.parent)
     if done:
-        layout.partial(stem).unlink(missing_ok=True)
+        for path in layout.partials(stem):
+            path.unlink(missing_ok=True)
 
 
 @dataclass
