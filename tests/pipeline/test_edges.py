@@ -93,10 +93,10 @@ def test_1_yolo_export_keeps_both_images_of_a_stem_and_never_merges(labelled):
     root = labelled["root"]
     code, out = inproc(root, "export", "yolo", "out", "yolo")
     assert code == 0, out
-    labels = root / "yolo" / "labels" / "root-00000"
-    assert sorted(p.name for p in labels.iterdir()) == ["a+2.txt", "a.txt"]  # a.jpg, then a.png
+    labels = root / "yolo" / "labels"  # flat, as YOLO tools read it
+    assert sorted(p.name for p in labels.iterdir()) == ["a+2.txt", "a.txt", "b.txt", "e.txt", "f.txt"]  # a.jpg, a.png
     names = [json.loads(line)["file_name"] for line in (root / "yolo" / "captions.jsonl").read_text().splitlines()]
-    assert "root-00000/a.jpg" in names and "root-00000/a+2.png" in names
+    assert "a.jpg" in names and "a+2.png" in names
     code, out = inproc(root, "export", "yolo", "out", "yolo")
     assert code == 2 and "DEST" in out and "not empty" in out and "--overwrite" in out
     code, out = inproc(root, "export", "coco", "out", "yolo", "--overwrite")
