@@ -201,7 +201,10 @@ def _labeler(family: Family, model: EngineModel | StaticModel, seqs: list[TaskSe
         return model.labeler(seqs, job.engine), "static batches"
     labeler = EngineLabeler(model, seqs, job.engine, family.max_prefix_len(), log)
     e = labeler.engine
-    return labeler, (f"batch {e.settings.max_batch_size}, {e.stats['kv_blocks']} KV blocks of {job.engine.block_size}, "
+    sized_by = ("what the job can use at once" if e.stats["kv_sized_by"] == "job"
+                else f"what {e.model.device.type} memory allows")
+    return labeler, (f"batch {e.settings.max_batch_size}, {e.stats['kv_blocks']} KV blocks of {job.engine.block_size} "
+                     f"({e.stats['kv_mib']:.0f} MiB: {sized_by}), "
                      f"{e.stats['rows']} rows, {'pipelined' if e.pipelined else 'synchronous'}"
                      + (f", CUDA graphs captured in {e.stats['graph_capture_s']:.1f} s" if e.runner.graphs else "")
                      + (f", flex_attention compiled {e.stats['compiled_shapes']} shapes in {e.stats['compile_s']:.1f} s"
