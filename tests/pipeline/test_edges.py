@@ -346,8 +346,12 @@ def test_16_small_things_validation_lets_through(labelled, tmp_path):
     added = {"caption": {"length": "short", "name": "short"}}
     job = job_file(root, "added.yaml", "img", "out", tasks=[{"caption": {"max_new_tokens": 2}},
                                                             {"detect": {"objects": ["circle"]}}, added])
-    code, out = inproc(root, "validate", job)
-    assert code == 2 and "tasks.2 was not there, is now" in out and "circle" not in out, out
+    code, out = inproc(root, "validate", job)  # a task appended: the done shards gain its columns (issue 40 item 16)
+    assert code == 0, out
+    job = job_file(root, "inserted.yaml", "img", "out", tasks=[added, {"caption": {"max_new_tokens": 2}},
+                                                               {"detect": {"objects": ["circle"]}}])
+    code, out = inproc(root, "validate", job)  # one before them changes what tasks.0 is
+    assert code == 2 and "tasks.0.caption.length was \"normal\", is now \"short\"" in out and "circle" not in out, out
     pq.write_table(pa.table({"image": [png((1, 1, 1))] * 3, "id": ["k", None, ""]}), tmp_path / "keys.parquet")
     keyed = parse_job({"name": "k", "input": {"parquet": "keys.parquet", "key_column": "id"},
                        "tasks": [{"caption": {}}], "output": {"dir": "o"}}, tmp_path)
