@@ -300,7 +300,7 @@ def _check_tasks_grew(layout: Layout, before: list, now: list) -> None:
     if now[:len(before)] == before:
         return
     path, was, is_now = _first_difference(before, now, "tasks")
-    raise OutputConflict(f"{layout.dir} holds labels of other tasks ({path} was {_shown(was)}, is now "
+    raise OutputConflict(f"{layout.dir} holds labels made with other settings ({path} was {_shown(was)}, is now "
                          f"{_shown(is_now)}); a labelled job may gain tasks after its own, but removing or changing "
                          "one needs --overwrite (or another output.dir)")
 
