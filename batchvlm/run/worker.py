@@ -22,6 +22,7 @@ list is frozen only after the weights were checked.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from functools import partial
@@ -214,8 +215,6 @@ def _start_output(job: Job, layout: Layout, rank: Rank, model: EngineModel | Sta
 
 def writer_started(writer: WriterThread) -> str:
     """This run's start time, as its job record and the files' metadata say it."""
-    import json
-
     return json.loads(writer.schema.metadata[b"batchvlm"])["started"]
 
 
