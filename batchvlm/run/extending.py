@@ -61,6 +61,8 @@ def extend_done(groups: dict[tuple[int, ...], list[ShardRef]], job: Job, layout:
         finally:
             stream.close()
         summary.shards_extended += part.shards_written
+        summary.images += part.images  # labelled with the new tasks: the run's images and errors count them
+        summary.errors += part.errors
         summary.shards_failed += part.shards_failed
         summary.dropped += part.dropped
         summary.shards_kept += part.shards_kept

@@ -40,7 +40,7 @@ def test_a_job_gains_a_task_without_relabelling(tmp_path):
     write_job(tmp_path / "job.yaml", "x-{000..001}.tar", tasks=[CAPTION, QUERY])
     code, out = inproc(tmp_path, "run", job)
     assert code == 0, out
-    assert "0 shard(s) written, 2 already done, 2 of those gained the new tasks' columns" in out, out
+    assert "0 shard(s) written, 2 already done, 2 of those gained the new tasks' columns, 6 images" in out, out
     assert "2 done shard(s) gain the columns of tasks.1" in out, out
     after = tables(tmp_path / "out")
 
