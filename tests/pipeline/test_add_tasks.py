@@ -38,6 +38,8 @@ def test_a_job_gains_a_task_without_relabelling(tmp_path):
     first_run = meta(next(iter(before.values())))["started"]
 
     write_job(tmp_path / "job.yaml", "x-{000..001}.tar", tasks=[CAPTION, QUERY])
+    code, out = inproc(tmp_path, "run", job, "--dry-run")
+    assert code == 0 and "2 shard(s), 2 done, 0 to label, 2 done shard(s) to gain the new tasks' columns" in out, out
     code, out = inproc(tmp_path, "run", job)
     assert code == 0, out
     assert "0 shard(s) written, 2 already done, 2 of those gained the new tasks' columns, 6 images" in out, out
