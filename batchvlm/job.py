@@ -23,7 +23,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 
 from .job_errors import format_error
 from .job_yaml import MAX_JOB_BYTES, JobFileRefused, read_yaml
-from .tasks import Strict, Task, label_columns
+from .tasks import SimilarityTask, Strict, Task, label_columns
 
 RESERVED_COLUMNS = {"key", "source", "width", "height", "status", "error"}
 
@@ -229,6 +229,15 @@ class Job(Strict):
         for col in self.input.keep:
             if col in owner:
                 raise ValueError(f"input.keep: column {col!r} is also {owner[col]}; rename the task or leave the column out")
+        return self
+
+    @model_validator(mode="after")
+    def _texts_kept(self) -> Job:
+        """A similarity task's text travels with its image as an input.keep value."""
+        for i, t in enumerate(self.tasks):
+            if isinstance(t, SimilarityTask) and (col := t.similarity.text_column) not in self.input.keep:
+                raise ValueError(f"tasks.{i}.similarity.text_column: {col!r} is not in input.keep; add it there (the "
+                                 "text travels with its image as a kept column)")
         return self
 
     def label_settings(self) -> dict[str, Any]:

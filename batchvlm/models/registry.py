@@ -26,6 +26,8 @@ FAMILIES: dict[str, str] = {
     "florence2": "batchvlm.models.florence2.host:Florence2",
     "qwen3_5": "batchvlm.models.qwen3_5.host:Qwen35",
     "qwen3_5_moe": "batchvlm.models.qwen3_5.host:Qwen35",
+    "siglip": "batchvlm.models.siglip.host:Siglip",  # fixed resolution (SigLIP 2 FixRes, SigLIP)
+    "siglip2": "batchvlm.models.siglip.host:Siglip",  # NaFlex
 }
 TRANSFORMERS = "batchvlm.models.transformers_backend.host:TransformersFamily"
 # What a family's host side reads of a hub repo: config, tokenizer (tokenizer.model: sentencepiece;
