@@ -32,8 +32,9 @@ COSTLY = {  # template -> what the refusal says
     "{{ '%999999999d' % 1 }}": "formats with a width",
     "{{ 7 ** 999999 }}": "computes",
     "{% set ns = namespace(s='xx') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}": "builds a value",
+    # a list doubled: its size is counted item by item, so on a busy machine the clock may stop it first
     "{% set ns = namespace(a=[]) %}{% for i in range(64) %}{% set ns.a = ns.a + ns.a + [i] %}{% endfor %}":
-        "builds a value",
+        "builds a value|takes longer than",
     "{% macro f(s) %}{{ f(s ~ s) }}{% endmacro %}{{ f('x') }}": "builds a value",
     "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}": "recurses without end",
 }
