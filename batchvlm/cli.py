@@ -120,9 +120,12 @@ def _dry_run(job: Job, overwrite: bool) -> None:
     from .run.preflight import clears, preflight
 
     pre = preflight(job, clears(job, overwrite), resolve_rank(), dry=True)
+    from .run.extending import to_extend
+
     done = pre.done()
+    gaining = sum(map(len, to_extend(pre.layout, done, pre.job).values()))  # a job that gained tasks
     typer.echo(f"job {pre.job.name}: {len(pre.shards)} shard(s), {len(done)} done, {len(pre.shards) - len(done)} "
-               "to label")
+               "to label" + (f", {gaining} done shard(s) to gain the new tasks' columns" if gaining else ""))
     typer.echo(f"model {pre.job.model.name} (revision {pre.job.model.revision or 'default'}), "
                f"{len(pre.job.tasks)} task(s), output {pre.layout.dir}")
 

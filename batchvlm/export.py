@@ -1,7 +1,9 @@
 """Export labels to the formats training code reads: COCO, YOLO, and captions.jsonl.
 
 Coordinates are in the image as displayed, after EXIF orientation (the `width` / `height` of
-the rows). Images keep their input's file name and format (`DEST/images/<shard>/<file>`); with
+the rows). Images keep their input's file name and format (COCO: `DEST/images/<shard>/<file>`;
+YOLO: `DEST/images/<file>`, flat, the layout supervision's `from_yolo` and ultralytics read,
+a `/` inside a name turned into `_`); with
 `with_images` they are written there as the input's bytes, re-encoded (same format) only where
 EXIF turns them, so readers that ignore EXIF still line up. Without it no image is decoded.
 Only `ok` rows are exported; points have no COCO / YOLO form and are left out (they stay in
@@ -9,7 +11,7 @@ the Parquet output).
 
     COCO  DEST/annotations.json   images, categories (detect object names, ids from 1),
                                   annotations with absolute-pixel [x, y, w, h]
-    YOLO  DEST/labels/<shard>/<file stem>.txt   "class cx cy w h" (normalized, classes from 0)
+    YOLO  DEST/labels/<file stem>.txt   "class cx cy w h" (normalized, classes from 0)
           DEST/data.yaml          train / val only where the images were written
     both  DEST/captions.jsonl     the caption / query columns of every exported image
           DEST/export.json        every exported image's key, source and file_name (under images/)
@@ -17,9 +19,10 @@ the Parquet output).
 A name comes from the dataset (tar member, Parquet key), so it is made safe first (`safe_name`):
 an absolute path, `..` or `.` parts are dropped and the hash of the original name is added
 (`../x.png` -> `x~1a2b3c4d.png`); every file an export writes stays inside DEST. YOLO pairs an
-image with its labels by file stem: where two images of a shard share one (`a.png`, `a.jpg`),
-the later one is exported as `a+2.jpg` (labels `a+2.txt`), in every file; in COCO only names
-equal without case (`A.png`, `a.png`) are parted that way.
+image with its labels by file stem: where two images share one (`a.png`, `a.jpg`; in YOLO across
+shards too, its folders being flat), the later one is exported as `a+2.jpg` (labels `a+2.txt`),
+in every file; in COCO only names of one shard equal without case (`A.png`, `a.png`) are parted
+that way.
 DEST must be empty (an export never merges into another: class maps would disagree) unless
 `overwrite`, which replaces what an export writes there; it may not lie inside the output
 folder or an input folder.
@@ -159,20 +162,26 @@ def _boxes(row: dict[str, Any], columns: list[str]) -> list[dict[str, Any]]:
 
 
 def _file_names(output: Output, rows: list, fmt: str, dest: Path | None) -> dict[tuple[str, str], str]:
-    """(shard stem, key) -> the image's file name under images/ (`<shard>/<name>`, safe and
-    collision-free), each image written to `dest`/images/ where `dest` is given (--with-images)."""
+    """(shard stem, key) -> the image's file name under images/ (safe and collision-free: COCO
+    `<shard>/<name>`, YOLO `<name>` with no folder), each image written to `dest`/images/ where
+    `dest` is given (--with-images)."""
     file_names: dict[tuple[str, str], str] = {}
     by_shard: dict[str, list[str]] = defaultdict(list)  # keys in row order
     for shard, row in rows:
         by_shard[shard.stem].append(row["key"])
+    flat = _Names(by_stem=True) if fmt == "yolo" else None  # one folder for every shard's images
     for shard in output.shards():
         if shard.stem not in by_shard:
             continue
-        folder, taken = safe_name(shard.stem), _Names(by_stem=fmt == "yolo")
+        folder, taken = safe_name(shard.stem), flat or _Names(by_stem=False)
+
+        def place(name: str) -> str:
+            return taken.claim(safe_name(name).replace("/", "_")) if flat else f"{folder}/{taken.claim(name)}"
+
         if not (shard.kind == "folder" and dest is None):  # a folder's key is its file name: no need to read
             try:
                 for enc in output.encoded(shard, set(by_shard[shard.stem])):
-                    name = file_names[(shard.stem, enc.key)] = f"{folder}/{taken.claim(_name(enc))}"
+                    name = file_names[(shard.stem, enc.key)] = place(_name(enc))
                     if dest is not None:
                         _write_image(enc, dest / "images" / name, output.job.loader.max_image_pixels)
             except OutputError:
@@ -181,7 +190,7 @@ def _file_names(output: Output, rows: list, fmt: str, dest: Path | None) -> dict
                 # without images a gone input only costs the extension: names stay the keys
         for key in by_shard[shard.stem]:
             if (shard.stem, key) not in file_names:
-                file_names[(shard.stem, key)] = f"{folder}/{taken.claim(key)}"
+                file_names[(shard.stem, key)] = place(key)
     return file_names
 
 
@@ -227,7 +236,7 @@ def export(out_dir: Path, dest: Path, fmt: str, with_images: bool = False, overw
     else:
         data = {"path": str(dest.resolve())} | ({"train": "images", "val": "images"} if with_images else {})
         note = "" if with_images else ("# images were not exported (--with-images): add train / val with the "
-                                       "folder that holds them,\n# laid out as labels/ is (<shard>/<file>)\n")
+                                       "folder that holds them,\n# laid out as labels/ is (flat: <file>)\n")
         (dest / "data.yaml").write_text(note + yaml.safe_dump(data | {"names": dict(enumerate(names))},
                                                                sort_keys=False))
     manifest = {"format": fmt, "output": str(output.dir.resolve()), "images_written": with_images,

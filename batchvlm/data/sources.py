@@ -187,6 +187,20 @@ class FolderScan:
     skipped: Counter[str]  # why files were not taken -> how many
 
 
+# The first bytes of the formats in FOLDER_EXTS: a file named .heic (or another unreadable
+# extension) that holds one of these is an image to label, whatever its name says.
+_READABLE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*")
+
+
+def _readable_content(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError:
+        return False
+    return head.startswith(_READABLE_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
+
+
 def _skip_reason(entry: os.DirEntry) -> str | None:
     """Why a file of the folder is no image to label; None if it is one. A broken link is
     taken: reading it gives an error row."""
@@ -198,8 +212,22 @@ def _skip_reason(entry: os.DirEntry) -> str | None:
     if suffix in FOLDER_EXTS:
         return None
     if suffix in UNREADABLE_EXTS:
+        if _readable_content(entry.path):  # e.g. a JPEG an export named .heic
+            return None
         return f"{UNREADABLE_EXTS[suffix]} (unreadable: convert to JPEG or PNG)"
     return "not an image"
+
+
+def sidecar_paths(image: Path, ext: str) -> tuple[Path, Path]:
+    """Where a folder image's `ext` sidecar may be, in the order read: its own (`img.jpg.txt`, as
+    gallery-dl and many export tools write), then the one beside its stem (`img.txt`)."""
+    return image.with_name(f"{image.name}.{ext}"), image.with_suffix(f".{ext}")
+
+
+def _sidecars(images: list[str], keep: tuple[str, ...]) -> set[str]:
+    """The names of every sidecar of `keep` that the images of one directory may have."""
+    exts = [ext for ext in keep if ext != "path"]
+    return {p.name for name in images for ext in exts for p in sidecar_paths(Path(name), ext)}
 
 
 def _stat(path: Path) -> tuple[int, int]:
@@ -210,9 +238,10 @@ def _stat(path: Path) -> tuple[int, int]:
     return st.st_size, st.st_mtime_ns
 
 
-def scan_folder(root: Path) -> FolderScan:
+def scan_folder(root: Path, keep: tuple[str, ...] = ()) -> FolderScan:
     """Every directory under `root` that holds images, walked in sorted order (hidden ones too).
-    Symlinked directories are followed, each real directory once (a link back up is a loop)."""
+    Symlinked directories are followed, each real directory once (a link back up is a loop).
+    The sidecars of `keep` (input.keep) beside the images are read, so not counted as skipped."""
     if not root.is_dir():
         raise SourceError(f"input.folder: {root} is not a directory")
     scan = FolderScan({}, {}, {}, Counter())
@@ -227,7 +256,7 @@ def scan_folder(root: Path) -> FolderScan:
                 raise SourceError(f"input.folder: cannot list {root}: {e.strerror}") from None
             scan.unreadable[rel.as_posix()] = f"cannot list {root / rel}: {e.strerror}"
             continue
-        names, subdirs = [], []
+        names, subdirs, others = [], [], []
         for e in entries:
             if e.is_dir():  # follows links
                 real = os.path.realpath(e.path)
@@ -240,7 +269,9 @@ def scan_folder(root: Path) -> FolderScan:
                 names.append(e.name)
                 scan.stat[(rel / e.name).as_posix()] = _stat(Path(e.path))
             else:
-                scan.skipped[why] += 1
+                others.append((e.name, why))
+        sidecars = _sidecars(names, keep) if keep else set()
+        scan.skipped.update(why for name, why in others if name not in sidecars)
         if names:
             scan.images[rel.as_posix()] = names
         todo += reversed(subdirs)
@@ -462,6 +493,13 @@ def _read_or_none(path: Path) -> bytes | None:
         return None
 
 
+def _sidecar(image: Path, ext: str) -> bytes | None:
+    for path in sidecar_paths(image, ext):
+        if (data := _read_or_none(path)) is not None:
+            return data
+    return None
+
+
 def _read_folder(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded]:
     root = Path(shard.url)
     if shard.files is None:  # a directory that could not be listed when the shards were planned
@@ -471,7 +509,7 @@ def _read_folder(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded]:
         path = root / name
         meta: dict[str, Any] | None = None
         if inp.keep:
-            meta = {ext: _text(_read_or_none(path.with_suffix(f".{ext}"))) for ext in inp.keep if ext != "path"}
+            meta = {ext: _text(_sidecar(path, ext)) for ext in inp.keep if ext != "path"}
             if "path" in inp.keep:
                 meta["path"] = shown(os.path.relpath(path, inp.folder))
         data = _read_or_none(path)

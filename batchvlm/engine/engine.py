@@ -78,6 +78,7 @@ class Engine:
         self._held: SampleLike | None = None  # the next sample, when it did not fit in the last vision batch
         self.step = self._step_pipelined if self.pipelined else self._step_sync
         self.stats = {"steps": 0, "graph_steps": 0, "vision_images": 0, "kv_blocks": sizing.kv_blocks,
+                      "kv_mib": round(sizing.kv_bytes / 2**20, 1), "kv_sized_by": "job" if sizing.by_job else "memory",
                       "rows": n_rows, "prefix_view_bytes": sizing.view_bytes,
                       "graph_capture_s": round(graphs.capture_s, 2) if graphs is not None else 0.0}
         self._count_compiles()

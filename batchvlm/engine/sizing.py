@@ -1,11 +1,20 @@
 """Start-up sizing: the rows, KV blocks and snapshot slots of an engine, decided before it steps.
 
 What an engine gets (`Sizing`) for what its job asks (shape.py `JobShape`) depends on memory:
-enough KV blocks to fill every row (with twice the images that needs, at their largest), and no
-more than free memory allows: accelerator memory after a real warm-up of the largest step on
-CUDA (rows halve until that step fits), available host memory on CPU; either less the largest
-PrefixView the rows can hold (reference attention only; rows halve until one image's cache fits
-beside it). Rows beyond what the blocks can hold at once would never run, so they go too.
+enough KV blocks for what the job can use at once, and no more than free memory allows:
+accelerator memory after a real warm-up of the largest step on CUDA (rows halve until that step
+fits), available host memory on CPU; either less the largest PrefixView the rows can hold
+(reference attention only; rows halve until one image's cache fits beside it). Rows beyond what
+the blocks can hold at once would never run, so they go too.
+
+What the job can use at once (`wanted_blocks`): every row's sequence at its longest own length,
+and the prefixes of the images those rows hold, each at the longest prefix the model can make
+(its largest image). On CUDA twice the images, so that a pipelined step admits the next ones
+while the last ones finish, plus one whole image's sequences. On a CPU, where steps are not
+pipelined, one image more than the rows hold: the one admitted as rows turn over. A cache
+smaller than the worst case only makes admission wait (the scheduler admits what the free
+blocks hold), so no bound here changes a label; on a shared host a cache sized from memory is
+memory taken from others, and zeroing it is start-up time.
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ class Sizing:
     rows: int
     kv_blocks: int
     view_bytes: int  # the largest PrefixView, reserved beside the cache (reference attention only)
+    kv_bytes: int  # the paged cache's tensors
+    by_job: bool  # True: kv_blocks is what the job can use at once; False: what memory allows
 
 
 class Sizer:
@@ -45,19 +56,32 @@ class Sizer:
     def size(self) -> Sizing:
         shape = self.shape
         n_prefix = shape.prefix_blocks * shape.prefixes_per_image
-        n_blocks, n_rows, view_bytes = self._kv_blocks(self.settings.max_batch_size, n_prefix)
+        n_blocks, n_rows, view_bytes, by_job = self._kv_blocks(self.settings.max_batch_size, n_prefix)
         # Rows beyond what the blocks can hold at once would never run: their staging is waste.
         n_rows = max(1, min(n_rows, (n_blocks - 1 - n_prefix) // min(shape.own_blocks)))
-        return Sizing(n_rows, n_blocks, view_bytes)
+        return Sizing(n_rows, n_blocks, view_bytes, n_blocks * self.per_block, by_job)
 
-    def _kv_blocks(self, n_rows: int, n_prefix: int) -> tuple[int, int, int]:
-        """-> (blocks, rows, PrefixView bytes reserved): see the module docstring."""
+    @property
+    def per_block(self) -> int:
+        return bytes_per_slot(self.specs) * self.shape.block_size
+
+    def wanted_blocks(self, n_rows: int, n_prefix: int) -> int:
+        """What the job can use at once with n_rows rows (the module docstring), the null block included."""
+        shape = self.shape
+        own = n_rows * shape.max_own_blocks
+        if self.model.device.type == "cuda":
+            return 1 + 2 * shape.images_for(n_rows) * n_prefix + own + sum(shape.own_blocks)
+        return 1 + (shape.images_for(n_rows) + 1) * n_prefix + own
+
+    def _kv_blocks(self, n_rows: int, n_prefix: int) -> tuple[int, int, int, bool]:
+        """-> (blocks, rows, PrefixView bytes reserved, whether the job bounds the blocks): see the
+        module docstring."""
         model, shape, settings = self.model, self.shape, self.settings
         reserve = 0
         if model.device.type == "cuda":
             reserve, n_rows = self.warmup_peak_bytes(n_rows)
         available = available_bytes(model.device)
-        per_block = bytes_per_slot(self.specs) * shape.block_size
+        per_block = self.per_block
         one_image = 1 + n_prefix + shape.max_own_blocks
         while True:
             view_bytes = self._prefix_view_bytes(n_rows)
@@ -75,8 +99,8 @@ class Sizer:
                 f"not enough {model.device.type} memory for one image's KV cache: it needs "
                 f"{one_image * per_block / 2**20:.0f} MiB, {max(room, 0) / 2**20:.0f} MiB is free for it "
                 f"(engine.kv_memory_fraction={settings.kv_memory_fraction})")
-        wanted = 1 + 2 * shape.images_for(n_rows) * n_prefix + n_rows * shape.max_own_blocks + sum(shape.own_blocks)
-        return max(2, min(wanted, fits)), n_rows, view_bytes
+        wanted = self.wanted_blocks(n_rows, n_prefix)
+        return max(2, min(wanted, fits)), n_rows, view_bytes, wanted <= fits
 
     def _prefix_view_bytes(self, n_rows: int) -> int:
         """The most the runner's PrefixView holds, outside the cache (a backend that does not read

@@ -7,7 +7,8 @@
         shards.lock              held while a rank extends the shard list
         run-<rank>-of-<world>.lock  held by the run of one rank (output/lock.py)
         <shard>.stats.json       rows, errors, timings, the file it is for: the done marker
-        partial/<shard>.parquet  a shard cut short by --limit (complete: false), until it is redone
+        partial/<shard>.parquet.partial  a shard cut short by --limit (complete: false), until it is
+                                 redone: not named .parquet, so `**/*.parquet` globs leave it out
         <shard>.claim            work-stealing leases
         *.tmp-<host>-<pid>       files being written (a shard's Parquet is renamed up into <dir>)
 
@@ -27,6 +28,9 @@ from pathlib import Path
 # reader. Two leading underscores keep the folder out of every one of them.
 META_DIR = "__batchvlm__"
 OLD_JOB_FILE = "_job.json"
+# A partial shard's suffix. Recursive globs (`out/**/*.parquet` in polars, DuckDB, pyarrow) would
+# read a partial/<shard>.parquet as labels; folders written before this suffix may still hold one.
+PARTIAL_SUFFIX = ".parquet.partial"
 
 
 class OutputConflict(RuntimeError):
@@ -85,13 +89,24 @@ class Layout:
 
     def partial(self, stem: str) -> Path:
         """Where a shard that is not done keeps its rows: out of every reader's sight."""
-        return self.partial_dir / f"{stem}.parquet"
+        return self.partial_dir / f"{stem}{PARTIAL_SUFFIX}"
+
+    def partials(self, stem: str) -> tuple[Path, Path]:
+        """A shard's partial file, and where folders written before PARTIAL_SUFFIX kept it."""
+        return self.partial(stem), self.partial_dir / f"{stem}.parquet"
+
+    @staticmethod
+    def stem_of(path: Path) -> str:
+        """The shard of a Parquet or partial file."""
+        return path.name.removesuffix(PARTIAL_SUFFIX).removesuffix(".parquet")
 
     def file_of(self, stem: str, stats: dict | None) -> Path:
         """The Parquet file a shard's stats describe: the labels when done, else its partial rows
         (or, in folders written before partial/ existed, the top-level file)."""
-        if stats and not stats.get("complete") and self.partial(stem).exists():
-            return self.partial(stem)
+        if stats and not stats.get("complete"):
+            for path in self.partials(stem):
+                if path.exists():
+                    return path
         return self.parquet(stem)
 
     def old_layout(self) -> bool:

@@ -3,7 +3,8 @@
 `__batchvlm__/<stem>.stats.json` with `"complete": true` is the done marker, valid while the input
 shard it was made from is unchanged (same size and modification time, recorded in it).
 `__batchvlm__/job.json` records the resolved job and the fingerprint of its label-affecting
-settings; a run whose settings differ is refused unless it overwrites.
+settings; a run whose settings differ is refused unless it overwrites, but for tasks appended
+after the folder's own (their columns are added to the done shards: extend.py).
 """
 
 from __future__ import annotations
@@ -279,7 +280,11 @@ def check_settings(layout: Layout, fingerprint: str, settings: dict[str, Any] | 
     if not prior or prior.fingerprint == fingerprint:
         return
     if prior.settings is not None and settings is not None:
-        if _as_run(prior.settings, prior.backend) == _as_run(settings, prior.backend):
+        before, now = _as_run(prior.settings, prior.backend), _as_run(settings, prior.backend)
+        if before == now:
+            return
+        if {k: v for k, v in before.items() if k != "tasks"} == {k: v for k, v in now.items() if k != "tasks"}:
+            _check_tasks_grew(layout, before.get("tasks") or [], now.get("tasks") or [])
             return
     diff = (_first_difference(prior.settings, settings)
             if prior.settings is not None and settings is not None else None)
@@ -287,6 +292,17 @@ def check_settings(layout: Layout, fingerprint: str, settings: dict[str, Any] | 
             else "model, tasks, sampling or which images a shard holds changed")
     raise OutputConflict(f"{layout.dir} holds labels made with other settings ({what}); "
                          "use --overwrite to start over, or another output.dir")
+
+
+def _check_tasks_grew(layout: Layout, before: list, now: list) -> None:
+    """Tasks appended after the folder's are new columns for its done shards (output/extend.py);
+    a task removed or changed would leave a column meaning two things: refused."""
+    if now[:len(before)] == before:
+        return
+    path, was, is_now = _first_difference(before, now, "tasks")
+    raise OutputConflict(f"{layout.dir} holds labels made with other settings ({path} was {_shown(was)}, is now "
+                         f"{_shown(is_now)}); a labelled job may gain tasks after its own, but removing or changing "
+                         "one needs --overwrite (or another output.dir)")
 
 
 def check_weights(layout: Layout, sha256: str) -> None:
@@ -300,6 +316,18 @@ def record_failure(layout: Layout, ref: ShardRef, error: str) -> None:
     """A shard that could not be read: a stats file that is not a done marker, with the error."""
     stats = {"shard": ref.stem, "source": ref.url, "complete": False, "failed": error}
     atomic_write_bytes(layout.stats(ref.stem), json.dumps(stats, indent=1).encode())
+
+
+def runs(layout: Layout, started: str, n_tasks: int) -> list[dict[str, Any]]:
+    """The job record's `runs`: each run's start and how many tasks the job had then (a run that
+    added tasks is one whose count grew), the runs before this one as the record kept them."""
+    try:
+        prior = json.loads(layout.job_file.read_text())
+    except (OSError, ValueError):
+        prior = {}
+    before = prior.get("runs") or ([{"started": prior["started"], "tasks": len(prior.get("tasks") or [])}]
+                                   if "started" in prior else [])
+    return before + [{"started": started, "tasks": n_tasks}]
 
 
 def write_job_record(layout: Layout, record: dict[str, Any]) -> None:

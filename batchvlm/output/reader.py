@@ -117,9 +117,9 @@ class Output:
                         stats.get("complete") or (partial and "rows" in stats)):
                     done.append(shard)
             return done
-        files = list(self.dir.glob("*.parquet")) + (list(self.layout.partial_dir.glob("*.parquet"))
+        files = list(self.dir.glob("*.parquet")) + (list(self.layout.partial_dir.glob("*.parquet*"))
                                                     if partial else [])
-        for stem in sorted({p.stem for p in files}):  # the inputs are gone: listed from the stats
+        for stem in sorted({self.layout.stem_of(p) for p in files}):  # the inputs are gone: listed from the stats
             stats = read_stats(self.layout, stem)
             if stats and (stats.get("complete") or (partial and "rows" in stats)) and has_output(self.layout, stats):
                 source = _moved(str(stats.get("source", "")), self.recorded_dir, self.dir.resolve())

@@ -55,7 +55,8 @@ def plan(inp: InputSpec, layout: Layout | None = None, freeze: bool = False) -> 
         for stem in dropped:
             layout.parquet(stem).unlink(missing_ok=True)
             layout.stats(stem).unlink(missing_ok=True)
-            layout.partial(stem).unlink(missing_ok=True)
+            for path in layout.partials(stem):
+                path.unlink(missing_ok=True)
         return shards
 
 
@@ -141,7 +142,7 @@ def _signature(scan: FolderScan, rel: str, files: tuple[str, ...]) -> str:
 
 def _merge_folder(inp: InputSpec, prior: list[ShardRef]) -> ShardList:
     root = Path(inp.folder)
-    scan = scan_folder(root)
+    scan = scan_folder(root, tuple(inp.keep))
     by_dir: dict[str, list[ShardRef]] = {}
     for s in prior:
         by_dir.setdefault(Path(s.url).relative_to(root).as_posix(), []).append(s)

@@ -147,7 +147,8 @@ def write_shard(layout: Layout, stem: str, rows: list[dict[str, Any]], sch: pa.S
         os.replace(tmp, final)
     _fsync_dir(final.parent)
     if done:
-        layout.partial(stem).unlink(missing_ok=True)
+        for path in layout.partials(stem):
+            path.unlink(missing_ok=True)
 
 
 @dataclass
@@ -162,8 +163,9 @@ class WriterThread:
     handed over is written before close() returns, also where a KeyboardInterrupt (a second
     Ctrl-C) cut put()'s wait for room short; `unwritten` names those not written yet."""
 
-    def __init__(self, layout: Layout, sch: pa.Schema, compression: str, on_written=None):
+    def __init__(self, layout: Layout, sch: pa.Schema, compression: str, on_written=None, write=None):
         self.layout, self.schema, self.compression = layout, sch, compression
+        self.write = write or write_shard  # (layout, stem, rows, schema, compression, stats); extend.py's too
         self.on_written = on_written  # called with the stem after its done marker is down
         # Handed over, not written yet; the first is being written. Each is a whole shard's rows: one
         # being written and one waiting (plus the one put() holds) keep memory at a few shards' worth
@@ -195,7 +197,7 @@ class WriterThread:
             self._writing = item.stem
         try:
             if self._error is None:
-                write_shard(self.layout, item.stem, item.rows, self.schema, self.compression, item.stats)
+                self.write(self.layout, item.stem, item.rows, self.schema, self.compression, item.stats)
                 self.written.append(item.stem)
                 if self.on_written is not None:
                     self.on_written(item.stem)

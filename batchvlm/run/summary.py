@@ -20,6 +20,7 @@ class RunSummary:
     shards_done_before: int
     shards_written: list[str] = field(default_factory=list)  # complete: their done marker is down
     shards_partial: list[str] = field(default_factory=list)  # cut short by --limit: redone next run
+    shards_extended: list[str] = field(default_factory=list)  # done before: gained the columns of new tasks
     shards_failed: list[str] = field(default_factory=list)
     shards_damaged: list[str] = field(default_factory=list)  # "<stem>: N samples kept", done now or before
     shards_no_images: list[str] = field(default_factory=list)  # written now, holding no image (an empty tar)
@@ -39,6 +40,8 @@ class RunSummary:
     def line(self, out_dir: str) -> str:
         rate = self.images / self.seconds if self.seconds > 0 else 0.0
         parts = [f"{len(self.shards_written)} shard(s) written", f"{self.shards_done_before} already done"]
+        if self.shards_extended:
+            parts.append(f"{len(self.shards_extended)} of those gained the new tasks' columns")
         if self.shards_partial:
             parts.append(f"{len(self.shards_partial)} partial (cut short by --limit; redone by the next run)")
         parts.append(f"{self.images} images")
@@ -66,6 +69,7 @@ class RunSummary:
         self.shards_total = max(self.shards_total, rank.shards_total)
         self.shards_written += [w for w in rank.shards_written if w not in self.shards_written]
         self.shards_partial += rank.shards_partial
+        self.shards_extended += [e for e in rank.shards_extended if e not in self.shards_extended]
         self.shards_failed += [f for f in rank.shards_failed if f not in self.shards_failed]
         self.shards_damaged = sorted(set(self.shards_damaged) | set(rank.shards_damaged))
         self.shards_no_images += [w for w in rank.shards_no_images if w not in self.shards_no_images]

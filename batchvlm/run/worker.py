@@ -22,6 +22,7 @@ list is frozen only after the weights were checked.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from functools import partial
@@ -42,6 +43,8 @@ from ..output.lock import RunLock
 from ..output.shardlist import ShardList, plan
 from ..output.writer import WriterThread, schema
 from ..progress import Progress, shard_sizes
+from ..tasks import label_columns
+from .extending import extend_done, to_extend
 from .labelling import Labelling, now
 from .log import log
 from .preflight import Preflight, clears, preflight
@@ -82,9 +85,12 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
     claims = Claims(layout.meta) if job.runtime.work_stealing else None
     mine = shards if claims else my_shards(shards, rank)  # with claims every rank may take any shard
     summary = RunSummary(len(shards), 0, skipped=Counter(shards.skipped))
-    pending = _skip_done(layout, mine, summary)
+    pending, done = _skip_done(layout, mine, summary)
     replacing = {s.stem for s in pending if manifest.prior_output(layout, s.stem)}
-    if not pending:
+    # done shards whose files lack the columns of tasks the job gained (not under --limit; with
+    # work stealing rank 0 adds them)
+    extend = to_extend(layout, done, job) if limit is None and (not claims or rank.rank == 0) else {}
+    if not pending and not extend:
         plan(job.input, layout, freeze=True)
         summary.no_images = _no_images(layout, shards, summary)
         summary.seconds = time.time() - t0
@@ -102,14 +108,17 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
         manifest.check_weights(layout, model.info.weights_sha256)
         _freeze(job, layout, pending)  # nothing refuses the run from here on
         writer = _start_output(job, layout, rank, model, shards, claims, family.embed_dim)
-        t_engine = time.time()
-        labeler, how = _labeler(family, model, seqs, job)
-        info = model.info
+        t_engine, labelled, info = time.time(), bool(pending), model.info
+        if labelled:
+            labeler, how = _labeler(family, model, seqs, job)
+            ready = f"labeler ready in {time.time() - t_engine:.1f} s ({how}, {len(seqs)} sequences per image)"
+        else:  # only done shards gaining columns (extending.py)
+            writer.close()
+            ready = "no shard to label with every task"
         log(f"batchvlm: rank {rank.rank}/{rank.world}: {len(pending)} shard(s) to label; model {info.name} "
-            f"({info.family}, {info.backend}, {info.dtype}, {info.device}) loaded in {t_load:.1f} s; labeler ready in "
-            f"{time.time() - t_engine:.1f} s ({how}, {len(seqs)} sequences per image)")
+            f"({info.family}, {info.backend}, {info.dtype}, {info.device}) loaded in {t_load:.1f} s; {ready}")
         handled: set[str] = set()  # with claims: the shards this rank took, whatever came of them
-        while True:
+        while pending:
             # with work stealing this rank's share is not known in advance: no total
             bar = Progress(job.name, len(pending), None if claims else shard_sizes(layout, mine, pending),
                            enabled=progress)
@@ -125,8 +134,11 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
             stream.close()
             stream = load(pending, job.input, job.loader, family.preprocessor(), stealing)
             writer = WriterThread(layout, writer.schema, job.output.compression, on_written=claims.release)
-        if isinstance(labeler, (EngineLabeler, ImageLabeler)):
+        if labelled and isinstance(labeler, (EngineLabeler, ImageLabeler)):
             log(f"batchvlm: rank {rank.rank}/{rank.world}: engine: {labeler.summary()}")
+        if extend:
+            extend_done(extend, job, layout, family, model, writer.schema, writer_started(writer), summary, stop,
+                        progress, partial(_labeler, family, model))
         summary.stopped_by_signal = stop.event.is_set()
         summary.no_images = _no_images(layout, shards, summary)
         summary.seconds = time.time() - t0
@@ -143,11 +155,11 @@ def _open_folder(layout: Layout, clear: bool) -> None:
     manifest.sweep_temporaries(layout)
 
 
-def _skip_done(layout: Layout, mine: list[ShardRef], summary: RunSummary) -> list[ShardRef]:
-    """-> the shards of `mine` still to label; the done ones are counted (damaged ones noted). A
+def _skip_done(layout: Layout, mine: list[ShardRef], summary: RunSummary) -> tuple[list[ShardRef], list[ShardRef]]:
+    """-> (the shards of `mine` still to label, the done ones); the done ones are counted (damaged ones noted). A
     shard done before whose input files are gone now (an unmounted mount point) is not relabelled
     into "file not found" rows: its labels are kept, and the run says so (exit 1)."""
-    pending = []
+    pending, done = [], []
     for s in mine:
         if (stats := manifest.done_stats(layout, s)) is None:
             if note := manifest.inputs_gone(layout, s):
@@ -157,11 +169,12 @@ def _skip_done(layout: Layout, mine: list[ShardRef], summary: RunSummary) -> lis
                 pending.append(s)
             continue
         summary.shards_done_before += 1
+        done.append(s)
         summary.found += manifest.images_in(stats)
         summary.skipped.update(stats.get("skipped") or {})
         if stats.get("damaged"):  # reported by every run until the input is replaced
             summary.shards_damaged.append(manifest.damaged_note(s.stem, stats.get("rows", 0)))
-    return pending
+    return pending, done
 
 
 def _no_images(layout: Layout, shards: list[ShardRef], summary: RunSummary) -> bool:
@@ -185,15 +198,25 @@ def _start_output(job: Job, layout: Layout, rank: Rank, model: EngineModel | Sta
                   shards: ShardList, claims: Claims | None, embed_dim: int | None = None) -> WriterThread:
     """The job record (rank 0, or whoever comes first) and the writer of finished shards."""
     info = model.info
+    started = now()
     meta = {"batchvlm": __version__, "job": job.name, "model": info.to_dict(),
-            "tasks": [t.model_dump() for t in job.tasks], "engine": job.engine.model_dump(), "started": now()}
+            "tasks": [t.model_dump() for t in job.tasks], "engine": job.engine.model_dump(), "started": started,
+            # provenance: every label column was made by this run (extend.py rewrites it where a
+            # done shard gains columns)
+            "columns_by_run": {col: started for col, _, _ in label_columns(job.tasks, job.output.raw_text)}}
     if rank.rank == 0 or not layout.job_file.exists():
         manifest.write_job_record(layout, meta | {"label_fingerprint": job.label_fingerprint(),
                                                    "label_settings": job.label_settings(),
                                                    "job_spec": job.model_dump(), "world_size": rank.world,
-                                                   "skipped_files": shards.skipped})
+                                                   "skipped_files": shards.skipped,
+                                                   "runs": manifest.runs(layout, started, len(job.tasks))})
     return WriterThread(layout, schema(job.tasks, meta, keep_fields(job.input, shards), job.output.raw_text, embed_dim),
                         job.output.compression, on_written=claims.release if claims else None)
+
+
+def writer_started(writer: WriterThread) -> str:
+    """This run's start time, as its job record and the files' metadata say it."""
+    return json.loads(writer.schema.metadata[b"batchvlm"])["started"]
 
 
 def _labeler(family: Family, model: EngineModel | StaticModel | ImageModel, seqs: list[TaskSequence], job: Job):
@@ -205,7 +228,10 @@ def _labeler(family: Family, model: EngineModel | StaticModel | ImageModel, seqs
         return labeler, f"image batches of up to {labeler.batch}, no decode"
     labeler = EngineLabeler(model, seqs, job.engine, family.max_prefix_len(), log)
     e = labeler.engine
-    return labeler, (f"batch {e.settings.max_batch_size}, {e.stats['kv_blocks']} KV blocks of {job.engine.block_size}, "
+    sized_by = ("what the job can use at once" if e.stats["kv_sized_by"] == "job"
+                else f"what {e.model.device.type} memory allows")
+    return labeler, (f"batch {e.settings.max_batch_size}, {e.stats['kv_blocks']} KV blocks of {job.engine.block_size} "
+                     f"({e.stats['kv_mib']:.0f} MiB: {sized_by}), "
                      f"{e.stats['rows']} rows, {'pipelined' if e.pipelined else 'synchronous'}"
                      + (f", CUDA graphs captured in {e.stats['graph_capture_s']:.1f} s" if e.runner.graphs else "")
                      + (f", flex_attention compiled {e.stats['compiled_shapes']} shapes in {e.stats['compile_s']:.1f} s"

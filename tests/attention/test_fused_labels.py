@@ -64,7 +64,7 @@ def test_demo_job_labels_are_unchanged_with_the_fused_path(tmp_path, fused):
 
     # --limit cuts shards short: they wait under __batchvlm__/partial/ until a run redoes them
     out = Layout(tmp_path / "out" / "shapes-demo")
-    table = ds.dataset(sorted(out.partial_dir.glob("*.parquet")), format="parquet").to_table()
+    table = ds.dataset(sorted(out.partial_dir.glob("*.parquet.partial")), format="parquet").to_table()
     got = sorted(({"shard": Path(r["source"]).name} | {k: r[k] for k in ("key", "caption", "n_shapes", "detect", "point")}
                   for r in table.to_pylist()), key=lambda r: (r["shard"], r["key"]))
     before = [json.loads(line) for line in (DATA / "demo-labels-before-family-boundary.jsonl").open()]

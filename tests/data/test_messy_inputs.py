@@ -202,3 +202,28 @@ def test_a_full_dev_shm_stops_the_run_with_one_line_instead_of_hanging(tmp_path)
     assert r.returncode == 1 and lines[-1].startswith("batchvlm: error: loader: /dev/shm is full ("), r.stderr
     assert "--shm-size" in lines[-1] and "loader.workers: 0" in lines[-1] and "Traceback" not in r.stderr
     assert not list((tmp_path / "out").glob("*.parquet"))
+
+
+def test_folder_sidecars_named_after_the_whole_file_and_a_jpeg_named_heic(tmp_path):
+    """`img.jpg.txt` (gallery-dl's and many exporters' sidecar name) is read like `img.txt`, the
+    image's own first; sidecars the job keeps are no skipped files; a real JPEG named .heic is
+    labelled (its bytes say what it is), a real HEIC still skipped and counted."""
+    img = tmp_path / "img"
+    img.mkdir()
+    (img / "a.jpg").write_bytes(encode_image(Image.new("RGB", (24, 16), (200, 30, 30)), "JPEG"))
+    (img / "a.jpg.txt").write_text("own caption")
+    (img / "a.txt").write_text("stem caption")  # the image's own wins
+    (img / "b.png").write_bytes(png())
+    (img / "b.txt").write_text("b caption")
+    (img / "c.heic").write_bytes(encode_image(Image.new("RGB", (20, 20), (30, 200, 30)), "JPEG"))
+    (img / "d.heic").write_bytes(HEIC)
+    (img / "notes.md").write_text("not a sidecar")
+    job = job_file(tmp_path, {"folder": "img", "keep": ["txt"]})
+
+    code, out = inproc(tmp_path, "run", job)
+    assert code == 0, out
+    rows = {row["key"]: row for row in pq.read_table(tmp_path / "out").to_pylist()}
+    assert {k: (r["status"], r["txt"]) for k, r in rows.items()} == {
+        "a.jpg": ("ok", "own caption"), "b.png": ("ok", "b caption"), "c.heic": ("ok", None)}
+    last = out.strip().splitlines()[-1]
+    assert "2 file(s) skipped (1 HEIC (unreadable: convert to JPEG or PNG), 1 not an image)" in last, out

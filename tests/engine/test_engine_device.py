@@ -175,6 +175,24 @@ def test_cpu_kv_cache_is_bounded_by_available_memory(tiny, monkeypatch):
         Engine(md.engine, seqs, EngineSpec(), md.P)
 
 
+def test_cpu_kv_cache_is_sized_from_the_job_not_host_memory(tiny, monkeypatch):
+    """However much host memory there is, a CPU engine's cache holds what the job can use at
+    once: every row's sequence at its longest, and the prefixes of the images those rows hold
+    plus the one admitted as they turn over (issue 40 item 17). Its bytes are in the stats."""
+    md, prepared, seqs, reference = tiny
+    monkeypatch.setattr(sizing_mod, "available_bytes", lambda device: 1 << 40)
+    engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=8), md.P)
+    shape, rows = engine.shape, engine.stats["rows"]
+    prefix = shape.prefix_blocks * shape.prefixes_per_image
+    at_once = 1 + (shape.images_for(rows) + 1) * prefix + rows * shape.max_own_blocks
+    assert engine.stats["kv_blocks"] == at_once and engine.stats["kv_sized_by"] == "job"
+    per_block = bytes_per_slot(md.engine.state_specs()) * shape.block_size
+    assert engine.stats["kv_mib"] == round(at_once * per_block / 2**20, 1)
+    out = {im.sample.index: [(s.output.tokens, s.output.objects) for s in im.seqs]
+           for im in engine.run(Sample(0, i, f"key{i}", p) for i, p in enumerate(prepared))}
+    assert [out[i] for i in range(len(prepared))] == reference
+
+
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_out_of_memory_steps_run_in_halves_and_lose_no_row(tiny, pipelined):
     md, prepared, seqs, reference = tiny

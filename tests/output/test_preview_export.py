@@ -90,7 +90,7 @@ def test_yolo_labels_match_the_rows(labelled, tmp_path):
     data = yaml.safe_load((tmp_path / "yolo" / "data.yaml").read_text())
     assert data["names"] == {0: "square"}
     for key in ("a", "b"):
-        lines = (tmp_path / "yolo" / "labels" / "vis-000" / f"{key}.txt").read_text().split("\n")[:-1]
+        lines = (tmp_path / "yolo" / "labels" / f"{key}.txt").read_text().split("\n")[:-1]
         got = np.array([[float(v) for v in line.split()] for line in lines])
         want = np.array([[0, (b["x_min"] + b["x_max"]) / 2, (b["y_min"] + b["y_max"]) / 2, b["x_max"] - b["x_min"],
                           b["y_max"] - b["y_min"]] for b in rows[key]["detect"]])

@@ -280,7 +280,7 @@ def test_export_names_follow_the_inputs(tmp_path):
     app(tmp_path, "export", "yolo", tmp_path / "out", tmp_path / "yolo", check=True)
     data = yaml.safe_load((tmp_path / "yolo" / "data.yaml").read_text())
     assert "train" not in data and not (tmp_path / "yolo" / "images").exists()
-    assert (tmp_path / "yolo" / "labels" / "root-00000" / "img_000.txt").exists()
+    assert (tmp_path / "yolo" / "labels" / "img_000.txt").exists()  # flat, as YOLO tools read it
 
 
 def test_model_mistakes_are_found_by_validate_and_dry_run(tmp_path):

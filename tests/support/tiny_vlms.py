@@ -32,6 +32,10 @@ IDEFICS3_CHAT = ("<|begin_of_text|>{% for m in messages %}{{ m['role'] | capital
 LLAVA_CHAT = ("{% for m in messages %}{{ m['role'] | upper }}: {% for c in m['content'] %}{% if c['type'] == 'image' %}"
               "<image>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}\n{% endfor %}"
               "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+# Gemma 4's turn markers; the processor expands <|image|> into <|image> + soft tokens + <image|>.
+GEMMA4_CHAT = ("{{ bos_token }}{% for m in messages %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+               "{% for c in m['content'] %}{% if c['type'] == 'image' %}<|image|>{% else %}{{ c['text'] }}{% endif %}"
+               "{% endfor %}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}")
 
 
 def byte_tokenizer(specials: list[str], added: list[str] = (), **special_roles: str):
@@ -267,8 +271,42 @@ def llava(dest: Path, seed: int = 0) -> Path:
                   "num_additional_image_tokens": 1})
 
 
+def gemma4(dest: Path, seed: int = 0) -> Path:
+    """Gemma 4 (transformers 5.25): its processor takes a video processor by keyword and an audio
+    feature extractor; the image processor's smallest budget is 70 soft tokens, here of 3x3 pooled
+    4-pixel patches (images of about 84 x 84)."""
+    from transformers import Gemma4Config
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    specials = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|image>", "<|image|>", "<image|>", "<|audio>",
+                "<|audio|>", "<audio|>", "<|video|>"]
+    # Gemma4Processor reads the image and audio markers from the tokenizer (it refuses text
+    # without the audio ones even for images).
+    roles = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>", "audio_token": "<|audio|>",
+             "boa_token": "<|audio>", "eoa_token": "<audio|>"}
+    tok = byte_tokenizer(specials, bos_token="<bos>", eos_token="<turn|>", pad_token="<pad>", extra_special_tokens=roles)
+    ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
+    eos, pad = ids["<turn|>"], ids["<pad>"]
+    cfg = Gemma4Config(
+        text_config=_text(len(tok), {"eos_token_id": eos, "pad_token_id": pad, "bos_token_id": ids["<bos>"]},
+                          head_dim=8, global_head_dim=8, vocab_size_per_layer_input=len(tok),
+                          hidden_size_per_layer_input=8, sliding_window=16, layer_types=["sliding_attention",
+                                                                                         "full_attention"]),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=3,
+                           position_embedding_size=256, initializer_range=0.3),
+        audio_config=None, boi_token_id=ids["<|image>"], eoi_token_id=ids["<image|>"],
+        image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"], boa_token_id=ids["<|audio>"],
+        eoa_token_index=ids["<audio|>"], audio_token_id=ids["<|audio|>"], tie_word_embeddings=False)
+    model = _build(cfg, seed)
+    _generation(model, eos, pad, bos=ids["<bos>"])
+    ip = Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=3)
+    return _save(dest, model, tok, ip, GEMMA4_CHAT, {"processor_class": "Gemma4Processor", "image_seq_length": 70})
+
+
 BUILDERS = {"qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl, "qwen3_vl_moe": qwen3_vl_moe, "qwen3_5": qwen3_5,
-            "paligemma": paligemma, "idefics3": idefics3, "smolvlm": smolvlm, "llava": llava}
+            "paligemma": paligemma, "idefics3": idefics3, "smolvlm": smolvlm, "llava": llava,
+            "gemma4": gemma4}
 
 
 FLORENCE2_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<image>"]

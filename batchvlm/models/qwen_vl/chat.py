@@ -8,8 +8,8 @@ and vision_end are the image prefix: computed once per image, shared by all its 
 template whose head depends on the task text cannot share a prefix and is refused.
 
 The template comes from tokenizer_config.json (`chat_template`: a string, or a list of named
-templates, "default" taken), else chat_template.jinja, else chat_template.json. The sandbox
-refuses attribute access to Python internals: a hostile template cannot run code. The turn is
+templates, "default" taken), else chat_template.jinja, else chat_template.json. It renders in
+base/templates.py's sandbox: no Python internals, bounded in time and size. The turn is
 rendered with qwen_vl/prompts.py's TEMPLATE_VARIABLES (thinking off, where the template has
 the switch), as the transformers backend renders it.
 """
@@ -18,30 +18,22 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .prompts import TEMPLATE_VARIABLES
 from ..base.errors import ConfigError
+from ..base.templates import render, template_file
 
 
-def read_template(folder: Path) -> str:
-    cfg = folder / "tokenizer_config.json"
-    raw = json.loads(cfg.read_text()) if cfg.is_file() else {}
-    tpl = raw.get("chat_template")
-    if isinstance(tpl, list):
-        tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
-    if not tpl and (folder / "chat_template.jinja").is_file():
-        tpl = (folder / "chat_template.jinja").read_text()
-    if not tpl and (folder / "chat_template.json").is_file():
-        tpl = json.loads((folder / "chat_template.json").read_text()).get("chat_template")
-    if not isinstance(tpl, str) or not tpl:
+def read_template(folder: Path) -> tuple[str, str]:
+    """-> (the template, the file it came from)."""
+    tpl, origin = template_file(folder)
+    if tpl is None:
         raise ConfigError(f"{folder}: no chat template (tokenizer_config.json, chat_template.jinja or .json)")
-    return tpl
+    return tpl, origin
 
 
 def special_tokens(folder: Path) -> dict[str, str]:
@@ -58,21 +50,10 @@ def special_tokens(folder: Path) -> dict[str, str]:
     return out
 
 
-def _raise(message: str) -> None:
-    raise TemplateError(message)
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
-
-
 @dataclass(frozen=True)
 class ChatTemplate:
     source: str
+    origin: str  # the file it came from, for messages
     variables: dict[str, Any]  # special token strings
     image_pad: str  # "<|image_pad|>"
     vision_end: str  # "<|vision_end|>"
@@ -80,10 +61,10 @@ class ChatTemplate:
     def render(self, text: str) -> str:
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
         try:
-            return _environment().from_string(self.source).render(
-                messages=messages, add_generation_prompt=True, **TEMPLATE_VARIABLES, **self.variables)
+            return render(self.source, dict(messages=messages, add_generation_prompt=True, **TEMPLATE_VARIABLES,
+                                            **self.variables))
         except TemplateError as e:
-            raise ConfigError(f"chat template: {e}") from e
+            raise ConfigError(f"{self.origin}: chat template: {e}") from e
 
     def split(self, text: str) -> tuple[str, str]:
         """-> (head before the image pad, the task's own text after vision_end)."""

@@ -95,7 +95,7 @@ class QwenVLHost(FamilyBase):
         self.config, self.folder, self.model_name, self.revision = config, folder, model_name, revision
         self.settings = settings
         self.tokenizer = TokenizerAdapter(tokenizer, skip_special=True)
-        self.template = ChatTemplate(read_template(folder), special_tokens(folder),
+        self.template = ChatTemplate(*read_template(folder), special_tokens(folder),
                                      _token(self.tokenizer, config.image_token_id),
                                      _token(self.tokenizer, config.vision_end_id))
         refuse_thinking_only(self.template.render("a"), model_name)

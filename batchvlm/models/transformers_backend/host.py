@@ -51,7 +51,7 @@ class TransformersFamily(FamilyBase):
 
     def sequences(self, tasks: list[Task], engine: EngineSpec, constrain: bool = False) -> list[TaskSequence]:
         refuse_constrain(tasks, constrain, "the transformers backend")
-        style, render = architectures.style(self.name), chat_renderer(self.host.processor)
+        style, render = architectures.style(self.name), chat_renderer(self.host.processor, self.folder)
         if style == "chat" and render is not None:
             refuse_thinking_only(render("a"), self.model_name)
         prompts = prompts_for(tasks, style, self.format, render, self.name, engine.max_new_tokens, engine.max_objects)

@@ -11,7 +11,10 @@ Two choices make it robust and reproducible:
   makes a subclass whose sub-processor list leaves the video slot out, so `from_pretrained` reads
   preprocessor_config.json, the tokenizer files, processor_config.json and the chat template as
   usual and the video slot stays empty. A processor whose `__init__` insists on a video processor
-  (SmolVLM's) gets None for it, and where the class's own `apply_chat_template` exists only to
+  gets None for it; where that `__init__` hands it on to ProcessorMixin by keyword (Gemma 4's),
+  a step between the two in the class order drops it, since ProcessorMixin refuses a keyword
+  for a slot the subclass left out (SmolVLM passes it by position, which ProcessorMixin
+  ignores past the slots). Where the class's own `apply_chat_template` exists only to
   fill in video defaults from that processor (SmolVLM's reads its frame count and fps), the shared
   ProcessorMixin one renders the image-only conversation instead: the same text.
 """
@@ -34,7 +37,14 @@ def image_only(cls: type) -> type:
     """`cls` (a transformers ProcessorMixin) without its video processor."""
     from transformers import ProcessorMixin
 
-    class ImageOnly(cls):
+    class DropVideo(ProcessorMixin):
+        # In ImageOnly's class order this comes after `cls` and before ProcessorMixin: it is what
+        # `cls.__init__`'s super().__init__ calls.
+        def __init__(self, *args, **kwargs):
+            kwargs.pop("video_processor", None)
+            super().__init__(*args, **kwargs)
+
+    class ImageOnly(cls, DropVideo):
         @classmethod
         def get_attributes(klass) -> list[str]:
             return [a for a in super().get_attributes() if "video" not in a]

@@ -13,11 +13,15 @@ processor turns them into its instructions). `ocr` is an instruction (PaliGemma:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from jinja2 import TemplateError
 
 from ...tasks import Task, args_of, kind_of
 from ..base.errors import FamilyError
 from ..base.host import check_generative
 from ..base.contract import TaskSequence
+from ..base.templates import TemplateTooCostly, render as trial, template_file
 from ..florence2 import prompts as florence2
 from ..qwen_vl.prompts import CAPTIONS, OCR, TEMPLATE_VARIABLES
 from .architectures import GroundingFormat, Style, supported_formats
@@ -84,18 +88,36 @@ def prompts_for(tasks: list[Task], style: Style, fmt: GroundingFormat | None, ch
     return out
 
 
-def chat_renderer(processor):
+def chat_renderer(processor, folder: Path):
     """words -> the text of one user turn (image, then words) and the assistant header, through
-    the checkpoint's chat template (the processor's, else the tokenizer's); None without one."""
+    the checkpoint's chat template (the processor's, else the tokenizer's); None without one.
+
+    Each render is first tried in base/templates.py's bounded sandbox with the variables
+    transformers hands the template: a template past its bounds is refused there, before
+    transformers' own, unbounded, render runs it. A template that fails to render is the
+    model's fault: FamilyError (exit 2, as on the native families), naming the file."""
     template = getattr(processor, "chat_template", None) or getattr(processor.tokenizer, "chat_template", None)
     if not template:
         return None
+    origin = template_file(folder)[1]
     # Only what the template reads: transformers hands other keywords to the processor call.
     switches = {k: v for k, v in TEMPLATE_VARIABLES.items() if k in template}
+    # what transformers' apply_chat_template hands the template beside the messages
+    variables = {**processor.tokenizer.special_tokens_map, "tools": None, "documents": None,
+                 "add_generation_prompt": True, **switches}
 
     def render(words: str) -> str:
         turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": words}]}]
-        return processor.apply_chat_template(turn, chat_template=template, add_generation_prompt=True, tokenize=False,
-                                             **switches)
+        try:
+            trial(template, variables | {"messages": turn})
+        except TemplateTooCostly as e:
+            raise FamilyError(f"{origin}: chat template: {e}") from None
+        except TemplateError:
+            pass  # transformers' render below says what is wrong, in its words
+        try:
+            return processor.apply_chat_template(turn, chat_template=template, add_generation_prompt=True,
+                                                 tokenize=False, **switches)
+        except TemplateError as e:
+            raise FamilyError(f"{origin}: chat template: {e}") from None
 
     return render

@@ -117,7 +117,7 @@ def sequence(case, im, question: str):
     """One image's token ids (non-thinking template, checked against transformers' rendering),
     embeddings with the vision features in place and rotary positions; the prefix length."""
     folder, model = case["folder"], case["model"]
-    template = ChatTemplate(read_template(folder), special_tokens(folder),
+    template = ChatTemplate(*read_template(folder), special_tokens(folder),
                             "<|image_pad|>", "<|vision_end|>")
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     head = tok.encode(template.head(), add_special_tokens=False).ids

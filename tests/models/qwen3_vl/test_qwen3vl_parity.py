@@ -116,7 +116,7 @@ def test_prompt_tokens_and_logits(case, question):
     if case["name"] == "moe" and question != "Describe this image.":
         pytest.skip("one question is enough")
     folder, model = case["folder"], case["model"]
-    template = ChatTemplate(read_template(folder), special_tokens(folder), "<|image_pad|>", "<|vision_end|>")
+    template = ChatTemplate(*read_template(folder), special_tokens(folder), "<|image_pad|>", "<|vision_end|>")
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     head = tok.encode(template.head(), add_special_tokens=False).ids
     task = tok.encode(template.split(question)[1], add_special_tokens=False).ids

@@ -1,4 +1,4 @@
-"""The transformers backend through the CLI, on tiny random checkpoints of ten architectures
+"""The transformers backend through the CLI, on tiny random checkpoints of eleven architectures
 saved in the hub layout: every row labelled, and every label equal to what transformers' own
 batch-1 `generate` in float32 writes for that image, with the prompts docs/models/transformers.md documents and
 chat templates in their non-thinking form (the backend batches, pads on the left and cuts at the
@@ -43,6 +43,7 @@ TASKS = {
     "idefics3": [{"caption": {}}, {"query": {"question": "How many?", "max_new_tokens": 5}}],
     "smolvlm": [{"caption": {"length": "long"}}, {"query": {"question": "Is it red?"}}],
     "llava": [{"query": {"question": "Is it red?"}}],
+    "gemma4": [{"caption": {}}, {"query": {"question": "Is it red?"}}],
 }
 # (images, engine.max_batch_size, engine.max_new_tokens): 8 images in batches of 7 label a batch of
 # 7 and a batch of 1 in one run; the others 3 images in batches of 2 (a batch of 2 and one of 1)
@@ -177,6 +178,7 @@ WORDS = {  # what each task above says to each architecture (docs/models/transfo
     "idefics3": [("Describe this image.", NEW_TOKENS), ("How many?", 5)],
     "smolvlm": [("Describe this image in detail.", NEW_TOKENS), ("Is it red?", NEW_TOKENS)],
     "llava": [("Is it red?", NEW_TOKENS)],
+    "gemma4": [("Describe this image.", NEW_TOKENS), ("Is it red?", NEW_TOKENS)],
 }
 
 
