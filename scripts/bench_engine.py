@@ -33,11 +33,14 @@ import random
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from batchvlm.data.loader import Sample
+from batchvlm.engine import engine as engine_module
 from batchvlm.engine.engine import Engine
+from batchvlm.engine.sizing import Sizer
 from batchvlm.job import EngineSpec, ModelSpec
 from batchvlm.models.moondream.host import Moondream
 from batchvlm.models.moondream.device import MoondreamEngineModel
@@ -153,23 +156,24 @@ def run_static(md, prepared, specs, batch):
     return out
 
 
-class FixedKV(Engine):
-    """The engine with a KV cache of `blocks` blocks whatever the workload (after the same warm-up
-    and memory check), so every row of a run attends over one cache size."""
+class FixedSizer(Sizer):
+    """The engine's sizing with a KV cache of `blocks` blocks whatever the workload (after the same
+    warm-up and memory check), so every row of a run attends over one cache size."""
 
     blocks: int = 0
 
-    def _kv_blocks(self, n_rows: int, n_prefix: int, max_own: int, bs: int) -> tuple[int, int, int]:
-        sized, n_rows, view_bytes = super()._kv_blocks(n_rows, n_prefix, max_own, bs)
-        return self.blocks or sized, n_rows, view_bytes
+    def _kv_blocks(self, n_rows: int, n_prefix: int) -> tuple[int, int, int, bool]:
+        sized, n_rows, view_bytes, by_job = super()._kv_blocks(n_rows, n_prefix)
+        return self.blocks or sized, n_rows, view_bytes, by_job
 
 
 def engine_runner(md, prepared, seqs, batch, pipelined, cuda_graphs, kv_blocks: int = 0) -> tuple[Engine, object]:
     """Build the engine now (KV sizing, warm-up, graph capture); -> (engine, its timed run)."""
     spec = EngineSpec(max_batch_size=batch, pipelined=pipelined, cuda_graphs=cuda_graphs,
                       max_images_in_flight=max(8, 2 * batch // len(seqs)))
-    FixedKV.blocks = kv_blocks
-    engine = FixedKV(md.engine, seqs, spec, md.family.max_prefix_len(), log=lambda m: print(m, file=sys.stderr))
+    FixedSizer.blocks = kv_blocks
+    with mock.patch.object(engine_module, "Sizer", FixedSizer):
+        engine = Engine(md.engine, seqs, spec, md.family.max_prefix_len(), log=lambda m: print(m, file=sys.stderr))
 
     def run():
         items = [Sample(0, i, str(i), p) for i, p in enumerate(prepared)]
