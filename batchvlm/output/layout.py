@@ -21,6 +21,10 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .storepath import StorePath
 
 # pyarrow (and so pandas), Spark and Hive skip paths starting with `_` or `.`; the `datasets`
 # library skips only `.` and `__` directories, and would feed the JSON here to its Parquet
@@ -46,9 +50,27 @@ def is_old_stats(path: Path) -> bool:
     return own_stats(path) is not None
 
 
+def is_store_url(url: str) -> bool:
+    """An output in an S3-compatible object store (docs/object-store.md)."""
+    return url.startswith("s3://")
+
+
 @dataclass(frozen=True)
 class Layout:
-    dir: Path
+    dir: Path | StorePath
+
+    @classmethod
+    def at(cls, out_dir: str | Path) -> Layout:
+        """The layout of `output.dir`: a local folder, or an `s3://bucket/prefix`."""
+        if isinstance(out_dir, str) and is_store_url(out_dir):
+            from .storepath import StorePath
+
+            return cls(StorePath.from_url(out_dir))
+        return cls(Path(out_dir))
+
+    @property
+    def in_store(self) -> bool:
+        return not isinstance(self.dir, Path)
 
     @property
     def meta(self) -> Path:

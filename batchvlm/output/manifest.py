@@ -154,7 +154,7 @@ def written_by_us(path: Path) -> bool:
     import pyarrow.parquet as pq
 
     try:
-        return b"batchvlm" in (pq.read_schema(path).metadata or {})
+        return b"batchvlm" in (pq.read_schema(path if isinstance(path, Path) else path.open()).metadata or {})
     except (OSError, ValueError):
         return False
 
@@ -192,7 +192,7 @@ def clear_outputs(layout: Layout) -> None:
             if layout.is_run_lock(p):
                 continue
             if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
+                shutil.rmtree(p, ignore_errors=True) if isinstance(p, Path) else p.rmtree()
             else:
                 p.unlink(missing_ok=True)
     for p in layout.dir.glob("*.stats.json"):  # the first layout's done markers
@@ -205,8 +205,8 @@ def clear_outputs(layout: Layout) -> None:
 
 def check_not_input(layout: Layout, parquet_inputs: list[str]) -> None:
     """Refuse an output folder that holds Parquet input: labels could replace it, and readers of
-    the output folder would read it as labels."""
-    if not layout.dir.is_dir():
+    the output folder would read it as labels. (An output in a store holds no local input.)"""
+    if layout.in_store or not layout.dir.is_dir():
         return
     for url in parquet_inputs:
         if not is_url(url) and Path(url).parent.samefile(layout.dir):
@@ -303,5 +303,5 @@ def record_failure(layout: Layout, ref: ShardRef, error: str) -> None:
 
 
 def write_job_record(layout: Layout, record: dict[str, Any]) -> None:
-    os.makedirs(layout.meta, exist_ok=True)
+    layout.meta.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(layout.job_file, json.dumps(record, indent=1, default=str).encode())

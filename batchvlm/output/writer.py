@@ -18,17 +18,22 @@ import os
 import socket
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..tasks import Task, kind_of, label_columns
 from .layout import Layout
+from .store import StoreError
+from .store_commit import CommitLost, commit_to_store
+
+if TYPE_CHECKING:
+    from .storepath import StorePath
 
 BOX = pa.struct([("label", pa.string()), ("x_min", pa.float32()), ("y_min", pa.float32()),
                  ("x_max", pa.float32()), ("y_max", pa.float32())])
@@ -80,6 +85,8 @@ class OutputWriteError(RuntimeError):
 
 def write_failure(e: BaseException, out_dir: Path) -> OutputWriteError:
     """One line for a failed write of the output, saying what to do."""
+    if isinstance(e, StoreError):  # one line already, naming the URL
+        return OutputWriteError(str(e))
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
         return OutputWriteError(f"output.dir: no space left on {out_dir}; free some space (finished shards "
                                 "are kept, a re-run continues) or choose another output.dir")
@@ -98,7 +105,10 @@ def _removing_on_error(tmp: Path) -> Iterator[None]:
         raise
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path | StorePath, data: bytes) -> None:
+    if not isinstance(path, Path):  # one PUT is atomic already
+        path.write_bytes(data)
+        return
     tmp = tmp_path(path)
     with _removing_on_error(tmp):
         with open(tmp, "wb") as f:
@@ -120,13 +130,18 @@ def output_stat(path: Path) -> dict[str, int] | None:
 
 
 def write_shard(layout: Layout, stem: str, rows: list[dict[str, Any]], sch: pa.Schema, compression: str,
-                stats: dict[str, Any]) -> None:
+                stats: dict[str, Any], confirm: Callable[[str], bool] | None = None) -> None:
+    """`confirm(stem)`: whether this rank still holds the shard's claim (an object store's lease),
+    asked just before the commit."""
+    meta = json.loads(sch.metadata[b"batchvlm"]) | {"shard": stem, "finished": stats.get("finished")}
+    table = pa.Table.from_pylist(rows, schema=sch.with_metadata({"batchvlm": json.dumps(meta)}))
+    if layout.in_store:
+        commit_to_store(layout, stem, table, compression, stats, confirm)
+        return
     done = bool(stats.get("complete"))
     final = layout.parquet(stem) if done else layout.partial(stem)
     final.parent.mkdir(exist_ok=True)
     tmp = tmp_path(final, layout.meta)  # same filesystem: the rename is atomic
-    meta = json.loads(sch.metadata[b"batchvlm"]) | {"shard": stem, "finished": stats.get("finished")}
-    table = pa.Table.from_pylist(rows, schema=sch.with_metadata({"batchvlm": json.dumps(meta)}))
     with _removing_on_error(tmp):
         pq.write_table(table, tmp, compression=None if compression == "none" else compression)
         with open(tmp, "rb+") as f:
@@ -152,9 +167,10 @@ class WriterThread:
     handed over is written before close() returns, also where a KeyboardInterrupt (a second
     Ctrl-C) cut put()'s wait for room short; `unwritten` names those not written yet."""
 
-    def __init__(self, layout: Layout, sch: pa.Schema, compression: str, on_written=None):
+    def __init__(self, layout: Layout, sch: pa.Schema, compression: str, on_written=None, confirm=None):
         self.layout, self.schema, self.compression = layout, sch, compression
         self.on_written = on_written  # called with the stem after its done marker is down
+        self.confirm = confirm  # write_shard's: the claim is still this rank's
         # Handed over, not written yet; the first is being written. Each is a whole shard's rows: one
         # being written and one waiting (plus the one put() holds) keep memory at a few shards' worth
         # while the writer is behind, which only happens when labelling outruns the disk.
@@ -165,6 +181,7 @@ class WriterThread:
         self._writing: str | None = None  # the shard being written now
         self._error: BaseException | None = None
         self.written: list[str] = []
+        self.lost: list[str] = []  # shards another rank committed (an object store's claim taken over)
         self._thread = threading.Thread(target=self._run, name="batchvlm-writer", daemon=True)
         self._thread.start()
 
@@ -185,10 +202,13 @@ class WriterThread:
             self._writing = item.stem
         try:
             if self._error is None:
-                write_shard(self.layout, item.stem, item.rows, self.schema, self.compression, item.stats)
+                write_shard(self.layout, item.stem, item.rows, self.schema, self.compression, item.stats,
+                            self.confirm)
                 self.written.append(item.stem)
                 if self.on_written is not None:
                     self.on_written(item.stem)
+        except CommitLost:
+            self.lost.append(item.stem)  # another rank's now: it writes the shard, this one nothing
         except Exception as e:  # noqa: BLE001 - surfaced to the main thread by put/close
             self._error = e  # (a KeyboardInterrupt in close() leaves the shard to write, not failed)
         finally:

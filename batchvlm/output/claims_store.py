@@ -1,0 +1,111 @@
+"""Claims in an object store: leases built on conditional PUTs, no lock server (docs/object-store.md).
+
+A claim is the object `__batchvlm__/<stem>.claim` (who holds it, and a nonce: every write has its
+own ETag). A rank takes a shard by creating it with If-None-Match: *; its heartbeat rewrites it every
+`heartbeat_s` with If-Match on the ETag it last wrote. A claim not rewritten for `lease_s`, judged
+on the store's own clock (its Last-Modified against the Date of the HEAD that read it, so the
+ranks' clocks do not matter), belongs to a dead rank: another rank takes it over with If-Match on
+the ETag it saw, so of several that saw it expire, one wins. A holder whose rewrite fails has lost
+the shard and commits nothing of it (store_commit.py asks `confirm` before the done marker).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+from .claims import Claims
+from .storepath import StorePath
+
+# The lease of an object-store claim, in seconds (default 300); shorter only for tests and for
+# stores whose uploads of a shard take far less. The heartbeat rewrites a claim every tenth of it.
+LEASE_ENV = "BATCHVLM_LEASE_S"
+
+
+class StoreClaims(Claims):
+    def __init__(self, folder: StorePath, lease_s: float = 300.0, heartbeat_s: float = 30.0):
+        super().__init__(folder, lease_s, heartbeat_s)  # type: ignore[arg-type]
+        self.store = folder.store
+        self.etags: dict[str, str] = {}  # stem -> the ETag of the claim this rank wrote last
+        self.released: set[str] = set()  # written: no more heartbeats
+        self._lock = threading.Lock()
+
+    def _body(self) -> bytes:
+        return json.dumps(json.loads(self.me) | {"at": time.time(), "nonce": os.urandom(8).hex()}).encode()
+
+    def _key(self, stem: str) -> str:
+        return self.path(stem).key  # type: ignore[attr-defined]
+
+    def _expired(self, stem: str):
+        """-> (the claim's ETag or None where there is none, whether it expired)."""
+        info = self.store.head(self._key(stem))
+        if info is None:
+            return None, True
+        now = info.server_now if info.server_now is not None else time.time()
+        return info.etag, now - info.mtime > self.lease_s
+
+    def take(self, stem: str) -> bool:
+        etag = self.store.put(self._key(stem), self._body(), if_none_match=True)
+        if etag is None:
+            seen, expired = self._expired(stem)
+            if not expired:
+                return False
+            # gone meanwhile (released): create it; else take the expired one over, one taker wins
+            etag = self.store.put(self._key(stem), self._body(), if_none_match=seen is None, if_match=seen)
+        if etag is None:
+            return False
+        with self._lock:
+            self.etags[stem] = etag
+        return True
+
+    def is_free(self, stem: str) -> bool:
+        return self._expired(stem)[1]
+
+    def _etag(self, stem: str) -> str | None:
+        """The ETag of this rank's claim. A claim taken in a loader worker (another process) is
+        this rank's where it names this rank (`me`, made before the workers were forked)."""
+        with self._lock:
+            if stem in self.etags:
+                return self.etags[stem]
+        got = self.store.fetch(self._key(stem))
+        try:
+            holder = json.loads(got[0]) if got else {}
+        except ValueError:
+            return None
+        if {k: holder.get(k) for k in json.loads(self.me)} != json.loads(self.me):
+            return None
+        with self._lock:
+            self.etags[stem] = got[1]
+        return got[1]
+
+    def confirm(self, stem: str) -> bool:
+        """Rewrite this rank's claim now: False (and the claim forgotten) where it is no longer
+        this rank's, taken over after its lease."""
+        etag = self._etag(stem)
+        new = self.store.put(self._key(stem), self._body(), if_match=etag) if etag else None
+        with self._lock:
+            if new is None:
+                self.etags.pop(stem, None)
+            else:
+                self.etags[stem] = new
+        return new is not None
+
+    def release(self, stem: str) -> None:
+        mine = self._etag(stem)
+        with self._lock:
+            self.etags.pop(stem, None)
+            self.released.add(stem)
+        if mine is not None and self._expired(stem)[0] == mine:  # never another rank's claim
+            self.store.delete(self._key(stem))
+
+    def keep_alive(self, stems: set[str], stop: threading.Event) -> threading.Thread:
+        def beat() -> None:
+            while not stop.wait(self.heartbeat_s):
+                for stem in list(stems - self.released):
+                    self.confirm(stem)
+
+        t = threading.Thread(target=beat, name="batchvlm-claims", daemon=True)
+        t.start()
+        return t

@@ -1,0 +1,59 @@
+"""A finished shard into an object store, exactly once (the protocol: docs/object-store.md).
+
+S3 has no rename, but a PUT (or a completed multipart upload) is atomic: the object appears whole
+or not at all. So a shard's Parquet file is written to a local spool file first, then
+
+    1. the claim is refreshed (If-Match on its ETag): a rank whose lease was taken over stops here;
+    2. the done marker `__batchvlm__/<stem>.stats.json` is written with a conditional PUT
+       (If-None-Match: * where there is none, If-Match on the ETag of the one there): of two ranks
+       that got this far for one shard, one wins; the other writes nothing more;
+    3. the Parquet object is uploaded to its final key (`<prefix>/<stem>.parquet`, or
+       `__batchvlm__/partial/` for a shard cut short by --limit);
+    4. a done shard's partial object is deleted.
+
+Until 3 completes, the marker names an object that is not there (or not of its size): the shard
+is not done, and the next run labels it again. The spool file lives in the system temp folder and
+is removed whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .layout import Layout
+from .storepath import StorePath
+
+
+class CommitLost(RuntimeError):
+    """Another rank holds or committed this shard: this rank writes nothing of it."""
+
+
+def commit_to_store(layout: Layout, stem: str, table: pa.Table, compression: str, stats: dict[str, Any],
+                    confirm: Callable[[str], bool] | None = None) -> None:
+    done = bool(stats.get("complete"))
+    final: StorePath = layout.parquet(stem) if done else layout.partial(stem)
+    marker: StorePath = layout.stats(stem)
+    store = final.store
+    fd, spool = tempfile.mkstemp(prefix=f"batchvlm-{stem}-", suffix=".parquet")
+    os.close(fd)
+    try:
+        pq.write_table(table, spool, compression=None if compression == "none" else compression)
+        size = os.path.getsize(spool)
+        if confirm is not None and not confirm(stem):  # 1
+            raise CommitLost(f"{stem}: its claim was taken over (this rank was too slow to refresh it); not written")
+        prior = store.head(marker.key)
+        data = json.dumps(stats | {"output": {"size": size}}, indent=1).encode()
+        if store.put(marker.key, data, if_none_match=prior is None, if_match=prior.etag if prior else None) is None:  # 2
+            raise CommitLost(f"{stem}: another rank committed it at the same time; not written twice")
+        store.upload(final.key, spool)  # 3
+    finally:
+        os.unlink(spool)
+    if done:
+        layout.partial(stem).unlink(missing_ok=True)  # 4
