@@ -97,11 +97,6 @@ class Claims:
             return False
         return True
 
-    def confirm(self, stem: str) -> bool:
-        """Whether this rank still holds `stem`, asked before its commit: a file claim is not taken
-        from a live holder (its heartbeat keeps it fresh), so yes."""
-        return True
-
     def release(self, stem: str) -> None:
         self.path(stem).unlink(missing_ok=True)
         for token in self.folder.glob(f"{stem}.claim.takeover-*"):

@@ -15,8 +15,10 @@ import json
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 from .claims import Claims
+from .layout import Layout
 from .storepath import StorePath
 
 # The lease of an object-store claim, in seconds (default 300); shorter only for tests and for
@@ -24,21 +26,30 @@ from .storepath import StorePath
 LEASE_ENV = "BATCHVLM_LEASE_S"
 
 
+@dataclass(frozen=True)
+class Held:
+    """A claim this rank holds: its ETag, and the done marker's as it was when the shard was
+    claimed (None: there was none), on which the commit's marker PUT is conditional."""
+    claim: str
+    marker: str | None
+
+
 class StoreClaims(Claims):
     def __init__(self, folder: StorePath, lease_s: float = 300.0, heartbeat_s: float = 30.0):
         super().__init__(folder, lease_s, heartbeat_s)  # type: ignore[arg-type]
         self.store = folder.store
-        self.etags: dict[str, str] = {}  # stem -> the ETag of the claim this rank wrote last
+        self.held: dict[str, Held] = {}  # stem -> this rank's claim, as it wrote it last
         self.released: set[str] = set()  # written: no more heartbeats
         self._lock = threading.Lock()
 
-    def _body(self) -> bytes:
-        return json.dumps(json.loads(self.me) | {"at": time.time(), "nonce": os.urandom(8).hex()}).encode()
+    def _body(self, marker: str | None) -> bytes:
+        return json.dumps(json.loads(self.me) | {"marker": marker, "at": time.time(),
+                                                  "nonce": os.urandom(8).hex()}).encode()
 
     def _key(self, stem: str) -> str:
         return self.path(stem).key  # type: ignore[attr-defined]
 
-    def _expired(self, stem: str):
+    def _expired(self, stem: str) -> tuple[str | None, bool]:
         """-> (the claim's ETag or None where there is none, whether it expired)."""
         info = self.store.head(self._key(stem))
         if info is None:
@@ -47,57 +58,61 @@ class StoreClaims(Claims):
         return info.etag, now - info.mtime > self.lease_s
 
     def take(self, stem: str) -> bool:
-        etag = self.store.put(self._key(stem), self._body(), if_none_match=True)
+        # the marker first: a commit of another rank after this read fails this rank's commit
+        marker = self.store.head(Layout(self.folder.parent).stats(stem).key)  # type: ignore[arg-type]
+        body = self._body(marker.etag if marker else None)
+        etag = self.store.put(self._key(stem), body, if_none_match=True)
         if etag is None:
             seen, expired = self._expired(stem)
             if not expired:
                 return False
             # gone meanwhile (released): create it; else take the expired one over, one taker wins
-            etag = self.store.put(self._key(stem), self._body(), if_none_match=seen is None, if_match=seen)
+            etag = self.store.put(self._key(stem), body, if_none_match=seen is None, if_match=seen)
         if etag is None:
             return False
         with self._lock:
-            self.etags[stem] = etag
+            self.held[stem] = Held(etag, marker.etag if marker else None)
         return True
 
     def is_free(self, stem: str) -> bool:
         return self._expired(stem)[1]
 
-    def _etag(self, stem: str) -> str | None:
-        """The ETag of this rank's claim. A claim taken in a loader worker (another process) is
-        this rank's where it names this rank (`me`, made before the workers were forked)."""
+    def _held(self, stem: str) -> Held | None:
+        """This rank's claim of `stem`. One taken in a loader worker (another process) is this
+        rank's where it names this rank (`me`, made before the workers were forked)."""
         with self._lock:
-            if stem in self.etags:
-                return self.etags[stem]
+            if stem in self.held:
+                return self.held[stem]
         got = self.store.fetch(self._key(stem))
         try:
             holder = json.loads(got[0]) if got else {}
         except ValueError:
             return None
-        if {k: holder.get(k) for k in json.loads(self.me)} != json.loads(self.me):
+        me = json.loads(self.me)
+        if not isinstance(holder, dict) or {k: holder.get(k) for k in me} != me:
             return None
         with self._lock:
-            self.etags[stem] = got[1]
-        return got[1]
+            self.held[stem] = Held(got[1], holder.get("marker"))
+        return self.held[stem]
 
-    def confirm(self, stem: str) -> bool:
-        """Rewrite this rank's claim now: False (and the claim forgotten) where it is no longer
+    def confirm(self, stem: str) -> Held | None:
+        """Rewrite this rank's claim now: None (and the claim forgotten) where it is no longer
         this rank's, taken over after its lease."""
-        etag = self._etag(stem)
-        new = self.store.put(self._key(stem), self._body(), if_match=etag) if etag else None
+        held = self._held(stem)
+        new = self.store.put(self._key(stem), self._body(held.marker), if_match=held.claim) if held else None
         with self._lock:
             if new is None:
-                self.etags.pop(stem, None)
-            else:
-                self.etags[stem] = new
-        return new is not None
+                self.held.pop(stem, None)
+                return None
+            self.held[stem] = Held(new, held.marker)
+            return self.held[stem]
 
     def release(self, stem: str) -> None:
-        mine = self._etag(stem)
+        held = self._held(stem)
         with self._lock:
-            self.etags.pop(stem, None)
+            self.held.pop(stem, None)
             self.released.add(stem)
-        if mine is not None and self._expired(stem)[0] == mine:  # never another rank's claim
+        if held is not None and self._expired(stem)[0] == held.claim:  # never another rank's claim
             self.store.delete(self._key(stem))
 
     def keep_alive(self, stems: set[str], stop: threading.Event) -> threading.Thread:

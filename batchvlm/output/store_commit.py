@@ -4,9 +4,10 @@ S3 has no rename, but a PUT (or a completed multipart upload) is atomic: the obj
 or not at all. So a shard's Parquet file is written to a local spool file first, then
 
     1. the claim is refreshed (If-Match on its ETag): a rank whose lease was taken over stops here;
-    2. the done marker `__batchvlm__/<stem>.stats.json` is written with a conditional PUT
-       (If-None-Match: * where there is none, If-Match on the ETag of the one there): of two ranks
-       that got this far for one shard, one wins; the other writes nothing more;
+    2. the done marker `__batchvlm__/<stem>.stats.json` is written with a conditional PUT on the
+       marker as it was when the shard was claimed (If-None-Match: * where there was none, else
+       If-Match on its ETag, both kept in the claim): if any other rank committed the shard since,
+       this fails and this rank writes nothing more;
     3. the Parquet object is uploaded to its final key (`<prefix>/<stem>.parquet`, or
        `__batchvlm__/partial/` for a shard cut short by --limit);
     4. a done shard's partial object is deleted.
@@ -22,12 +23,15 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .layout import Layout
+
+if TYPE_CHECKING:
+    from .claims_store import Held
 from .storepath import StorePath
 
 
@@ -36,7 +40,8 @@ class CommitLost(RuntimeError):
 
 
 def commit_to_store(layout: Layout, stem: str, table: pa.Table, compression: str, stats: dict[str, Any],
-                    confirm: Callable[[str], bool] | None = None) -> None:
+                    confirm: Callable[[str], Held | None] | None = None) -> None:
+    """`confirm`: the claims' (StoreClaims.confirm); None where no claim guards the shard."""
     done = bool(stats.get("complete"))
     final: StorePath = layout.parquet(stem) if done else layout.partial(stem)
     marker: StorePath = layout.stats(stem)
@@ -46,12 +51,15 @@ def commit_to_store(layout: Layout, stem: str, table: pa.Table, compression: str
     try:
         pq.write_table(table, spool, compression=None if compression == "none" else compression)
         size = os.path.getsize(spool)
-        if confirm is not None and not confirm(stem):  # 1
+        if confirm is None:  # no claim (a single writer): the marker as it is now
+            prior = (info.etag if (info := store.head(marker.key)) else None)
+        elif (held := confirm(stem)) is None:  # 1
             raise CommitLost(f"{stem}: its claim was taken over (this rank was too slow to refresh it); not written")
-        prior = store.head(marker.key)
+        else:
+            prior = held.marker
         data = json.dumps(stats | {"output": {"size": size}}, indent=1).encode()
-        if store.put(marker.key, data, if_none_match=prior is None, if_match=prior.etag if prior else None) is None:  # 2
-            raise CommitLost(f"{stem}: another rank committed it at the same time; not written twice")
+        if store.put(marker.key, data, if_none_match=prior is None, if_match=prior) is None:  # 2
+            raise CommitLost(f"{stem}: another rank committed it since this rank claimed it; not written twice")
         store.upload(final.key, spool)  # 3
     finally:
         os.unlink(spool)

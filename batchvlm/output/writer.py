@@ -130,9 +130,9 @@ def output_stat(path: Path) -> dict[str, int] | None:
 
 
 def write_shard(layout: Layout, stem: str, rows: list[dict[str, Any]], sch: pa.Schema, compression: str,
-                stats: dict[str, Any], confirm: Callable[[str], bool] | None = None) -> None:
-    """`confirm(stem)`: whether this rank still holds the shard's claim (an object store's lease),
-    asked just before the commit."""
+                stats: dict[str, Any], confirm: Callable[[str], Any] | None = None) -> None:
+    """`confirm(stem)`: this rank's claim of the shard in an object store, refreshed just before
+    the commit (None: it was taken over); store_commit.py."""
     meta = json.loads(sch.metadata[b"batchvlm"]) | {"shard": stem, "finished": stats.get("finished")}
     table = pa.Table.from_pylist(rows, schema=sch.with_metadata({"batchvlm": json.dumps(meta)}))
     if layout.in_store:

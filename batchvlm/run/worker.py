@@ -127,7 +127,7 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
             stream.close()
             stream = load(pending, job.input, job.loader, family.preprocessor(), stealing)
             writer = WriterThread(layout, writer.schema, job.output.compression, on_written=claims.release,
-                                  confirm=claims.confirm)
+                                  confirm=writer.confirm)
         if isinstance(labeler, EngineLabeler):
             log(f"batchvlm: rank {rank.rank}/{rank.world}: engine: {labeler.engine.summary()}")
         summary.stopped_by_signal = stop.event.is_set()
@@ -197,7 +197,7 @@ def _start_output(job: Job, layout: Layout, rank: Rank, model: EngineModel | Sta
                                                    "skipped_files": shards.skipped})
     return WriterThread(layout, schema(job.tasks, meta, keep_fields(job.input, shards), job.output.raw_text),
                         job.output.compression, on_written=claims.release if claims else None,
-                        confirm=claims.confirm if claims else None)
+                        confirm=claims.confirm if isinstance(claims, StoreClaims) else None)
 
 
 def _claims(job: Job, layout: Layout) -> Claims | None:
