@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import http.client
 import logging
+import os
+import signal
 import threading
 import urllib.request
 from contextlib import contextmanager
@@ -34,19 +36,35 @@ class MotoServer:
 
     def set_auth(self, on: bool) -> None:
         """moto accepts any key until told to check them (then only keys its IAM knows pass)."""
-        req = urllib.request.Request(f"{self.url}/moto-api/reset-auth", data=b"0" if on else b"inf", method="POST")
+        req = urllib.request.Request(f"{self.url}/moto-api/reset-auth", data=b"0" if on else b"inf", method="POST",
+                                     headers={"Content-Type": "text/plain"})  # not a form: flask keeps the body
         urllib.request.urlopen(req).read()
 
 
 class Proxy:
     """Forwards every request to `target`; `fail_503` > 0 answers that many requests with 503
-    SlowDown instead, `unconditional` drops If-None-Match / If-Match from PUTs."""
+    SlowDown instead, `unconditional` drops If-None-Match / If-Match from PUTs. `kill` (a process
+    group and a test of (method, path) -> "before" | "after") kill -9s a run at an exact request
+    of the commit protocol: before it reaches the store, or once the store has done it (its answer
+    never sent): the deterministic kill points of the crash tests."""
 
     def __init__(self, target_port: int):
         self.fail_503 = 0
         self.unconditional = False
         self.seen_503 = 0
+        self.kill: tuple[int, object] | None = None
+        self.fail_from = None  # a test of (method, path): from the first request it matches, all get 503
+        self.killed: list[str] = []
         proxy = self
+
+        def kill_point(method: str, path: str, when: str) -> bool:
+            if proxy.kill is None or proxy.kill[1](method, path) != when:
+                return False
+            pgid, _ = proxy.kill
+            proxy.kill = None
+            proxy.killed.append(f"{when} {method} {path}")
+            os.killpg(pgid, signal.SIGKILL)
+            return True
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -56,6 +74,11 @@ class Proxy:
 
             def _any(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if kill_point(self.command, self.path, "before"):
+                    self.close_connection = True
+                    return
+                if proxy.fail_from is not None and proxy.fail_from(self.command, self.path):
+                    proxy.fail_from, proxy.fail_503 = None, 10**9
                 if proxy.fail_503 > 0:
                     proxy.fail_503 -= 1
                     proxy.seen_503 += 1
@@ -71,11 +94,15 @@ class Proxy:
                 conn.request(self.command, self.path, body=body, headers=headers)
                 r = conn.getresponse()
                 data = r.read()
+                if kill_point(self.command, self.path, "after"):
+                    self.close_connection = True
+                    return
                 self.send_response(r.status)
                 for k, v in r.getheaders():
                     if k.lower() not in ("content-length", "transfer-encoding", "connection", "server", "date"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                length = r.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
