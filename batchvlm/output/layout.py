@@ -11,6 +11,9 @@
         <shard>.claim            work-stealing leases
         *.tmp-<host>-<pid>       files being written (a shard's Parquet is renamed up into <dir>)
 
+An output in an object store (`s3://bucket/prefix`, docs/object-store.md) has the same keys, but
+no lock files: its `dir` is a StorePath, and its claims and commits are conditional PUTs.
+
 Folders written by the first layout (stats files and `_job.json` beside the Parquet files) are
 refused with a one-line message: their shard names differ too (`_root`), so they are relabelled.
 """
