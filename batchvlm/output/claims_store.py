@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from .claims import Claims
 from .layout import Layout
+from .store import StoreError
 from .storepath import StorePath
 
 # The lease of an object-store claim, in seconds (default 300); shorter only for tests and for
@@ -41,6 +42,7 @@ class StoreClaims(Claims):
         self.held: dict[str, Held] = {}  # stem -> this rank's claim, as it wrote it last
         self.released: set[str] = set()  # written: no more heartbeats
         self._lock = threading.Lock()
+        self._rewriting = threading.Lock()
 
     def _body(self, marker: str | None) -> bytes:
         return json.dumps(json.loads(self.me) | {"marker": marker, "at": time.time(),
@@ -98,6 +100,10 @@ class StoreClaims(Claims):
     def confirm(self, stem: str) -> Held | None:
         """Rewrite this rank's claim now: None (and the claim forgotten) where it is no longer
         this rank's, taken over after its lease."""
+        with self._rewriting:  # the heartbeat and the commit: one rewrite at a time, each on the last ETag
+            return self._rewrite(stem)
+
+    def _rewrite(self, stem: str) -> Held | None:
         held = self._held(stem)
         new = self.store.put(self._key(stem), self._body(held.marker), if_match=held.claim) if held else None
         with self._lock:
@@ -108,18 +114,22 @@ class StoreClaims(Claims):
             return self.held[stem]
 
     def release(self, stem: str) -> None:
-        held = self._held(stem)
-        with self._lock:
-            self.held.pop(stem, None)
-            self.released.add(stem)
-        if held is not None and self._expired(stem)[0] == held.claim:  # never another rank's claim
-            self.store.delete(self._key(stem))
+        with self._rewriting:
+            held = self._held(stem)
+            with self._lock:
+                self.held.pop(stem, None)
+                self.released.add(stem)
+            if held is not None and self._expired(stem)[0] == held.claim:  # never another rank's claim
+                self.store.delete(self._key(stem))
 
     def keep_alive(self, stems: set[str], stop: threading.Event) -> threading.Thread:
         def beat() -> None:
             while not stop.wait(self.heartbeat_s):
                 for stem in list(stems - self.released):
-                    self.confirm(stem)
+                    try:
+                        self.confirm(stem)
+                    except StoreError:
+                        pass  # the store is down: the commit's own confirm says so, in one line
 
         t = threading.Thread(target=beat, name="batchvlm-claims", daemon=True)
         t.start()

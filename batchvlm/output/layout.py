@@ -24,10 +24,8 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .storepath import StorePath
+from .storepath import StorePath
 
 # pyarrow (and so pandas), Spark and Hive skip paths starting with `_` or `.`; the `datasets`
 # library skips only `.` and `__` directories, and would feed the JSON here to its Parquet
@@ -66,8 +64,6 @@ class Layout:
     def at(cls, out_dir: str | Path) -> Layout:
         """The layout of `output.dir`: a local folder, or an `s3://bucket/prefix`."""
         if isinstance(out_dir, str) and is_store_url(out_dir):
-            from .storepath import StorePath
-
             return cls(StorePath.from_url(out_dir))
         return cls(Path(out_dir))
 

@@ -154,6 +154,31 @@ def test_kill_9_at_each_commit_point_then_rerun(tmp_path, s3, bucket):
     assert _top_level(client, name) == {f"shapes-{s:06d}.parquet" for s in range(n_shards)} | {"__batchvlm__"}
 
 
+def test_sigterm_releases_its_claims_then_a_rerun_extends_the_output(tmp_path, s3, bucket):
+    """A stop request: the shards finished are written, the claims of the others deleted, so the
+    next run takes them at once (no lease to wait out: the default 300 s here); a shard added to
+    the input is labelled by the next run, the others not again."""
+    import signal
+
+    _, proxy = s3
+    name, client = bucket
+    write_shards(tmp_path / "data", 8, 4, seed=7)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", out=f"s3://{name}/labels",
+                    engine={"max_batch_size": 4})  # small batches: shards finish one by one
+    env = {"BATCHVLM_LEASE_S": "300"}
+    p = _run(job, env)
+    proxy.kill = (p.pid, lambda m, path: "after" if _is_put(".parquet")(m, path) else None, signal.SIGTERM)
+    assert p.wait(timeout=300) == 75, p.stderr.read()  # stopped: exits.EXIT_STOPPED
+    done = _done(client, name)
+    assert 0 < len(done) < 8 and not [k for k in _objects(client, name) if k.endswith(".claim")]
+    write_shards(tmp_path / "more", 1, 2, seed=8)
+    (tmp_path / "more" / "shapes-000000.tar").rename(tmp_path / "data" / "shapes-000008.tar")
+    p = _run(job, env)
+    assert p.wait(timeout=200) == 0, p.stderr.read()
+    now = _done(client, name)
+    assert {s: now[s] for s in done} == done and len(now) == 9
+
+
 def test_two_ranks_racing_write_every_shard_once(tmp_path, bucket):
     name, client = bucket
     n_shards = 6

@@ -52,7 +52,7 @@ class Proxy:
         self.fail_503 = 0
         self.unconditional = False
         self.seen_503 = 0
-        self.kill: tuple[int, object] | None = None
+        self.kill: tuple | None = None  # (pgid, test[, signal]): SIGKILL unless a signal is given
         self.fail_from = None  # a test of (method, path): from the first request it matches, all get 503
         self.killed: list[str] = []
         proxy = self
@@ -60,11 +60,11 @@ class Proxy:
         def kill_point(method: str, path: str, when: str) -> bool:
             if proxy.kill is None or proxy.kill[1](method, path) != when:
                 return False
-            pgid, _ = proxy.kill
+            pgid, _, *sig = proxy.kill
             proxy.kill = None
             proxy.killed.append(f"{when} {method} {path}")
-            os.killpg(pgid, signal.SIGKILL)
-            return True
+            os.killpg(pgid, sig[0] if sig else signal.SIGKILL)
+            return sig == [] or sig[0] == signal.SIGKILL  # another signal: the request goes on
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
