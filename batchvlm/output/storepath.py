@@ -1,7 +1,7 @@
 """StorePath: an object-store location that answers the part of pathlib the output layer reads
 with (exists, read_text, stat, glob, iterdir, unlink, `/`), so that manifest, status, reader and
 placement read an `s3://` output and a local folder with the same code. Writes that must be
-atomic do not go through it: they are the commit protocol's (output/commit.py, claims_store.py).
+atomic do not go through it: they are the commit protocol's (store_commit.py, claims_store.py).
 
 A "directory" is a key prefix: it exists while any object lies below it; mkdir and rmdir do nothing.
 """

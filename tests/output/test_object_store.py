@@ -106,8 +106,10 @@ def test_run_limit_resume_status_preview_export_and_readers(tmp_path, bucket):
     assert sorted(table.column("key").to_pylist()) == [f"{s:06d}_{i:04d}" for s in range(3) for i in range(4)]
     cli_app(tmp_path, "preview", f"s3://{name}/labels", "-o", tmp_path / "p.html", check=True)
     assert (tmp_path / "p.html").read_text().count('class="card') == 12
-    r = cli_app(tmp_path, "export", "coco", f"s3://{name}/labels", tmp_path / "coco", check=True)
+    cli_app(tmp_path, "export", "coco", f"s3://{name}/labels", tmp_path / "coco", check=True)
     assert json.loads((tmp_path / "coco" / "annotations.json").read_text())["images"]
+    r = cli_app(tmp_path, "run", job, "--overwrite", check=True)  # cleared, labelled again
+    assert "3 shard(s) written, 0 already done" in r.stdout and len(_done(client, name)) == 3
 
 
 def _run(job, env_extra=None) -> subprocess.Popen:
