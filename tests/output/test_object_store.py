@@ -103,7 +103,19 @@ def test_run_limit_resume_status_preview_export_and_readers(tmp_path, bucket):
     s3fs = fs.S3FileSystem(endpoint_override=os.environ["AWS_ENDPOINT_URL"], region="us-east-1",
                            access_key="AKIATESTKEY", secret_key=SECRET)
     table = ds.dataset(f"{name}/labels", filesystem=s3fs, format="parquet").to_table(columns=["key"])
-    assert sorted(table.column("key").to_pylist()) == [f"{s:06d}_{i:04d}" for s in range(3) for i in range(4)]
+    expected = [f"{s:06d}_{i:04d}" for s in range(3) for i in range(4)]
+    assert sorted(table.column("key").to_pylist()) == expected
+    import pandas
+    import polars
+
+    url = os.environ["AWS_ENDPOINT_URL"]
+    df = pandas.read_parquet(f"s3://{name}/labels/", columns=["key"], storage_options={  # through s3fs
+        "key": "AKIATESTKEY", "secret": SECRET, "client_kwargs": {"endpoint_url": url}})
+    assert sorted(df["key"]) == expected
+    df = polars.read_parquet(f"s3://{name}/labels/*.parquet", columns=["key"], storage_options={
+        "aws_endpoint_url": url, "aws_access_key_id": "AKIATESTKEY", "aws_secret_access_key": SECRET,
+        "aws_region": "us-east-1", "aws_allow_http": "true"})
+    assert sorted(df["key"]) == expected
     cli_app(tmp_path, "preview", f"s3://{name}/labels", "-o", tmp_path / "p.html", check=True)
     assert (tmp_path / "p.html").read_text().count('class="card') == 12
     cli_app(tmp_path, "export", "coco", f"s3://{name}/labels", tmp_path / "coco", check=True)
@@ -223,6 +235,24 @@ def test_an_expired_claim_is_taken_over_once_and_its_old_holder_commits_nothing(
     client.put_object(Bucket=name, Key="labels/__batchvlm__/t.stats.json", Body=b'{"shard": "t"}')
     with pytest.raises(CommitLost):
         commit_to_store(layout, "t", table, "zstd", stats | {"shard": "t"}, c.confirm)
+
+
+def test_a_large_shard_goes_up_in_parts(tmp_path, bucket, monkeypatch):
+    """Above the multipart threshold (made 5 MiB here, S3's smallest part) the upload is
+    multipart; the object appears whole, with a multipart ETag (`<md5>-<parts>`)."""
+    from batchvlm.output import store
+    from batchvlm.output.storepath import StorePath
+
+    name, client = bucket
+    monkeypatch.setattr(store, "MULTIPART_BYTES", 5 << 20)
+    monkeypatch.setattr(store, "PART_BYTES", 5 << 20)
+    big = tmp_path / "big.parquet"
+    big.write_bytes(os.urandom(12 << 20))
+    where = StorePath.from_url(f"s3://{name}/labels/big.parquet")
+    where.store.upload(where.key, big)
+    head = client.head_object(Bucket=name, Key="labels/big.parquet")
+    assert head["ContentLength"] == 12 << 20 and head["ETag"].endswith('-3"')
+    assert where.read_bytes() == big.read_bytes()
 
 
 def _refusal(tmp_path, *args) -> str:
