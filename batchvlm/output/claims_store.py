@@ -15,24 +15,16 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass
 
 from .claims import Claims
 from .layout import Layout
 from .store import StoreError
+from .store_commit import Held
 from .storepath import StorePath
 
 # The lease of an object-store claim, in seconds (default 300); shorter only for tests and for
 # stores whose uploads of a shard take far less. The heartbeat rewrites a claim every tenth of it.
 LEASE_ENV = "BATCHVLM_LEASE_S"
-
-
-@dataclass(frozen=True)
-class Held:
-    """A claim this rank holds: its ETag, and the done marker's as it was when the shard was
-    claimed (None: there was none), on which the commit's marker PUT is conditional."""
-    claim: str
-    marker: str | None
 
 
 class StoreClaims(Claims):

@@ -23,16 +23,22 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .layout import Layout
-
-if TYPE_CHECKING:
-    from .claims_store import Held
 from .storepath import StorePath
+
+
+@dataclass(frozen=True)
+class Held:
+    """A claim this rank holds (claims_store.py): its ETag, and the done marker's as it was when
+    the shard was claimed (None: there was none), on which the commit's marker PUT is conditional."""
+    claim: str
+    marker: str | None
 
 
 class CommitLost(RuntimeError):

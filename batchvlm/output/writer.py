@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -31,9 +31,7 @@ from ..tasks import Task, kind_of, label_columns
 from .layout import Layout
 from .store import StoreError
 from .store_commit import CommitLost, commit_to_store
-
-if TYPE_CHECKING:
-    from .storepath import StorePath
+from .storepath import StorePath
 
 BOX = pa.struct([("label", pa.string()), ("x_min", pa.float32()), ("y_min", pa.float32()),
                  ("x_max", pa.float32()), ("y_max", pa.float32())])
