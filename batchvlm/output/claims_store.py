@@ -114,6 +114,18 @@ class StoreClaims(Claims):
             if held is not None and self._expired(stem)[0] == held.claim:  # never another rank's claim
                 self.store.delete(self._key(stem))
 
+    def release_unused(self) -> None:
+        """Once the run's loader workers are gone: delete the claims they took for this run that it
+        never labelled (a stop, a failure), which would otherwise wait out their lease. Those this
+        run wrote were released already; a store that is down leaves them to their lease."""
+        try:
+            for path in self.folder.glob("*.claim"):
+                stem = path.name.removesuffix(".claim")
+                if stem not in self.released and self._held(stem) is not None:
+                    self.release(stem)
+        except StoreError:
+            pass
+
     def keep_alive(self, stems: set[str], stop: threading.Event) -> threading.Thread:
         def beat() -> None:
             while not stop.wait(self.heartbeat_s):

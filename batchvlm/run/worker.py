@@ -136,6 +136,8 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
         return summary
     finally:
         stream.close()  # on every way out: the workers ignore SIGTERM, so exit would wait on them
+        if isinstance(claims, StoreClaims):
+            claims.release_unused()  # taken by loader workers ahead of the labelling: no lease to wait out
 
 
 def _open_folder(layout: Layout, clear: bool) -> None:

@@ -169,8 +169,8 @@ def test_kill_9_at_each_commit_point_then_rerun(tmp_path, s3, bucket):
 
 
 def test_sigterm_releases_its_claims_then_a_rerun_extends_the_output(tmp_path, s3, bucket):
-    """A stop request: the shards finished are written, the claims of the others deleted, so the
-    next run takes them at once (no lease to wait out: the default 300 s here); a shard added to
+    """A stop request: the shards finished are written, the claims of the others deleted (also
+    those its loader workers took, in other processes), so the next run takes them at once (no lease to wait out: the default 300 s here); a shard added to
     the input is labelled by the next run, the others not again."""
     import signal
 
@@ -178,7 +178,8 @@ def test_sigterm_releases_its_claims_then_a_rerun_extends_the_output(tmp_path, s
     name, client = bucket
     write_shards(tmp_path / "data", 8, 4, seed=7)
     job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", out=f"s3://{name}/labels",
-                    engine={"max_batch_size": 4})  # small batches: shards finish one by one
+                    engine={"max_batch_size": 4},  # small batches: shards finish one by one
+                    loader={"workers": 2})  # claims taken in forked workers, committed by the run
     env = {"BATCHVLM_LEASE_S": "300"}
     p = _run(job, env)
     proxy.kill = (p.pid, lambda m, path: "after" if _is_put(".parquet")(m, path) else None, signal.SIGTERM)
