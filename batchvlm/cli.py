@@ -220,6 +220,31 @@ def export_cmd(
                f"{counts['categories']} categories ({fmt})")
 
 
+@app.command()
+def tune(
+    job_file: Path = JOB_ARG,
+    sample: int = typer.Option(200, "--sample", min=1, help="Images drawn from the job's inputs."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Which images are drawn (the same seed, the same images)."),
+    budgets: str | None = typer.Option(None, "--budgets", help="Comma-separated settings of the family's budget knob "
+                                       "(Qwen max_pixels, Moondream max_crops) and prune[:TOL]; default: the "
+                                       "family's ladder."),
+    json_path: Path | None = typer.Option(None, "--json", help="The JSON report (default: <job name>.tune.json)."),
+    plot: Path | None = typer.Option(None, "--plot", help="The PNG plot (default: <job name>.tune.png)."),
+    no_plot: bool = typer.Option(False, "--no-plot", help="Write no plot."),
+) -> None:
+    """Label a sample of JOB_FILE's images at the full visual budget and smaller ones: tokens, images/s
+    and agreement with the full budget per task (docs/tune.md). Writes nothing into the job's output."""
+    job = _load(job_file)
+    from .tune.command import TuneArgs, tune as run_tune
+
+    args = TuneArgs(sample, seed, budgets, json_path or Path(f"{job.name}.tune.json"),
+                    None if no_plot else plot or Path(f"{job.name}.tune.png"), plot is not None)
+    try:
+        typer.echo(run_tune(job, args))
+    except user_errors() as e:
+        fail(str(e))
+
+
 def main() -> None:
     """The console entry point: an unexpected failure is one line unless --debug. (Usage
     errors, --help and exits are click's: they end in SystemExit, which passes.)"""

@@ -23,7 +23,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 
 from .job_errors import format_error
 from .job_yaml import MAX_JOB_BYTES, JobFileRefused, read_yaml
-from .tasks import Strict, Task, label_columns
+from .tasks import SimilarityTask, Strict, Task, label_columns
 
 RESERVED_COLUMNS = {"key", "source", "width", "height", "status", "error"}
 
@@ -127,6 +127,12 @@ class ModelSpec(Strict):
     max_pixels: int | None = Field(None, ge=1, description="Qwen3-VL: images are resized to at most this many pixels "
                                                            "(default: the checkpoint's). Fewer pixels = fewer image "
                                                            "tokens: faster vision and prefill, less KV memory.")
+    prune_duplicates: float | None = Field(
+        None, ge=0.0, le=1.0, allow_inf_nan=False,
+        description="Qwen3-VL / Qwen3.5: drop every 2x2 merge group of image patches whose pixels equal an "
+                    "already-kept neighbour's (left or above) within this tolerance (largest difference of any "
+                    "pixel channel, as a share of 0-255; 0 = identical), before the vision tower and the prefill; "
+                    "kept tokens keep their positions. Off by default. docs/tune.md.")
 
     @field_validator("revision", mode="before")
     @classmethod
@@ -231,13 +237,25 @@ class Job(Strict):
                 raise ValueError(f"input.keep: column {col!r} is also {owner[col]}; rename the task or leave the column out")
         return self
 
+    @model_validator(mode="after")
+    def _texts_kept(self) -> Job:
+        """A similarity task's text travels with its image as an input.keep value."""
+        for i, t in enumerate(self.tasks):
+            if isinstance(t, SimilarityTask) and (col := t.similarity.text_column) not in self.input.keep:
+                raise ValueError(f"tasks.{i}.similarity.text_column: {col!r} is not in input.keep; add it there (the "
+                                 "text travels with its image as a kept column)")
+        return self
+
     def label_settings(self) -> dict[str, Any]:
         """Every setting that changes labels (not inputs, not speed knobs). `model.dtype` must
         be resolved for the device first (device.py, in preflight): `auto` means different precisions."""
         e = self.engine
         return {
             # the weights hash pins the family; a local folder is named by its real path
-            "model": self.model.model_dump(exclude={"device", "family"}) | {"name": model_path(self.model.name)},
+            # prune_duplicates only where set: the prints of jobs written before it stay the same
+            "model": self.model.model_dump(exclude={"device", "family"} | ({"prune_duplicates"} if
+                                                                           self.model.prune_duplicates is None else set()))
+                     | {"name": model_path(self.model.name)},
             "tasks": [t.model_dump(by_alias=True) for t in self.tasks],
             "engine": {k: getattr(e, k) for k in ("max_new_tokens", "max_objects", "temperature", "top_p", "seed")},
             # which image a row holds, and the pixels the model sees

@@ -41,8 +41,15 @@ class ObjectsArgs(Strict):
         return objects
 
 
+DEFAULT_TEMPLATE = "This is a photo of {}."  # transformers' zero-shot image classification pipeline's
+
+
 class ClassifyArgs(Strict):
-    question: str = Field(min_length=1, description="Asked of every image, as a query would be.")
+    question: str | None = Field(None, min_length=1, description="Asked of every image, as a query would be "
+                                                                 "(vision-language models: required).")
+    template: str | None = Field(None, min_length=1, exclude_if=lambda v: v is None,
+                                 description="Encoder-only models (SigLIP): each choice put into this text, at {}, "
+                                             f"is scored against the image (default: {DEFAULT_TEMPLATE!r}).")
     choices: list[str] = Field(min_length=1, max_length=1000,
                                description="The answers to score (stripped; distinct, none empty). The column holds "
                                            "the most probable; <name>_scores every probability, in this order.")
@@ -58,6 +65,25 @@ class ClassifyArgs(Strict):
             if c in stripped[:i]:
                 raise ValueError(f"choice {c!r} is given twice")
         return stripped
+
+    @field_validator("template")
+    @classmethod
+    def _slot(cls, template: str | None) -> str | None:
+        if template is not None and template.count("{}") != 1:
+            raise ValueError("the template holds the choice at one {}")
+        return template
+
+
+class EmbedArgs(Strict):
+    name: str | None = Field(None, description="Output column (default: embed).")
+    dtype: Literal["float32", "float16"] = Field("float32", description="The column's float type (float16: half "
+                                                                         "the size; the vector is normalized first).")
+
+
+class SimilarityArgs(Strict):
+    text_column: str = Field(min_length=1, description="The text of each image: an input.keep name (a Parquet "
+                                                       "column, or a tar / folder sidecar such as txt), used as written.")
+    name: str | None = Field(None, description="Output column (default: similarity).")
 
 
 class JsonArgs(Strict):
@@ -120,6 +146,18 @@ class OcrTask(Strict):
     ocr: OcrArgs = OcrArgs()
 
 
+class EmbedTask(Strict):
+    """The model's image embedding, L2-normalized (encoder-only models: SigLIP)."""
+
+    embed: EmbedArgs = EmbedArgs()
+
+
+class SimilarityTask(Strict):
+    """The sigmoid of the image-text logit of the image and its own text (SigLIP's pair probability)."""
+
+    similarity: SimilarityArgs
+
+
 class RegionsTask(Strict):
     """Dense region captions: boxes, each with a free-text description (Florence-2)."""
 
@@ -142,11 +180,17 @@ Task = Annotated[
     | Annotated[ClassifyTask, Tag("classify")]
     | Annotated[JsonTask, Tag("json")]
     | Annotated[OcrTask, Tag("ocr")]
-    | Annotated[RegionsTask, Tag("regions")],
+    | Annotated[RegionsTask, Tag("regions")]
+    | Annotated[EmbedTask, Tag("embed")]
+    | Annotated[SimilarityTask, Tag("similarity")],
     Discriminator(_task_kind, custom_error_type="task_kind",
-                  custom_error_message="a task is one of caption, query, detect, point, ocr, regions, classify, json "
-                                       "(one key)"),
+                  custom_error_message="a task is one of caption, query, detect, point, ocr, regions, classify, json, "
+                                       "embed, similarity (one key)"),
 ]
+
+
+# Kinds an encoder-only model answers from its image (and text) embeddings, with no generated text.
+IMAGE_LEVEL_KINDS = ("embed", "similarity")
 
 
 def kind_of(task: Task) -> str:
@@ -165,8 +209,8 @@ def column_of(task: Task) -> str:
 def truncated_column(task: Task) -> str | None:
     """Per task, a boolean column: the label was cut short by a limit (max_new_tokens or
     max_objects), so a caption may stop mid-sentence or objects may be missing. None for
-    classify, which generates nothing."""
-    return None if kind_of(task) == "classify" else f"{column_of(task)}_truncated"
+    classify, embed and similarity, which generate nothing."""
+    return None if kind_of(task) in ("classify", *IMAGE_LEVEL_KINDS) else f"{column_of(task)}_truncated"
 
 
 def scores_column(task: Task) -> str | None:

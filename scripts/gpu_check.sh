@@ -68,6 +68,8 @@ STEPS=(
     "bench_florence2    2  60  45 bench_florence2.log    Florence-2-base shapes, random weights, 32 images: native engine vs the transformers backend, labels equal"
     "classify_bench     2  90  60 bench_classify.log     classify(10) vs query(8) vs query(1) on Qwen3-VL-2B shapes, bf16, batch 256"
     "bench_attention    2  50  50 bench_attention.log    one decode step's attention at Moondream 2 shapes, blocks 16 and 64, CUDA events on a captured step"
+    "bench_embed        2  90  60 bench_embed.log        SigLIP 2 base NaFlex shapes, random bf16 weights, 1024 JPEGs: batchvlm run (embed) vs transformers' batched forward on preprocessed tensors"
+    "bench_prune        2  60  45 bench_prune.log        duplicate-token pruning (issue 43): share of Qwen image tokens removed, then batchvlm tune on the Qwen3-VL mid config (random weights), shapes and documents, pruned vs not"
 )
 
 plan() {
@@ -284,14 +286,27 @@ classify_bench() {
     $PY scripts/bench_classify.py "${args[@]}"
 }
 
+bench_embed() {
+    local args=(--config base --device cuda --dtype bfloat16 --images 1024 --batch 256 --workers 8 --repeats 2)
+    (( DRY )) && args=(--config tiny --images 8 --batch 4 --workers 1 --repeats 1)
+    $PY scripts/bench_embed.py "${args[@]}" --json "$LOG_DIR/bench_embed.json"
+}
+
 bench_attention() {
     local args=(--block-sizes 16 64)
     (( DRY )) && args=(--images 2 --rows 3 --prefix 37 --own-max 20 --layers 1 --steps 1 --block-sizes 16 64)
     $PY scripts/bench_attention.py "${args[@]}"
 }
 
-export -f environment moondream_bench bench_engine bench_engine_more flex_smoke_cut flex_smoke_rest gpu_tests_of \
-    gpu_tests_new gpu_tests bench_qwen3vl bench_moe bench_qwen35 bench_florence2 classify_bench bench_attention
+bench_prune() {
+    local args=(--speed --n 16)
+    (( DRY )) && args=(--speed --n 2 --config tiny)
+    $PY scripts/bench_prune.py "${args[@]}"
+}
+
+export -f bench_embed environment moondream_bench bench_engine bench_engine_more flex_smoke_cut flex_smoke_rest gpu_tests_of \
+    gpu_tests_new gpu_tests bench_qwen3vl bench_moe bench_qwen35 bench_florence2 classify_bench bench_attention \
+    bench_prune
 export DRY PY LOG_DIR OUT SCALE KV_BLOCKS GPU_TESTS NEW_PATHS
 
 # ---------------------------------------------------------------- the calls

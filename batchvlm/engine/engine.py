@@ -200,6 +200,9 @@ class EngineLabeler:
                  log: Callable[[str], None] = print_stderr):
         self.engine = Engine(model, seqs, settings, max_prefix_len, log)
 
+    def summary(self) -> str:
+        return self.engine.summary()
+
     def label(self, samples: Iterable[SampleT]) -> Iterator[tuple[SampleT, list[RawOutput]]]:
         for request in self.engine.run(samples):
             yield request.sample, [s.output for s in request.seqs]

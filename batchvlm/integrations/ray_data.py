@@ -29,6 +29,7 @@ from ..data.sources import image_cells
 from ..device import for_device
 from ..dist import Rank
 from ..job import Job, load_job, parse_job
+from ..tasks import SimilarityTask
 
 IDENTITY = ("key", "source")  # Parquet output columns that name a shard's sample: the pipeline has its own
 
@@ -42,8 +43,9 @@ class Labeler:
         key that seeds sampling (temperature > 0), as `input.key_column` in `batchvlm run`;
         default the job's, else a hash of the image bytes."""
         from ..engine.engine import EngineLabeler
+        from ..engine.images import ImageLabeler
         from ..models import registry
-        from ..models.base.contract import StaticModel
+        from ..models.base.contract import ImageModel, StaticModel
         from ..output.writer import schema
 
         if isinstance(job, dict):
@@ -60,8 +62,11 @@ class Labeler:
         self.preprocess = self.family.preprocessor()
         model = self.family.load(job.model.dtype, job.model.device)
         self.labeler = (model.labeler(self.seqs, job.engine) if isinstance(model, StaticModel)
+                        else ImageLabeler(model, self.seqs, job.engine) if isinstance(model, ImageModel)
                         else EngineLabeler(model, self.seqs, job.engine, self.family.max_prefix_len()))
-        full = schema(job.tasks, {}, [], job.output.raw_text)
+        # a similarity task's text: a column of the batch, as input.keep would pass it in a run
+        self.texts = [t.similarity.text_column for t in job.tasks if isinstance(t, SimilarityTask)]
+        full = schema(job.tasks, {}, [], job.output.raw_text, self.family.embed_dim)
         self.schema = pa.schema([f for f in full if f.name not in IDENTITY])
 
     def __call__(self, batch: Any) -> pa.Table:
@@ -77,6 +82,8 @@ class Labeler:
         for s in samples:  # the key seeds sampling: without a key column, the image's bytes name it
             if not self.input.key_column and s.error is None:
                 s.key = _digest(encoded[s.index].data)
+            if self.texts:
+                s.meta = {c: table.column(c)[s.index].as_py() for c in self.texts if c in table.column_names}
         for s, raws in self.labeler.label([s for s in samples if s.error is None]):
             rows[s.index] |= self.family.columns(self.job.tasks, self.seqs, raws, s.seen)
         labels = pa.Table.from_pylist(rows, schema=self.schema)

@@ -26,6 +26,8 @@ FAMILIES: dict[str, str] = {
     "florence2": "batchvlm.models.florence2.host:Florence2",
     "qwen3_5": "batchvlm.models.qwen3_5.host:Qwen35",
     "qwen3_5_moe": "batchvlm.models.qwen3_5.host:Qwen35",
+    "siglip": "batchvlm.models.siglip.host:Siglip",  # fixed resolution (SigLIP 2 FixRes, SigLIP)
+    "siglip2": "batchvlm.models.siglip.host:Siglip",  # NaFlex
 }
 TRANSFORMERS = "batchvlm.models.transformers_backend.host:TransformersFamily"
 # What a family's host side reads of a hub repo: config, tokenizer (tokenizer.model: sentencepiece;
@@ -57,6 +59,9 @@ def open_family(spec: ModelSpec, weights: bool = True) -> Family:
     family = family_class(where).open(folder, spec, revision)
     if spec.family not in ("auto", family.name):
         raise ModelLoadError(f"model.family: {spec.family!r}, but {spec.name!r} is a {family.name} model")
+    if spec.prune_duplicates is not None and not family.can_prune():
+        raise ModelLoadError(f"model.prune_duplicates: {family.name} ({family.backend}) cannot drop duplicate visual "
+                             "tokens (native Qwen3-VL and Qwen3.5 can); remove the setting")
     return family
 
 

@@ -31,14 +31,18 @@ class RawText(BaseModel):
 class Score(BaseModel):
     label: str = Field(description="A classify task's choice.")
     prob: float = Field(ge=0, le=1, description="Its probability: a softmax over the choices' summed token "
-                                                "log-probabilities (the choices' probabilities sum to 1).")
+                                                "log-probabilities (encoder-only models: over the image-text "
+                                                "logits of the choices in their template); the choices' "
+                                                "probabilities sum to 1.")
 
 
 class LabelRow(BaseModel):
     """One row per input sample. Task columns are named by the task's `name` (default: its kind):
     caption / query / ocr -> string; detect / regions -> list of Box; point -> list of Point;
     classify -> string (the most probable choice) and `<name>_scores` -> list of Score (every
-    choice, in choice order); json -> string (compact JSON that validates against the task's schema
+    choice, in choice order); embed (encoder-only models) -> fixed-size list of float32 (float16 with
+    the task's dtype), the model's image embedding, L2-normalized (unit length); similarity -> float32,
+    the sigmoid of the image-text logit of the image and its own text (null without a text); json -> string (compact JSON that validates against the task's schema
     unless truncated); null on error rows. Each task but classify also has `<name>_truncated`
     (boolean): its label was cut short by a limit (engine.max_new_tokens / max_objects), so a
     caption may stop mid-sentence, a json answer is incomplete, or objects may be missing; null on
@@ -74,6 +78,8 @@ def json_schema() -> dict:
         {"type": "array", "items": {"$ref": "#/$defs/Point"}},
         {"type": "array", "items": {"$ref": "#/$defs/RawText"}},
         {"type": "array", "items": {"$ref": "#/$defs/Score"}}, {"type": "boolean"}, {"type": "null"},
+        {"type": "number", "description": "similarity"},
+        {"type": "array", "items": {"type": "number"}, "description": "embed: unit length"},
         {"description": "an input.keep column: the input column's type, or a string for sidecars and path"}]}
     schema["title"] = "batchvlm label row"
     return schema

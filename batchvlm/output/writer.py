@@ -27,7 +27,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..tasks import Task, kind_of, label_columns
+from ..tasks import Task, args_of, kind_of, label_columns
 from .layout import Layout
 from .store import StoreError
 from .store_commit import CommitLost, commit_to_store
@@ -38,16 +38,26 @@ BOX = pa.struct([("label", pa.string()), ("x_min", pa.float32()), ("y_min", pa.f
 POINT = pa.struct([("label", pa.string()), ("x", pa.float32()), ("y", pa.float32())])
 SCORES = pa.list_(pa.struct([("label", pa.string()), ("prob", pa.float32())]))
 TYPES = {"caption": pa.string(), "query": pa.string(), "detect": pa.list_(BOX), "point": pa.list_(POINT),
-         "ocr": pa.string(), "regions": pa.list_(BOX), "classify": pa.string(), "json": pa.string()}
+         "ocr": pa.string(), "regions": pa.list_(BOX), "classify": pa.string(), "json": pa.string(),
+         "similarity": pa.float32()}
 RAW_TEXT = pa.list_(pa.struct([("label", pa.string()), ("text", pa.string())]))
 
 
+def label_type(task: Task, embed_dim: int | None = None) -> pa.DataType:
+    """A task's label column type; an embed column's width is the model's (`embed_dim`)."""
+    if kind_of(task) != "embed":
+        return TYPES[kind_of(task)]
+    if embed_dim is None:
+        raise ValueError("an embed column needs the model's embedding width")
+    return pa.list_(pa.float16() if args_of(task).dtype == "float16" else pa.float32(), embed_dim)
+
+
 def schema(tasks: list[Task], metadata: dict[str, Any], kept: list[pa.Field] | None = None,
-           raw_text: bool = False) -> pa.Schema:
+           raw_text: bool = False, embed_dim: int | None = None) -> pa.Schema:
     """The label columns, the task columns (a classify column followed by its `<name>_scores`;
     with `raw_text`, a `<name>_raw` column after each detect / point column: output.raw_text),
-    the truncation flags, then the `input.keep`
-    columns (`kept`)."""
+    the truncation flags, then the `input.keep` columns (`kept`). `embed_dim`: the model's
+    embedding width, for embed columns (fixed_size_list)."""
     fields = [
         pa.field("key", pa.string(), nullable=False),
         pa.field("source", pa.string(), nullable=False),
@@ -57,8 +67,8 @@ def schema(tasks: list[Task], metadata: dict[str, Any], kept: list[pa.Field] | N
         pa.field("error", pa.string()),
     ]
     for col, i, what in label_columns(tasks, raw_text):
-        fields.append(pa.field(col, {"label": TYPES[kind_of(tasks[i])], "scores": SCORES, "raw": RAW_TEXT,
-                                "truncated": pa.bool_()}[what]))
+        fields.append(pa.field(col, label_type(tasks[i], embed_dim) if what == "label" else
+                               {"scores": SCORES, "raw": RAW_TEXT, "truncated": pa.bool_()}[what]))
     fields += kept or []
     return pa.schema(fields, metadata={"batchvlm": json.dumps(metadata)})
 

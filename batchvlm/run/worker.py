@@ -32,9 +32,10 @@ from ..data.loader import Stealing, load
 from ..data.sources import ShardRef, keep_fields
 from ..dist import Rank, my_shards
 from ..engine.engine import EngineLabeler
+from ..engine.images import ImageLabeler
 from ..job import Job
 from ..models import registry
-from ..models.base.contract import EngineModel, Family, StaticModel, TaskSequence
+from ..models.base.contract import EngineModel, Family, ImageModel, StaticModel, TaskSequence
 from ..output import manifest
 from ..output.claims import Claims
 from ..output.claims_store import LEASE_ENV, StoreClaims
@@ -103,7 +104,7 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
         t_load = time.time() - t_load
         manifest.check_weights(layout, model.info.weights_sha256)
         _freeze(job, layout, pending)  # nothing refuses the run from here on
-        writer = _start_output(job, layout, rank, model, shards, claims)
+        writer = _start_output(job, layout, rank, model, shards, claims, family.embed_dim)
         t_engine = time.time()
         labeler, how = _labeler(family, model, seqs, job)
         info = model.info
@@ -128,8 +129,8 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
             stream = load(pending, job.input, job.loader, family.preprocessor(), stealing)
             writer = WriterThread(layout, writer.schema, job.output.compression, on_written=claims.release,
                                   confirm=writer.confirm)
-        if isinstance(labeler, EngineLabeler):
-            log(f"batchvlm: rank {rank.rank}/{rank.world}: engine: {labeler.engine.summary()}")
+        if isinstance(labeler, (EngineLabeler, ImageLabeler)):
+            log(f"batchvlm: rank {rank.rank}/{rank.world}: engine: {labeler.summary()}")
         summary.stopped_by_signal = stop.event.is_set()
         summary.no_images = _no_images(layout, shards, summary)
         summary.seconds = time.time() - t0
@@ -186,8 +187,8 @@ def _freeze(job: Job, layout: Layout, pending: list[ShardRef]) -> None:
                                       "planned it differently); run again")
 
 
-def _start_output(job: Job, layout: Layout, rank: Rank, model: EngineModel | StaticModel, shards: ShardList,
-                  claims: Claims | None) -> WriterThread:
+def _start_output(job: Job, layout: Layout, rank: Rank, model: EngineModel | StaticModel | ImageModel,
+                  shards: ShardList, claims: Claims | None, embed_dim: int | None = None) -> WriterThread:
     """The job record (rank 0, or whoever comes first) and the writer of finished shards."""
     info = model.info
     meta = {"batchvlm": __version__, "job": job.name, "model": info.to_dict(),
@@ -197,7 +198,7 @@ def _start_output(job: Job, layout: Layout, rank: Rank, model: EngineModel | Sta
                                                    "label_settings": job.label_settings(),
                                                    "job_spec": job.model_dump(), "world_size": rank.world,
                                                    "skipped_files": shards.skipped})
-    return WriterThread(layout, schema(job.tasks, meta, keep_fields(job.input, shards), job.output.raw_text),
+    return WriterThread(layout, schema(job.tasks, meta, keep_fields(job.input, shards), job.output.raw_text, embed_dim),
                         job.output.compression, on_written=claims.release if claims else None,
                         confirm=claims.confirm if isinstance(claims, StoreClaims) else None)
 
@@ -210,10 +211,13 @@ def _claims(job: Job, layout: Layout) -> Claims | None:
     return Claims(layout.meta) if job.runtime.work_stealing else None
 
 
-def _labeler(family: Family, model: EngineModel | StaticModel, seqs: list[TaskSequence], job: Job):
+def _labeler(family: Family, model: EngineModel | StaticModel | ImageModel, seqs: list[TaskSequence], job: Job):
     """-> (the labeler, how it batches, for the log)."""
     if isinstance(model, StaticModel):
         return model.labeler(seqs, job.engine), "static batches"
+    if isinstance(model, ImageModel):  # an encoder-only model: image batches, no decode
+        labeler = ImageLabeler(model, seqs, job.engine)
+        return labeler, f"image batches of up to {labeler.batch}, no decode"
     labeler = EngineLabeler(model, seqs, job.engine, family.max_prefix_len(), log)
     e = labeler.engine
     return labeler, (f"batch {e.settings.max_batch_size}, {e.stats['kv_blocks']} KV blocks of {job.engine.block_size}, "

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 import torch
 from PIL import Image
 
+from .budget import Budget
 from .decoding import Decision, PromptRows, RawOutput, RowState, SeqSpec
 
 if TYPE_CHECKING:
@@ -105,6 +106,7 @@ class PrefixInputs:
 class Family(Protocol):
     name: str  # e.g. "moondream"
     backend: str  # native | transformers
+    embed_dim: int | None  # an encoder-only family's embedding width (an embed column's); None for others
 
     def preprocessor(self) -> Preprocessor: ...
 
@@ -114,6 +116,12 @@ class Family(Protocol):
 
     def max_prefix_len(self) -> int:
         """An upper bound of any image's prefix length under this job's preprocessing."""
+
+    def budget(self) -> Budget | None:
+        """The visual-budget knob `batchvlm tune` varies, at this job's setting; None: none."""
+
+    def can_prune(self) -> bool:
+        """Whether the family drops duplicate visual tokens (model.prune_duplicates)."""
 
     def columns(self, tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput],
                 seen: tuple[int, int] | None = None) -> dict[str, Any]:
@@ -138,6 +146,7 @@ class SampleLike(Protocol):
     objects back, so the caller keeps its own fields (shard, index, size, kept input fields)."""
 
     key: str  # sample key: with the job seed it seeds sampling, whatever the batch
+    meta: dict[str, Any] | None  # the input.keep values (a similarity task's text is one)
     # The image ready for the device. A labeler may set it to None once the pixels are on the
     # device (the engine does after encoding): nothing then keeps them alive.
     prepared: Prepared | None
@@ -149,6 +158,29 @@ SampleT = TypeVar("SampleT", bound=SampleLike)  # a labeler gives back the sampl
 class Labeler(Protocol):
     def label(self, samples: Iterable[SampleT]) -> Iterator[tuple[SampleT, list[RawOutput]]]:
         """-> (sample, raw output per sequence) for each sample, in any order."""
+
+
+@runtime_checkable
+class ImageModel(Protocol):
+    """The device side of an encoder-only family (SigLIP): no sequences and no decode, each image's
+    outputs from one batched forward (engine/images.py drives it: the image-level output path)."""
+
+    info: ModelInfo
+    device: torch.device
+
+    def start(self, seqs: list[TaskSequence]) -> None:
+        """The job's sequences, before the first batch (what is the same for every image, such as
+        a classify task's choice texts, is computed here, once)."""
+
+    def bucket(self, image: Prepared) -> int:
+        """The padded length an image runs at: images of one bucket share a batch."""
+
+    def run(self, samples: list[SampleLike], length: int) -> Any:
+        """Launch one batch of samples (their images padded to `length`, their `meta` for texts);
+        -> a handle `collect` reads (on CUDA the forward runs on while the host prepares the next)."""
+
+    def collect(self, handle: Any) -> list[list[RawOutput]]:
+        """-> each image's raw output per sequence, in order (waits for that batch only)."""
 
 
 class EngineModel(Protocol):

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...tasks import kind_of
+from ...tasks import IMAGE_LEVEL_KINDS, args_of, kind_of
+from .budget import Budget
 from .contract import ModelInfo, TaskSequence
 from .errors import FamilyError
 from .hub import resolve_device, resolve_dtype, weight_files, weights_sha256
@@ -27,6 +28,7 @@ class FamilyBase(ABC):
 
     name: str
     backend = "native"
+    embed_dim: int | None = None  # an encoder-only family's embedding width (the embed column's)
     folder: Path
     model_name: str
     revision: str | None
@@ -48,6 +50,14 @@ class FamilyBase(ABC):
                          str(dt).removeprefix("torch."), str(dev), self.name, self.backend)
         return self.device_side(model, info)
 
+    def budget(self) -> Budget | None:
+        """The family's visual-budget knob at this job's setting (None: images have one fixed cost)."""
+        return None
+
+    def can_prune(self) -> bool:
+        """Whether the family drops duplicate visual tokens (model.prune_duplicates)."""
+        return False
+
     @abstractmethod
     def build(self, device: torch.device, dtype: torch.dtype) -> Any:
         """The module tree on `device` in `dtype`, its weights not yet read."""
@@ -62,10 +72,26 @@ class FamilyBase(ABC):
 
 
 def check_kinds(tasks: list[Task], supported: tuple[str, ...], model: str) -> None:
-    """Refuse, naming the field, the first task whose kind the model cannot do."""
+    """A vision-language model's check: refuse, naming the field, the first task whose kind the
+    model cannot do, or that is not put as a vision-language model needs it (`check_generative`)."""
     for i, task in enumerate(tasks):
+        check_generative(i, task, model)
         if (kind := kind_of(task)) not in supported:
             raise FamilyError(f"tasks.{i}.{kind}: {model} cannot do {kind} tasks (it can: {', '.join(supported)})")
+
+
+def check_generative(i: int, task: Task, model: str) -> None:
+    """Refuse what only an encoder-only model (SigLIP) answers: embed / similarity, and a classify
+    task with a template rather than a question."""
+    kind = kind_of(task)
+    if kind in IMAGE_LEVEL_KINDS:
+        raise FamilyError(f"tasks.{i}.{kind}: {model} generates text; {kind} needs an encoder-only model (SigLIP)")
+    if kind == "classify" and (args := args_of(task)).question is None:
+        raise FamilyError(f"tasks.{i}.classify.question: {model} answers a question; give one (a template "
+                          "without a question is for encoder-only models such as SigLIP)")
+    if kind == "classify" and args.template is not None:
+        raise FamilyError(f"tasks.{i}.classify.template: {model} scores the choices as answers to the question; "
+                          "a template is for encoder-only models such as SigLIP")
 
 
 def refuse_constrain(tasks: list[Task], constrain: bool, model: str) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...tasks import args_of, kind_of
+from ..base.budget import Budget, halvings
 from ..base.columns import task_columns
 from ..base.contract import ModelInfo, TaskSequence
 from ..base.decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
@@ -58,6 +59,10 @@ class Moondream(FamilyBase):
 
     def max_prefix_len(self) -> int:
         return self.config.prefix_len
+
+    def budget(self) -> Budget:
+        """max_crops: vision work (the prefix is the same size whatever the crops)."""
+        return Budget("max_crops", 1, self.max_crops, halvings(self.max_crops, 1))
 
     def sequences(self, tasks: list[Task], engine: EngineSpec, constrain: bool = False) -> list[TaskSequence]:
         """`constrain` changes nothing: point / detect are always decoded by the grammar (grammar.py)."""

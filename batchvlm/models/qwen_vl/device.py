@@ -29,9 +29,10 @@ from .vision import DeepStack
 class ImageFeatures:
     """One image's vision output, held on the device until its prefix is prefilled."""
 
-    features_TC: torch.Tensor  # [gh * gw, C]
-    deepstack_KTC: torch.Tensor  # [n deepstack layers (maybe 0), gh * gw, C]
+    features_TC: torch.Tensor  # [image tokens, C]
+    deepstack_KTC: torch.Tensor  # [n deepstack layers (maybe 0), image tokens, C]
     grid: tuple[int, int]
+    keep: torch.Tensor | None = None  # duplicate pruning: the kept cells (device), as PreparedImage.keep
 
 
 class QwenVLEngineModel(EngineModelBase):
@@ -52,11 +53,12 @@ class QwenVLEngineModel(EngineModelBase):
         for im in images:
             pixels.append(flat[at : at + im.pixels.numel()].view(im.pixels.shape))
             at += im.pixels.numel()
-        out = self.model.visual(pixels)
+        keeps = [None if im.keep is None else im.keep.to(self.device) for im in images]
+        out = self.model.visual(pixels, keeps)
         deepstack = torch.stack(out.deepstack) if out.deepstack else out.features_TC.new_zeros(0, *out.features_TC.shape)
         feats, at = [], 0
-        for im, n in zip(images, out.tokens):
-            feats.append(ImageFeatures(out.features_TC[at : at + n], deepstack[:, at : at + n], im.grid))
+        for im, n, keep in zip(images, out.tokens, keeps):
+            feats.append(ImageFeatures(out.features_TC[at : at + n], deepstack[:, at : at + n], im.grid, keep))
             at += n
         return feats
 
@@ -77,7 +79,7 @@ class QwenVLEngineModel(EngineModelBase):
             n, p = f.features_TC.shape[0], prompt.shape[0]
             embeds += [head, f.features_TC.to(head.dtype), end, self.model.embed(prompt)]
             # a prefix prompt (classify's shared prompt) continues 1-D after vision_end
-            image_pos = prefix_positions(h, f.grid, self.device)
+            image_pos = prefix_positions(h, f.grid, self.device, f.keep)
             positions += [image_pos, image_pos[:, -1:] + 1 + torch.arange(p, device=self.device)]
             rows.append(torch.arange(at + h, at + h + n, device=self.device))
             at += h + n + 1 + p

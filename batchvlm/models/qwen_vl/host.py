@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 import torch
 
 from ...tasks import args_of, kind_of
+from ..base.budget import Budget, halvings
 from ..base.columns import task_columns
 from ..base.contract import ModelInfo, TaskSequence
 from ..base.decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
@@ -89,7 +90,8 @@ class QwenVLHost(FamilyBase):
     skip_prefixes: ClassVar[tuple[str, ...]] = ()  # checkpoint tensors the family does not run
 
     def __init__(self, config: QwenConfig, settings: PixelSettings, tokenizer, folder: Path, model_name: str,
-                 revision: str | None, min_pixels: int | None = None, max_pixels: int | None = None):
+                 revision: str | None, min_pixels: int | None = None, max_pixels: int | None = None,
+                 prune: float | None = None):
         self.config, self.folder, self.model_name, self.revision = config, folder, model_name, revision
         self.settings = settings
         self.tokenizer = TokenizerAdapter(tokenizer, skip_special=True)
@@ -99,7 +101,7 @@ class QwenVLHost(FamilyBase):
         refuse_thinking_only(self.template.render("a"), model_name)
         self.head = self.tokenizer.encode(self.template.head())
         self.stop_ids = stop_ids(folder, self.tokenizer)
-        self.pre = Preprocessor.create(config.vision, settings, len(self.head), min_pixels, max_pixels)
+        self.pre = Preprocessor.create(config.vision, settings, len(self.head), min_pixels, max_pixels, prune)
         self.grammars = Grammars(tokenizer, config.vocab_size, self.stop_ids)
 
     @classmethod
@@ -109,7 +111,7 @@ class QwenVLHost(FamilyBase):
                                  "model.max_pixels")
         try:
             return cls(read_config(folder, cls.config_class), PixelSettings.read(folder), load_tokenizer(folder),
-                       folder, spec.name, revision, spec.min_pixels, spec.max_pixels)
+                       folder, spec.name, revision, spec.min_pixels, spec.max_pixels, spec.prune_duplicates)
         except ConfigError as e:
             raise ModelLoadError(str(e)) from e
 
@@ -127,6 +129,14 @@ class QwenVLHost(FamilyBase):
 
     def max_prefix_len(self) -> int:
         return len(self.head) + self.pre.max_tokens() + 1
+
+    def budget(self) -> Budget:
+        """max_pixels: image tokens follow the area (one per factor^2 pixels)."""
+        lo, full = self.pre.settings.min_pixels, self.pre.settings.max_pixels
+        return Budget("max_pixels", lo, full, halvings(full, lo))
+
+    def can_prune(self) -> bool:
+        return True
 
     def sequences(self, tasks: list[Task], engine: EngineSpec, constrain: bool = False) -> list[TaskSequence]:
         """`constrain` (output.constrain): detect / point answers follow the JSON grounding format

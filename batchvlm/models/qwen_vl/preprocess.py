@@ -23,6 +23,7 @@ from ..base.errors import ConfigError
 from ..base.pixels import level_table
 from .config import VisionConfig
 from .positions import next_position
+from .prune import kept_groups
 
 MAX_ASPECT = 200
 
@@ -85,11 +86,18 @@ class PreparedImage:
     pixels: torch.Tensor  # uint8 [H, W, 3]; H, W multiples of patch * merge
     grid: tuple[int, int]  # merged grid (rows, cols): one text token per cell
     head_len: int  # template tokens before the image tokens
+    # model.prune_duplicates: the cells kept (long, raster order; prune.py); None: every cell
+    keep: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Image tokens: the kept cells."""
+        return self.grid[0] * self.grid[1] if self.keep is None else self.keep.numel()
 
     @property
     def prefix_len(self) -> int:
         """KV slots: head, image tokens, vision_end."""
-        return self.head_len + self.grid[0] * self.grid[1] + 1
+        return self.head_len + self.tokens + 1
 
     @property
     def next_pos(self) -> int:
@@ -98,7 +106,7 @@ class PreparedImage:
     @property
     def cost(self) -> int:
         """Vision work in units of 1024 patches (at least 1)."""
-        return max(1, self.grid[0] * self.grid[1] * 4 // 1024)
+        return max(1, self.tokens * 4 // 1024)
 
     @property
     def seen(self) -> tuple[int, int]:
@@ -113,15 +121,16 @@ class Preprocessor:
     factor: int  # patch * merge: one text token per factor x factor pixels
     merge: int
     head_len: int
+    prune: float | None = None  # model.prune_duplicates (prune.py)
 
     @classmethod
     def create(cls, vision: VisionConfig, settings: PixelSettings, head_len: int = 0, min_pixels: int | None = None,
-               max_pixels: int | None = None) -> Preprocessor:
+               max_pixels: int | None = None, prune: float | None = None) -> Preprocessor:
         lo, hi = min_pixels or settings.min_pixels, max_pixels or settings.max_pixels
         if lo > hi:
             raise ConfigError(f"model.min_pixels {lo} > model.max_pixels {hi}")
         s = PixelSettings(lo, hi, settings.mean, settings.std, settings.rescale, settings.normalize)
-        return cls(s, vision.patch_size * vision.merge, vision.merge, head_len)
+        return cls(s, vision.patch_size * vision.merge, vision.merge, head_len, prune)
 
     def max_tokens(self) -> int:
         """An upper bound of the image tokens of any image: the area bound, or what smart_resize's
@@ -150,4 +159,6 @@ class Preprocessor:
     def __call__(self, image: Image.Image, width: int | None = None, height: int | None = None) -> PreparedImage:
         pixels = self.resize(image, width, height)
         f = self.factor
-        return PreparedImage(torch.from_numpy(pixels), (pixels.shape[0] // f, pixels.shape[1] // f), self.head_len)
+        keep = None if self.prune is None else kept_groups(pixels, f, self.prune)
+        return PreparedImage(torch.from_numpy(pixels), (pixels.shape[0] // f, pixels.shape[1] // f), self.head_len,
+                             keep)

@@ -200,19 +200,26 @@ class VisionTower(nn.Module):
 
         return merge_order(grid), merge_order(r), merge_order(q)
 
-    def forward(self, images: list[torch.Tensor]) -> VisionOutput:
-        """uint8 images [H, W, 3] on the device -> their text-width features."""
+    def forward(self, images: list[torch.Tensor], keeps: list[torch.Tensor | None] | None = None) -> VisionOutput:
+        """uint8 images [H, W, 3] on the device -> their text-width features. `keeps[i]`
+        (duplicate pruning, prune.py): image i's kept merge groups (long, on the device); only
+        their patches are encoded, each with its own position embedding and rotary position on
+        the full grid, and attention runs among them alone."""
         c = self.config
         dtype = self.pos_embed.weight.dtype
         embeds, pos, rows, cols, lengths = [], [], [], [], []
-        for im in images:
+        for im, keep in zip(images, keeps or [None] * len(images)):
             gh, gw = im.shape[0] // c.patch_size, im.shape[1] // c.patch_size
-            embeds.append(self.patches(im))
-            pe, r, q = self._grid_tables(gh, gw)
+            tables = (self.patches(im), *self._grid_tables(gh, gw))
+            if keep is not None:  # a group's m * m patches are consecutive rows (the merge order)
+                at = (keep[:, None] * c.merge**2 + torch.arange(c.merge**2, device=keep.device)).reshape(-1)
+                tables = tuple(t.index_select(0, at) for t in tables)
+            patches, pe, r, q = tables
+            embeds.append(patches)
             pos.append(pe)
             rows.append(r)
             cols.append(q)
-            lengths.append(gh * gw)
+            lengths.append(patches.shape[0])
         x = self.patch_embed(torch.cat(embeds).to(dtype)) + torch.cat(pos).to(dtype)
         cos, sin = vision_cos_sin(torch.cat(rows), torch.cat(cols), self.inv_freq)
         layout = PaddedLayout(lengths, x.device)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ...tasks import Task, args_of, kind_of
 from ..base.errors import FamilyError
+from ..base.host import check_generative
 from ..base.contract import TaskSequence
 from ..florence2 import prompts as florence2
 from ..qwen_vl.prompts import CAPTIONS, OCR, TEMPLATE_VARIABLES
@@ -57,6 +58,7 @@ def prompts_for(tasks: list[Task], style: Style, fmt: GroundingFormat | None, ch
     out = []
     for i, task in enumerate(tasks):
         kind, args = kind_of(task), args_of(task)
+        check_generative(i, task, f"model_type {model_type!r}")
         if kind == "regions" and style != "florence2":
             raise FamilyError(f"tasks.{i}.regions: region captions are a Florence-2 task; model_type "
                               f"{model_type!r} cannot do them")
