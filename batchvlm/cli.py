@@ -23,7 +23,8 @@ from .data.sources import SourceError, no_images_message
 from .errors import error_line, run_failure, user_errors
 from .exits import EXIT_INTERRUPTED, EXIT_JOB_ERROR
 from .job import Job, JobError, load_job
-from .output.layout import OutputConflict
+from .output.layout import OutputConflict, is_store_url
+from .output.store import StoreError
 from .output.shardlist import skipped_note
 
 DEBUG_ENV = "BATCHVLM_DEBUG"
@@ -65,7 +66,7 @@ def _reading_output(written: Path) -> Iterator[None]:
 
     try:
         yield
-    except (OutputError, SourceError) as e:
+    except (OutputError, SourceError, StoreError) as e:
         fail(str(e))
     except OSError as e:
         fail(f"{e.filename or written}: {e.strerror}")
@@ -153,7 +154,7 @@ def validate(job_file: Path = JOB_ARG) -> None:
 
 @app.command()
 def status(
-    target: Path = typer.Argument(..., help="The job file, or its output folder."),
+    target: str = typer.Argument(..., help="The job file, or its output folder (or s3://bucket/prefix)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable."),
 ) -> None:
     """Progress from the output folder: shards done / partial / failed / pending, rows, errors."""
@@ -161,9 +162,9 @@ def status(
     from .status import collect
 
     try:
-        job = Output.open(target).job if target.is_dir() else _load(target)
+        job = Output.open(target).job if is_store_url(target) or Path(target).is_dir() else _load(Path(target))
         report = collect(job)
-    except (OutputError, SourceError, OutputConflict) as e:
+    except (OutputError, SourceError, OutputConflict, StoreError) as e:
         fail(str(e))
     if as_json:
         typer.echo(json.dumps(report, indent=1))
@@ -191,7 +192,7 @@ def status(
 
 @app.command()
 def preview(
-    output_dir: Path = typer.Argument(..., help="A job's output folder."),
+    output_dir: str = typer.Argument(..., help="A job's output folder (or s3://bucket/prefix)."),
     n: int = typer.Option(200, "--n", min=1, help="Rows to show, in shard order."),
     out: Path = typer.Option(Path("preview.html"), "-o", "--out", help="The HTML file to write."),
 ) -> None:
@@ -206,7 +207,7 @@ def preview(
 @app.command("export")
 def export_cmd(
     fmt: str = typer.Argument(..., metavar="FORMAT", help="coco or yolo."),
-    output_dir: Path = typer.Argument(..., help="A job's output folder."),
+    output_dir: str = typer.Argument(..., help="A job's output folder (or s3://bucket/prefix)."),
     dest: Path = typer.Argument(..., help="Folder to write the export to."),
     with_images: bool = typer.Option(False, "--with-images", help="Also write the images (EXIF-oriented)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an export already in DEST."),

@@ -33,6 +33,7 @@ def run_failure(e: Exception, out_dir: str) -> tuple[int, str] | None:
     from .data.loader import SharedMemoryFull
     from .models.base.errors import ModelFetchError
     from .output.lock import RunLockHeld
+    from .output.store import StoreError
     from .output.writer import OutputWriteError, write_failure
 
     # in this order: a held lock is an OutputConflict, a failed fetch a ModelLoadError
@@ -44,7 +45,7 @@ def run_failure(e: Exception, out_dir: str) -> tuple[int, str] | None:
         return EXIT_JOB_ERROR, str(e)
     if isinstance(e, ValueError):  # an inconsistent rank environment
         return EXIT_JOB_ERROR, str(e)
-    if isinstance(e, (OutputWriteError, SharedMemoryFull)):
+    if isinstance(e, (OutputWriteError, SharedMemoryFull, StoreError)):  # a store down mid-run: retryable
         return EXIT_FAILED, str(e)
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EROFS):  # the job record, a stats file
         return EXIT_FAILED, str(write_failure(e, Path(out_dir)))

@@ -86,8 +86,8 @@ EXPORT_FILES = ("annotations.json", "data.yaml", "captions.jsonl", "export.json"
 def _check_dest(dest: Path, output: Output, overwrite: bool) -> None:
     """DEST apart from the output folder and the inputs, and empty (or cleared: `overwrite`)."""
     real = Path(os.path.realpath(dest))
-    inputs = [("the output folder", output.dir)] + ([("input.folder", Path(output.job.input.folder))]
-                                                    if output.job.input.folder else [])
+    inputs = ([("the output folder", output.dir)] if not output.layout.in_store else []) + (
+        [("input.folder", Path(output.job.input.folder))] if output.job.input.folder else [])
     for what, folder in inputs:
         inside = Path(os.path.realpath(folder))
         if real == inside or inside in real.parents:
@@ -194,7 +194,7 @@ def _file_names(output: Output, rows: list, fmt: str, dest: Path | None) -> dict
     return file_names
 
 
-def export(out_dir: Path, dest: Path, fmt: str, with_images: bool = False, overwrite: bool = False) -> dict[str, int]:
+def export(out_dir: str | Path, dest: Path, fmt: str, with_images: bool = False, overwrite: bool = False) -> dict[str, int]:
     output = Output.open(out_dir)
     _check_dest(dest, output, overwrite)
     detect_cols = output.columns("detect")

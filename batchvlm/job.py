@@ -175,7 +175,7 @@ class LoaderSpec(Strict):
 
 class OutputSpec(Strict):
     dir: NonEmpty = Field(description="Output folder, local or mounted (relative paths resolve against the job "
-                                      "file); not a URL.")
+                                      "file), or s3://bucket/prefix in an S3-compatible object store.")
     compression: Literal["zstd", "snappy", "gzip", "none"] = "zstd"
     mode: Literal["resume", "overwrite"] = Field("resume", description="resume skips finished shards.")
     raw_text: bool = Field(False, description="Add <name>_raw beside each detect / point column: the decoded "
@@ -187,9 +187,9 @@ class OutputSpec(Strict):
     @field_validator("dir")
     @classmethod
     def _local(cls, v: str) -> str:
-        if is_url(v):  # fsspec would not be asked: the path would become a local `s3:/...` folder
-            raise ValueError(f"{v} is a URL; output to an object store is not supported yet: give a local (or "
-                             "mounted) folder and copy it up after the run")
+        if is_url(v) and not v.startswith("s3://"):  # else a local `gs:/...` folder would be made
+            raise ValueError(f"{v}: an output URL is s3://bucket/prefix (other stores through their S3 API: "
+                             "AWS_ENDPOINT_URL), or give a local (or mounted) folder")
         return v
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .data.decode import decode
+from .output.layout import is_store_url
 from .output.reader import Output, OutputError
 
 THUMB = 320  # longest thumbnail side, pixels
@@ -98,7 +99,7 @@ def _overlay(row: dict[str, Any], detect: list[str], point: list[str], w: int, h
     return f'<svg width="{w}" height="{h}" viewBox="0 0 {w} {h}">{"".join(parts)}</svg>'
 
 
-def render(out_dir: Path, n: int) -> str:
+def render(out_dir: str | Path, n: int) -> str:
     output = Output.open(out_dir)
     detect, point = output.columns("detect"), output.columns("point")
     texts = output.columns("caption") + output.columns("query")
@@ -146,10 +147,10 @@ def render(out_dir: Path, n: int) -> str:
                        thumb=THUMB)
 
 
-def write(out_dir: Path, n: int, dest: Path) -> int:
+def write(out_dir: str | Path, n: int, dest: Path) -> int:
     # a file in the output folder is read as labels by every reader of it (pandas, DuckDB, datasets)
     folder, where = Path(os.path.realpath(out_dir)), Path(os.path.realpath(dest))
-    if folder in where.parents:
+    if not is_store_url(str(out_dir)) and folder in where.parents:
         raise OutputError(f"-o: {dest} is inside the output folder {out_dir}, where every reader would take it for "
                           "labels (and fail on it); write the preview elsewhere")
     page = render(out_dir, n)

@@ -7,7 +7,6 @@ folder has stats for, and how many are pending is unknown: said, not failed on.
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 from .output.shardlist import plan, skipped_note
@@ -26,7 +25,7 @@ def collect(job: Job) -> dict[str, Any]:
     are gone (an unmounted mount point) is `kept`: its rows count, a run does not relabel it. Where the inputs
     cannot be found (moved, deleted), the shards are those with stats and `pending` is unknown.
     Skipped files: a folder's (listed now), and the members of the done tars (from their stats)."""
-    layout = Layout(Path(job.output.dir))
+    layout = Layout.at(job.output.dir)
     layout.check()
     try:
         shards, inputs_missing = plan(job.input, layout), None

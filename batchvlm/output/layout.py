@@ -12,6 +12,9 @@
         <shard>.claim            work-stealing leases
         *.tmp-<host>-<pid>       files being written (a shard's Parquet is renamed up into <dir>)
 
+An output in an object store (`s3://bucket/prefix`, docs/object-store.md) has the same keys, but
+no lock files: its `dir` is a StorePath, and its claims and commits are conditional PUTs.
+
 Folders written by the first layout (stats files and `_job.json` beside the Parquet files) are
 refused with a one-line message: their shard names differ too (`_root`), so they are relabelled.
 """
@@ -22,6 +25,8 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+from .storepath import StorePath
 
 # pyarrow (and so pandas), Spark and Hive skip paths starting with `_` or `.`; the `datasets`
 # library skips only `.` and `__` directories, and would feed the JSON here to its Parquet
@@ -50,9 +55,25 @@ def is_old_stats(path: Path) -> bool:
     return own_stats(path) is not None
 
 
+def is_store_url(url: str) -> bool:
+    """An output in an S3-compatible object store (docs/object-store.md)."""
+    return url.startswith("s3://")
+
+
 @dataclass(frozen=True)
 class Layout:
-    dir: Path
+    dir: Path | StorePath
+
+    @classmethod
+    def at(cls, out_dir: str | Path) -> Layout:
+        """The layout of `output.dir`: a local folder, or an `s3://bucket/prefix`."""
+        if isinstance(out_dir, str) and is_store_url(out_dir):
+            return cls(StorePath.from_url(out_dir))
+        return cls(Path(out_dir))
+
+    @property
+    def in_store(self) -> bool:
+        return not isinstance(self.dir, Path)
 
     @property
     def meta(self) -> Path:

@@ -155,7 +155,7 @@ def written_by_us(path: Path) -> bool:
     import pyarrow.parquet as pq
 
     try:
-        return b"batchvlm" in (pq.read_schema(path).metadata or {})
+        return b"batchvlm" in (pq.read_schema(path if isinstance(path, Path) else path.open()).metadata or {})
     except (OSError, ValueError):
         return False
 
@@ -193,7 +193,7 @@ def clear_outputs(layout: Layout) -> None:
             if layout.is_run_lock(p):
                 continue
             if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
+                shutil.rmtree(p, ignore_errors=True) if isinstance(p, Path) else p.rmtree()
             else:
                 p.unlink(missing_ok=True)
     for p in layout.dir.glob("*.stats.json"):  # the first layout's done markers
@@ -206,8 +206,8 @@ def clear_outputs(layout: Layout) -> None:
 
 def check_not_input(layout: Layout, parquet_inputs: list[str]) -> None:
     """Refuse an output folder that holds Parquet input: labels could replace it, and readers of
-    the output folder would read it as labels."""
-    if not layout.dir.is_dir():
+    the output folder would read it as labels. (An output in a store holds no local input.)"""
+    if layout.in_store or not layout.dir.is_dir():
         return
     for url in parquet_inputs:
         if not is_url(url) and Path(url).parent.samefile(layout.dir):
@@ -296,8 +296,13 @@ def check_settings(layout: Layout, fingerprint: str, settings: dict[str, Any] | 
 
 def _check_tasks_grew(layout: Layout, before: list, now: list) -> None:
     """Tasks appended after the folder's are new columns for its done shards (output/extend.py);
-    a task removed or changed would leave a column meaning two things: refused."""
+    a task removed or changed would leave a column meaning two things: refused. Not yet in an
+    object store (extend.py rewrites files in place)."""
     if now[:len(before)] == before:
+        if layout.in_store and len(now) > len(before):
+            raise OutputConflict(f"{layout.dir} holds labels of {len(before)} task(s) and the job adds more: adding "
+                                 "tasks to an output in an object store is not supported yet; label the new tasks "
+                                 "into another output.dir, or relabel with --overwrite")
         return
     path, was, is_now = _first_difference(before, now, "tasks")
     raise OutputConflict(f"{layout.dir} holds labels made with other settings ({path} was {_shown(was)}, is now "
@@ -331,5 +336,5 @@ def runs(layout: Layout, started: str, n_tasks: int) -> list[dict[str, Any]]:
 
 
 def write_job_record(layout: Layout, record: dict[str, Any]) -> None:
-    os.makedirs(layout.meta, exist_ok=True)
+    layout.meta.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(layout.job_file, json.dumps(record, indent=1, default=str).encode())

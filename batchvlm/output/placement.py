@@ -17,6 +17,8 @@ from pathlib import Path
 from ..job import InputSpec, is_url
 from .layout import Layout, is_old_stats
 from .manifest import OutputConflict, read_stats
+from .store import StoreError
+from .storepath import StorePath
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -25,9 +27,20 @@ def _existing_ancestor(path: Path) -> Path:
     return path
 
 
-def check_writable(out_dir: Path) -> None:
+def check_store(out_dir: StorePath) -> None:
+    """An output in an object store: reachable with the credentials at hand, writable, and
+    honouring conditional writes (StorePath.store.probe); one line naming the URL if not."""
+    try:
+        out_dir.store.probe(out_dir.key)
+    except StoreError as e:
+        raise OutputConflict(str(e)) from None
+
+
+def check_writable(out_dir: Path | StorePath) -> None:
     """A real write, not os.access: root passes every permission check, but not a read-only
     mount or a full disk's inode table. Nothing is created but a probe file, removed at once."""
+    if not isinstance(out_dir, Path):
+        return check_store(out_dir)
     where = _existing_ancestor(out_dir)
     if not where.is_dir():
         what = "is a file" if where == out_dir else f"is below the file {where}"
@@ -41,8 +54,11 @@ def check_writable(out_dir: Path) -> None:
         raise OutputConflict(f"output.dir: cannot write in {where} ({reason}); choose a writable output.dir") from None
 
 
-def check_apart_from_inputs(out_dir: Path, inp: InputSpec, shard_urls: list[tuple[str, str]]) -> None:
-    """`shard_urls`: (stem, url) of every input shard."""
+def check_apart_from_inputs(out_dir: Path | StorePath, inp: InputSpec, shard_urls: list[tuple[str, str]]) -> None:
+    """`shard_urls`: (stem, url) of every input shard. (An output in a store: inputs in the same
+    bucket under its prefix are not looked for.)"""
+    if not isinstance(out_dir, Path):
+        return
     out = Path(os.path.abspath(out_dir))
     if inp.folder:
         root = Path(os.path.abspath(inp.folder))

@@ -22,6 +22,8 @@ from ..data.sources import Encoded, ShardRef, SourceError, read_shard
 from ..job import InputSpec, Job, is_url
 from ..tasks import column_of, kind_of
 from .layout import Layout, OutputConflict
+from .store import StoreError
+from .storepath import StorePath
 from .manifest import has_output, read_stats
 
 
@@ -64,21 +66,22 @@ class Output:
     layout: Layout
     job: Job  # as recorded, with output.dir (and the inputs, if they moved with it) where they are now
     record: dict[str, Any]
-    recorded_dir: Path  # where the folder was when it was written
+    recorded_dir: Path | StorePath  # where the folder was when it was written
 
     @classmethod
     def open(cls, out_dir: str | Path) -> Output:
-        layout = Layout(Path(out_dir))
+        layout = Layout.at(out_dir)
         try:
             layout.check()
             record = json.loads(layout.job_file.read_text())
             job = Job.model_validate(record["job_spec"])
-        except OutputConflict as e:
+        except (OutputConflict, StoreError) as e:
             raise OutputError(str(e)) from None
         except (OSError, ValueError, KeyError, TypeError):
             raise OutputError(f"{layout.dir}: not a batchvlm output folder (no readable "
                               f"{layout.job_file.relative_to(layout.dir)})") from None
-        recorded, actual = Path(job.output.dir), layout.dir.resolve()
+        actual = layout.dir.resolve()
+        recorded = actual if layout.in_store else Path(job.output.dir)  # an output in a store does not move
         inp = _relocated_input(job.input, recorded, actual)
         job = job.model_copy(update={"input": inp, "output": job.output.model_copy(update={"dir": str(actual)})})
         return cls(layout, job, record, recorded)
@@ -130,7 +133,7 @@ class Output:
         n = 0
         for shard in self.shards(partial):
             path = self.layout.file_of(shard.stem, read_stats(self.layout, shard.stem))
-            for row in pq.read_table(path).to_pylist():
+            for row in pq.read_table(path if isinstance(path, Path) else path.open()).to_pylist():
                 if limit is not None and n >= limit:
                     return
                 yield shard, row

@@ -44,20 +44,38 @@ def plan(inp: InputSpec, layout: Layout | None = None, freeze: bool = False) -> 
     Parquet row ranges that no longer exist are removed."""
     if not freeze:
         return _merge(inp, _load(inp, layout) if layout else [])[0]
-    layout.meta.mkdir(parents=True, exist_ok=True)
-    with open(layout.shard_lock, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        prior = _load(inp, layout)
+    if layout.in_store:
+        shards, dropped = _freeze_in_store(inp, layout)
+    else:
+        layout.meta.mkdir(parents=True, exist_ok=True)
+        with open(layout.shard_lock, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            prior = _load(inp, layout)
+            shards, dropped = _merge(inp, prior)
+            frozen = [replace(s, signature=None) for s in shards if s.planned]
+            if frozen != prior:
+                _save(inp, layout, frozen)
+    for stem in dropped:
+        layout.parquet(stem).unlink(missing_ok=True)
+        layout.stats(stem).unlink(missing_ok=True)
+        for path in layout.partials(stem):
+            path.unlink(missing_ok=True)
+    return shards
+
+
+def _freeze_in_store(inp: InputSpec, layout: Layout) -> tuple[ShardList, list[str]]:
+    """An object store has no lock: the list is written with a conditional PUT on the ETag it was
+    read with (If-None-Match where there was none), and merged again from the top where another
+    rank wrote it in between."""
+    store, key = layout.shard_list.store, layout.shard_list.key
+    while True:
+        seen = store.head(key)
+        prior = _load(inp, layout) if seen else []
         shards, dropped = _merge(inp, prior)
         frozen = [replace(s, signature=None) for s in shards if s.planned]
-        if frozen != prior:
-            _save(inp, layout, frozen)
-        for stem in dropped:
-            layout.parquet(stem).unlink(missing_ok=True)
-            layout.stats(stem).unlink(missing_ok=True)
-            for path in layout.partials(stem):
-                path.unlink(missing_ok=True)
-        return shards
+        if frozen == prior or store.put(key, _encode(inp, frozen), if_none_match=seen is None,
+                                         if_match=seen.etag if seen else None):
+            return shards, dropped
 
 
 def _load(inp: InputSpec, layout: Layout) -> list[ShardRef]:
@@ -77,7 +95,7 @@ def _load(inp: InputSpec, layout: Layout) -> list[ShardRef]:
             for s in d["shards"]]
 
 
-def _save(inp: InputSpec, layout: Layout, shards: list[ShardRef]) -> None:
+def _encode(inp: InputSpec, shards: list[ShardRef]) -> bytes:
     root = Path(inp.folder) if inp.folder else None
 
     def entry(s: ShardRef) -> dict[str, Any]:
@@ -87,7 +105,11 @@ def _save(inp: InputSpec, layout: Layout, shards: list[ShardRef]) -> None:
         return e
 
     data = {"version": VERSION, "input": inp.kind, "shard_size": inp.shard_size, "shards": [entry(s) for s in shards]}
-    atomic_write_bytes(layout.shard_list, json.dumps(data, separators=(",", ":")).encode())
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+def _save(inp: InputSpec, layout: Layout, shards: list[ShardRef]) -> None:
+    atomic_write_bytes(layout.shard_list, _encode(inp, shards))
 
 
 class ShardList(list[ShardRef]):

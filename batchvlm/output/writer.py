@@ -18,8 +18,9 @@ import os
 import socket
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,9 @@ import pyarrow.parquet as pq
 
 from ..tasks import Task, args_of, kind_of, label_columns
 from .layout import Layout
+from .store import StoreError
+from .store_commit import CommitLost, commit_to_store
+from .storepath import StorePath
 
 BOX = pa.struct([("label", pa.string()), ("x_min", pa.float32()), ("y_min", pa.float32()),
                  ("x_max", pa.float32()), ("y_max", pa.float32())])
@@ -90,6 +94,8 @@ class OutputWriteError(RuntimeError):
 
 def write_failure(e: BaseException, out_dir: Path) -> OutputWriteError:
     """One line for a failed write of the output, saying what to do."""
+    if isinstance(e, StoreError):  # one line already, naming the URL
+        return OutputWriteError(str(e))
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
         return OutputWriteError(f"output.dir: no space left on {out_dir}; free some space (finished shards "
                                 "are kept, a re-run continues) or choose another output.dir")
@@ -108,7 +114,10 @@ def _removing_on_error(tmp: Path) -> Iterator[None]:
         raise
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path | StorePath, data: bytes) -> None:
+    if not isinstance(path, Path):  # one PUT is atomic already
+        path.write_bytes(data)
+        return
     tmp = tmp_path(path)
     with _removing_on_error(tmp):
         with open(tmp, "wb") as f:
@@ -130,13 +139,18 @@ def output_stat(path: Path) -> dict[str, int] | None:
 
 
 def write_shard(layout: Layout, stem: str, rows: list[dict[str, Any]], sch: pa.Schema, compression: str,
-                stats: dict[str, Any]) -> None:
+                stats: dict[str, Any], confirm: Callable[[str], Any] | None = None) -> None:
+    """`confirm(stem)`: this rank's claim of the shard in an object store, refreshed just before
+    the commit (None: it was taken over); store_commit.py."""
+    meta = json.loads(sch.metadata[b"batchvlm"]) | {"shard": stem, "finished": stats.get("finished")}
+    table = pa.Table.from_pylist(rows, schema=sch.with_metadata({"batchvlm": json.dumps(meta)}))
+    if layout.in_store:
+        commit_to_store(layout, stem, table, compression, stats, confirm)
+        return
     done = bool(stats.get("complete"))
     final = layout.parquet(stem) if done else layout.partial(stem)
     final.parent.mkdir(exist_ok=True)
     tmp = tmp_path(final, layout.meta)  # same filesystem: the rename is atomic
-    meta = json.loads(sch.metadata[b"batchvlm"]) | {"shard": stem, "finished": stats.get("finished")}
-    table = pa.Table.from_pylist(rows, schema=sch.with_metadata({"batchvlm": json.dumps(meta)}))
     with _removing_on_error(tmp):
         pq.write_table(table, tmp, compression=None if compression == "none" else compression)
         with open(tmp, "rb+") as f:
@@ -163,9 +177,12 @@ class WriterThread:
     handed over is written before close() returns, also where a KeyboardInterrupt (a second
     Ctrl-C) cut put()'s wait for room short; `unwritten` names those not written yet."""
 
-    def __init__(self, layout: Layout, sch: pa.Schema, compression: str, on_written=None, write=None):
+    def __init__(self, layout: Layout, sch: pa.Schema, compression: str, on_written=None, confirm=None, write=None):
         self.layout, self.schema, self.compression = layout, sch, compression
-        self.write = write or write_shard  # (layout, stem, rows, schema, compression, stats); extend.py's too
+        # (layout, stem, rows, schema, compression, stats); extend.py's too. `confirm`: write_shard's
+        # check that the claim is still this rank's
+        self.write = write or partial(write_shard, confirm=confirm)
+        self.confirm = confirm
         self.on_written = on_written  # called with the stem after its done marker is down
         # Handed over, not written yet; the first is being written. Each is a whole shard's rows: one
         # being written and one waiting (plus the one put() holds) keep memory at a few shards' worth
@@ -177,6 +194,7 @@ class WriterThread:
         self._writing: str | None = None  # the shard being written now
         self._error: BaseException | None = None
         self.written: list[str] = []
+        self.lost: list[str] = []  # shards another rank committed (an object store's claim taken over)
         self._thread = threading.Thread(target=self._run, name="batchvlm-writer", daemon=True)
         self._thread.start()
 
@@ -201,6 +219,8 @@ class WriterThread:
                 self.written.append(item.stem)
                 if self.on_written is not None:
                     self.on_written(item.stem)
+        except CommitLost:
+            self.lost.append(item.stem)  # another rank's now: it writes the shard, this one nothing
         except Exception as e:  # noqa: BLE001 - surfaced to the main thread by put/close
             self._error = e  # (a KeyboardInterrupt in close() leaves the shard to write, not failed)
         finally:

@@ -14,7 +14,6 @@ folder's weight files, and, for a folder labelled before, that the label-affecti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..data.checks import check_first_parquet, check_sidecars
 from ..data.sources import SourceError, count_samples, keep_fields, list_files
@@ -57,7 +56,9 @@ def preflight(job: Job, clear: bool, rank: Rank, dry: bool = False) -> Preflight
     from ..device import for_device
     from ..models.registry import check_tasks
 
-    layout = Layout(Path(job.output.dir))
+    layout = Layout.at(job.output.dir)
+    if layout.in_store:  # the store first: every other check of the output reads it
+        check_writable(layout.dir)
     resume = not clear and layout.dir.is_dir()  # labels there count (a file there is refused below)
     if resume:
         layout.check()  # a folder of the first layout is refused before any of its files is touched
@@ -71,7 +72,8 @@ def preflight(job: Job, clear: bool, rank: Rank, dry: bool = False) -> Preflight
     check_first_parquet(shards, job.input)  # a wrong image column is refused before the model loads
     keep_fields(job.input, shards)  # input.keep columns whose types clash across Parquet files
     check_sidecars(job.input, shards)  # input.keep extensions no file of a folder has
-    check_writable(layout.dir)
+    if not layout.in_store:
+        check_writable(layout.dir)
     check_apart_from_inputs(layout.dir, job.input, [(s.stem, s.url) for s in shards])
     check_no_foreign_files(layout, [s.stem for s in shards], clear)
     job = for_device(job, rank)  # dtype resolved before any settings are compared

@@ -22,7 +22,6 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..dist import Rank
@@ -92,7 +91,7 @@ class RankWorker:
         preflight(self.job, clear, self.rank)
 
     def clear(self) -> None:
-        manifest.clear_outputs(Layout(Path(self.job.output.dir)))
+        manifest.clear_outputs(Layout.at(self.job.output.dir))
 
     def run(self, limit: int | None, launch: str) -> dict[str, Any]:
         os.environ[LAUNCH_ENV] = launch  # in this rank's claims
@@ -109,7 +108,7 @@ class RankWorker:
     def shards(self, ended: str | None = None) -> tuple[list[str], list[str], list[str]]:
         """(claims freed, shards not done, shards done). `ended`: a launch whose ranks have all
         ended; its claims are freed first."""
-        layout = Layout(Path(self.job.output.dir))
+        layout = Layout.at(self.job.output.dir)
         freed = release_launch(layout.meta, ended) if ended and layout.meta.is_dir() else []
         done = {s.stem: manifest.is_done(layout, s) for s in plan(self.job.input, layout)}
         return freed, [s for s, d in done.items() if not d], [s for s, d in done.items() if d]

@@ -23,6 +23,7 @@ list is frozen only after the weights were checked.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 from functools import partial
@@ -38,6 +39,7 @@ from ..models import registry
 from ..models.base.contract import EngineModel, Family, ImageModel, StaticModel, TaskSequence
 from ..output import manifest
 from ..output.claims import Claims
+from ..output.claims_store import LEASE_ENV, StoreClaims
 from ..output.layout import Layout
 from ..output.lock import RunLock
 from ..output.shardlist import ShardList, plan
@@ -63,7 +65,8 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
         raise manifest.OutputConflict("--overwrite with several ranks would let one rank delete another's "
                                       "output; clear the output folder once before launching")
     created_dir = not pre.layout.dir.exists()
-    lock = None if job.runtime.work_stealing else RunLock(pre.layout, rank.rank, rank.world)
+    # in an object store, claims (always on there) keep runs apart: it has no flock
+    lock = None if job.runtime.work_stealing or pre.layout.in_store else RunLock(pre.layout, rank.rank, rank.world)
     if lock:
         lock.acquire()  # in __batchvlm__/; before anything is cleared or labelled; released when the process ends
     try:
@@ -82,7 +85,7 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
          await_held: bool) -> RunSummary:
     job, layout, shards = pre.job, pre.layout, pre.shards
     _open_folder(layout, pre.clear)
-    claims = Claims(layout.meta) if job.runtime.work_stealing else None
+    claims = _claims(job, layout)
     mine = shards if claims else my_shards(shards, rank)  # with claims every rank may take any shard
     summary = RunSummary(len(shards), 0, skipped=Counter(shards.skipped))
     pending, done = _skip_done(layout, mine, summary)
@@ -133,7 +136,8 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
                 f"({', '.join(s.stem for s in pending[:3])}): labelling them")
             stream.close()
             stream = load(pending, job.input, job.loader, family.preprocessor(), stealing)
-            writer = WriterThread(layout, writer.schema, job.output.compression, on_written=claims.release)
+            writer = WriterThread(layout, writer.schema, job.output.compression, on_written=claims.release,
+                                  confirm=writer.confirm)
         if labelled and isinstance(labeler, (EngineLabeler, ImageLabeler)):
             log(f"batchvlm: rank {rank.rank}/{rank.world}: engine: {labeler.summary()}")
         if extend:
@@ -145,6 +149,8 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
         return summary
     finally:
         stream.close()  # on every way out: the workers ignore SIGTERM, so exit would wait on them
+        if isinstance(claims, StoreClaims):
+            claims.release_unused()  # taken by loader workers ahead of the labelling: no lease to wait out
 
 
 def _open_folder(layout: Layout, clear: bool) -> None:
@@ -211,7 +217,16 @@ def _start_output(job: Job, layout: Layout, rank: Rank, model: EngineModel | Sta
                                                    "skipped_files": shards.skipped,
                                                    "runs": manifest.runs(layout, started, len(job.tasks))})
     return WriterThread(layout, schema(job.tasks, meta, keep_fields(job.input, shards), job.output.raw_text, embed_dim),
-                        job.output.compression, on_written=claims.release if claims else None)
+                        job.output.compression, on_written=claims.release if claims else None,
+                        confirm=claims.confirm if isinstance(claims, StoreClaims) else None)
+
+
+def _claims(job: Job, layout: Layout) -> Claims | None:
+    """Work stealing's claims: files in a folder, leases in an object store (where they are
+    always on: they also keep two runs of one rank apart, which a store cannot flock)."""
+    if layout.in_store:
+        return StoreClaims(layout.meta, lease_s := float(os.environ.get(LEASE_ENV, 300)), lease_s / 10)
+    return Claims(layout.meta) if job.runtime.work_stealing else None
 
 
 def writer_started(writer: WriterThread) -> str:

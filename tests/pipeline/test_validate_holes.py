@@ -60,11 +60,21 @@ def test_a_users_own_parquet_in_the_output_folder_is_not_replaced(tmp_path):
     cli_app(tmp_path, "run", job, "--overwrite", check=True)
 
 
-def test_a_url_output_is_refused_before_any_folder_is_made(tmp_path):
+def test_a_url_output_is_refused_before_any_folder_is_made(tmp_path, monkeypatch):
+    """Other schemes than s3:// are refused; an s3:// store that cannot be reached is refused in
+    one line naming it (tests/output/test_object_store.py has the stores that answer)."""
     write_shards(tmp_path / "data", 1, 2, seed=1)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", out="gs://bucket/labels")
+    for cmd in ("validate", "run"):
+        assert "output.dir: gs://bucket/labels: an output URL is s3://bucket/prefix" in refused(tmp_path, cmd, job)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", out="s3://bucket/labels")
     for cmd in ("validate", "run"):
-        assert "output.dir: s3://bucket/labels is a URL" in refused(tmp_path, cmd, job)
+        assert "cannot reach the store of s3://bucket/labels" in refused(tmp_path, cmd, job)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "job.yaml"]
 
 
