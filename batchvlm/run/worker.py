@@ -91,8 +91,9 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
     pending, done = _skip_done(layout, mine, summary)
     replacing = {s.stem for s in pending if manifest.prior_output(layout, s.stem)}
     # done shards whose files lack the columns of tasks the job gained (not under --limit; with
-    # work stealing rank 0 adds them)
-    extend = to_extend(layout, done, job) if limit is None and (not claims or rank.rank == 0) else {}
+    # work stealing rank 0 adds them; not in an object store, where preflight refuses new tasks)
+    extending = limit is None and not layout.in_store and (not claims or rank.rank == 0)
+    extend = to_extend(layout, done, job) if extending else {}
     if not pending and not extend:
         plan(job.input, layout, freeze=True)
         summary.no_images = _no_images(layout, shards, summary)

@@ -89,7 +89,7 @@ def test_run_limit_resume_status_preview_export_and_readers(tmp_path, bucket):
     cli_app(tmp_path, "run", job, "--limit", "5", check=True)
     report = json.loads(cli_app(tmp_path, "status", job, "--json", check=True).stdout)
     assert (report["done"], report["partial"], report["pending"]) == (1, 1, 1)
-    assert "__batchvlm__/partial/shapes-000001.parquet" in _objects(client, name)
+    assert "__batchvlm__/partial/shapes-000001.parquet.partial" in _objects(client, name)
     cli_app(tmp_path, "run", job, check=True)
     r = cli_app(tmp_path, "status", f"s3://{name}/labels", check=True)
     assert "3/3 shards done, 0 partial" in r.stdout
