@@ -11,7 +11,7 @@ import pytest
 from support.cli import cli, cli_app
 from support.inputs import good_png, write_job, write_tar
 
-from batchvlm.data.sources import ShardRef
+from batchvlm.data.sources import ShardRef, SourceError
 from batchvlm.job import InputSpec
 from batchvlm.tune.agreement import Agreement, match_near, token_f1
 from batchvlm.tune.sample import draw
@@ -68,6 +68,11 @@ def test_the_draw_is_reproducible_and_independent_of_shard_order(tmp_path):
     c = [e.key for e in draw(refs, inp, 5, seed=1).images]
     assert a == b and len(set(a)) == 5 and a != c
     assert draw(refs, inp, 12, 0).population == 12
+    assert [e.key for e in draw(refs, inp, 5, 0, exact=False).images] == a  # the default's draw is the same
+    every = draw(refs, inp, 200, 0, exact=False)  # no --sample: the default, capped at what the inputs hold
+    assert len(every.images) == every.population == 12
+    with pytest.raises(SourceError, match="--sample: 13 is more than the 12 readable"):
+        draw(refs, inp, 13, 0)
 
 
 def test_agreement_metrics():
