@@ -70,6 +70,8 @@ class ImageLabeler:
     def _launch(self, length: int, samples: list[Any]) -> list[tuple[list[Any], Any]]:
         """Run a batch; out of accelerator memory, its halves (recursively), and later batches
         take at most half as many images."""
+        if len(samples) > self.batch:  # a bucket that filled before an OOM lowered the batch size
+            return self._launch(length, samples[: self.batch]) + self._launch(length, samples[self.batch:])
         try:
             handle = self.model.run(samples, length)
         except torch.OutOfMemoryError:
