@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..data.sources import SourceError
 from ..device import for_device
 from ..dist import resolve_rank
 from ..job import Job
 from ..models.base.errors import ModelLoadError
 from ..models.registry import open_family
+from ..output.layout import OutputConflict
 from ..output.shardlist import plan
 from ..run.log import log
 from .measure import check_settings, measure
@@ -34,7 +34,7 @@ class TuneArgs:
 def _outside(path: Path, job: Job) -> None:
     out = Path(job.output.dir).resolve()
     if path.resolve().is_relative_to(out):
-        raise SourceError(f"{path}: inside the job's output folder {job.output.dir}; tune writes nothing there")
+        raise OutputConflict(f"{path}: inside the job's output folder {job.output.dir}; tune writes nothing there")
 
 
 def tune(job: Job, args: TuneArgs) -> str:
