@@ -68,9 +68,10 @@ class ImageLabeler:
         return length, batch
 
     def _launch(self, length: int, samples: list[Any]) -> list[tuple[list[Any], Any]]:
-        """Run a batch; out of accelerator memory, its halves (recursively), and later batches
-        take at most half as many images."""
-        if len(samples) > self.batch:  # a bucket that filled before an OOM lowered the batch size
+        """Run a batch, in chunks of the batch size (a bucket can have filled before an OOM lowered
+        it); out of accelerator memory, its halves (recursively), and later batches take at most
+        half as many images."""
+        if len(samples) > self.batch:
             return self._launch(length, samples[: self.batch]) + self._launch(length, samples[self.batch:])
         try:
             handle = self.model.run(samples, length)
