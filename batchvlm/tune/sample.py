@@ -53,6 +53,8 @@ def draw(shards: list[ShardRef], inp: InputSpec, n: int, seed: int, exact: bool 
                 heapq.heappush(heap, entry)
             elif r > heap[0][0]:
                 heapq.heapreplace(heap, entry)
+    if population == 0:
+        raise SourceError("tune: the job's inputs hold no readable image")
     if exact and population < n:
         raise SourceError(f"--sample: {n} is more than the {population} readable image(s) of the job's inputs; "
                           "lower it")

@@ -94,6 +94,9 @@ def test_the_draw_is_reproducible_and_independent_of_shard_order(tmp_path):
     assert len(every.images) == every.population == 12
     with pytest.raises(SourceError, match="--sample: 13 is more than the 12 readable"):
         draw(refs, inp, 13, 0)
+    (tmp_path / "bad.tar").write_bytes(b"not a tar")
+    with pytest.raises(SourceError, match="no readable image"):
+        draw([ShardRef("bad", str(tmp_path / "bad.tar"), "tar")], inp, 200, 0, exact=False)
 
 
 def test_agreement_metrics():
