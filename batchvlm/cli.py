@@ -226,7 +226,8 @@ def export_cmd(
 @app.command()
 def tune(
     job_file: Path = JOB_ARG,
-    sample: int = typer.Option(200, "--sample", min=1, help="Images drawn from the job's inputs."),
+    sample: int | None = typer.Option(None, "--sample", min=1, help="Images drawn from the job's inputs (default: "
+                                      "200, or all of them where they hold fewer)."),
     seed: int = typer.Option(0, "--seed", min=0, help="Which images are drawn (the same seed, the same images)."),
     budgets: str | None = typer.Option(None, "--budgets", help="Comma-separated settings of the family's budget knob "
                                        "(Qwen max_pixels, Moondream max_crops) and prune[:TOL]; default: the "

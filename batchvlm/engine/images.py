@@ -26,7 +26,7 @@ class ImageLabeler:
     def __init__(self, model: ImageModel, seqs: list[TaskSequence], settings: EngineSpec):
         self.model = model
         model.start(seqs)
-        self.batch = settings.batch_size_for(model.device.type)
+        self.batch = settings.batch_size_for(model.device.type)  # a batch's most images (an OOM lowers it)
         self.buckets: dict[int, list[Any]] = {}
         self.waiting = 0
         self.stats = {"batches": 0, "images": 0}
@@ -63,13 +63,16 @@ class ImageLabeler:
             # Too many wait: the bucket of the oldest sample runs, partial. Buckets leave whole, so
             # the oldest bucket still there (dicts keep insertion order) holds the oldest sample.
             length = next(iter(self.buckets))
-        batch = self.buckets.pop(length)
-        self.waiting -= len(batch)
-        return length, batch
+        ready = self.buckets.pop(length)
+        self.waiting -= len(ready)
+        return length, ready
 
     def _launch(self, length: int, samples: list[Any]) -> list[tuple[list[Any], Any]]:
-        """Run a batch; out of accelerator memory, its halves (recursively), and later batches
-        take at most half as many images."""
+        """Run a batch, in chunks of the batch size (a bucket can have filled before an OOM lowered
+        it); out of accelerator memory, its halves (recursively), and later batches take at most
+        half as many images."""
+        if len(samples) > self.batch:
+            return self._launch(length, samples[: self.batch]) + self._launch(length, samples[self.batch:])
         try:
             handle = self.model.run(samples, length)
         except torch.OutOfMemoryError:

@@ -5,7 +5,8 @@ caption / ocr: token-level F1 (lower-cased words), averaged over images. query /
 json: exact-match share. detect: F1 of boxes matched one-to-one at IoU >= 0.5, per object label,
 pooled over images. point: F1 of points matched one-to-one within RADIUS (normalized image
 units), per label, pooled. An image the full budget could not label is left out; one only the
-smaller setting failed on agrees in nothing.
+smaller setting failed on agrees in nothing (detect / point: it misses every reference object, so
+it counts only where the reference found some).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..shapes.metrics import F1, Accuracy, match_boxes
+from ..shapes.metrics import F1, match_boxes
 from ..tasks import Task, column_of, kind_of
 
 RADIUS = 0.05  # a point agrees within 5% of the image's side
@@ -44,6 +45,8 @@ def match_near(pred: list[tuple[float, float]], ref: list[tuple[float, float]], 
 
 @dataclass
 class Mean:
+    """A mean of per-image scores: token F1, or exact match as 0 / 1."""
+
     total: float = 0.0
     n: int = 0
 
@@ -67,13 +70,12 @@ class Agreement:
     """One setting's agreement, task by task, built image by image."""
 
     tasks: list[Task]
-    scores: dict[str, Mean | Accuracy | F1] = field(default_factory=dict)
+    scores: dict[str, Mean | F1] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for t in self.tasks:
             kind = kind_of(t)
-            self.scores[column_of(t)] = (Mean() if kind in ("caption", "ocr") else F1() if kind in ("detect", "point")
-                                         else Accuracy())
+            self.scores[column_of(t)] = F1() if kind in ("detect", "point") else Mean()
 
     def add(self, ref: dict[str, Any] | None, got: dict[str, Any] | None) -> None:
         if ref is None:
@@ -90,7 +92,7 @@ class Agreement:
                     a, b = rs.get(label, []), gs.get(label, [])
                     score.add((match_boxes if kind == "detect" else match_near)(b, a), len(b), len(a))
             else:
-                score.add(g is not None and g == r)
+                score.add(float(g is not None and g == r))
 
     def table(self) -> dict[str, dict[str, Any]]:
         """{column: {"metric": ..., "value": ...}} in task order."""

@@ -7,23 +7,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..data.sources import SourceError
 from ..device import for_device
 from ..dist import resolve_rank
 from ..job import Job
 from ..models.base.errors import ModelLoadError
 from ..models.registry import open_family
+from ..output.layout import OutputConflict
 from ..output.shardlist import plan
 from ..run.log import log
 from .measure import check_settings, measure
 from .report import has_matplotlib, record, table, write_json, write_plot
-from .sample import check_size, draw
+from .sample import DEFAULT_SAMPLE, check_size, draw
 from .settings import FULL, settings_for
 
 
 @dataclass(frozen=True)
 class TuneArgs:
-    sample: int
+    sample: int | None  # --sample; None: DEFAULT_SAMPLE, or every image where the inputs hold fewer
     seed: int
     budgets: str | None  # --budgets as written; None: the family's defaults
     json_path: Path
@@ -34,7 +34,7 @@ class TuneArgs:
 def _outside(path: Path, job: Job) -> None:
     out = Path(job.output.dir).resolve()
     if path.resolve().is_relative_to(out):
-        raise SourceError(f"{path}: inside the job's output folder {job.output.dir}; tune writes nothing there")
+        raise OutputConflict(f"{path}: inside the job's output folder {job.output.dir}; tune writes nothing there")
 
 
 def tune(job: Job, args: TuneArgs) -> str:
@@ -46,11 +46,13 @@ def tune(job: Job, args: TuneArgs) -> str:
     if args.plot_asked and not has_matplotlib():
         raise ModelLoadError("--plot: matplotlib is not installed; pip install 'batchvlm[tune]'")
     shards = plan(job.input)
-    check_size(shards, args.sample)
+    if args.sample is not None:
+        check_size(shards, args.sample)
     base = open_family(FULL.spec(job.model, None), weights=False)
-    settings = settings_for(base.name, base.budget(), base.can_prune(), args.budgets)
-    check_settings(job, settings)
-    drawn = draw(shards, job.input, args.sample, args.seed)
+    budget = base.budget()
+    settings = settings_for(base.name, budget, base.can_prune(), args.budgets)
+    check_settings(job, settings, budget)
+    drawn = draw(shards, job.input, args.sample or DEFAULT_SAMPLE, args.seed, exact=args.sample is not None)
     rows = measure(job, settings, drawn.images, log)
     write_json(args.json_path, record(job.name, base.name, job.model.device, args.seed, drawn.population, rows))
     notes = [f"{args.json_path}: written"]

@@ -20,6 +20,7 @@ from ..data.loader import prepare
 from ..data.sources import Encoded
 from ..engine.engine import EngineLabeler
 from ..job import Job
+from ..models.base.budget import Budget
 from ..models.registry import open_family
 from .agreement import Agreement
 from .settings import FULL, Setting
@@ -45,10 +46,9 @@ class Measured:
                 "images_per_s": round(self.images_per_s, 2), "agreement": self.agreement}
 
 
-def check_settings(job: Job, settings: list[Setting]) -> None:
+def check_settings(job: Job, settings: list[Setting], budget: Budget | None) -> None:
     """Each setting's host side opened and its sequences built: what a setting cannot run is
     refused here, before any image is read or weight loaded."""
-    budget = open_family(FULL.spec(job.model, None), weights=False).budget()
     for s in settings:
         open_family(s.spec(job.model, budget), weights=False).sequences(job.tasks, job.engine, job.output.constrain)
 

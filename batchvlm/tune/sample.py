@@ -2,7 +2,9 @@
 
 An image is drawn when its sha256(seed, key) is among the N smallest: the same seed gives the
 same images however the shards are listed or read, and reading is one streaming pass holding N
-encoded images. Unreadable members (an Encoded error) are never drawn.
+encoded images. Unreadable members (an Encoded error) are never drawn. Without --sample, N is
+DEFAULT_SAMPLE, or every image where the inputs hold fewer; an --sample the inputs cannot fill is
+refused.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 
 from ..data.sources import Encoded, ShardRef, SourceError, count_samples, read_shard
 from ..job import InputSpec
+
+DEFAULT_SAMPLE = 200
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,9 @@ def check_size(shards: list[ShardRef], n: int) -> None:
         raise SourceError(f"--sample: {n} is more than the {total} image(s) of the job's inputs; lower it")
 
 
-def draw(shards: list[ShardRef], inp: InputSpec, n: int, seed: int) -> Drawn:
+def draw(shards: list[ShardRef], inp: InputSpec, n: int, seed: int, exact: bool = True) -> Drawn:
+    """-> the n images of smallest rank; `exact` (--sample given): fewer readable images is an
+    error, else all of them are drawn."""
     heap: list[tuple[bytes, int, Encoded]] = []  # max-heap by rank (negated), the n smallest kept
     population = 0
     for s in shards:
@@ -47,7 +53,9 @@ def draw(shards: list[ShardRef], inp: InputSpec, n: int, seed: int) -> Drawn:
                 heapq.heappush(heap, entry)
             elif r > heap[0][0]:
                 heapq.heapreplace(heap, entry)
-    if population < n:
+    if population == 0:
+        raise SourceError("tune: the job's inputs hold no readable image")
+    if exact and population < n:
         raise SourceError(f"--sample: {n} is more than the {population} readable image(s) of the job's inputs; "
                           "lower it")
     return Drawn([e[2] for e in sorted(heap, reverse=True)], population)

@@ -48,36 +48,45 @@ def settings_for(family_name: str, budget: Budget | None, can_prune: bool, asked
     a value outside the knob's range, a knob or pruning the family does not have, and a family
     with nothing to vary."""
     if asked is None:
-        if budget is None and not can_prune:
-            raise ModelLoadError(f"tune: {family_name} has no visual budget to vary (its images have one fixed size) "
-                                 "and cannot prune duplicate visual tokens")
-        out = [Setting(f"{budget.field}={v}", v) for v in budget.ladder] if budget else []
-        if not out and not can_prune:
-            raise ModelLoadError(f"tune: model.{budget.field} is {budget.full}, the smallest {family_name} takes: "
-                                 "nothing smaller to compare; set it higher in the job file")
-        return [FULL, *out, *([_prune("prune:0")] if can_prune else [])]
+        return _defaults(family_name, budget, can_prune)
     out: list[Setting] = [FULL]
     for item in (i.strip() for i in asked.split(",") if i.strip()):
-        if item == "prune" or item.startswith("prune:"):
-            if not can_prune:
-                raise ModelLoadError(f"--budgets: {item!r}: {family_name} cannot prune duplicate visual tokens "
-                                     "(native Qwen3-VL and Qwen3.5 can)")
-            setting = _prune(item)
-        else:
-            try:
-                value = int(item)
-            except ValueError:
-                raise ModelLoadError(f"--budgets: {item!r} is neither an integer setting nor prune[:TOL]") from None
-            if budget is None:
-                raise ModelLoadError(f"--budgets: {value}: {family_name} has no visual budget knob (one fixed size); "
-                                     "only prune[:TOL] applies")
-            try:
-                budget.check(value)
-            except ValueError as e:
-                raise ModelLoadError(f"--budgets: {e}") from None
-            setting = FULL if value == budget.full else Setting(f"{budget.field}={value}", value)
+        setting = _asked(item, family_name, budget, can_prune)
         if setting not in out:
             out.append(setting)
     if len(out) == 1:
         raise ModelLoadError("--budgets: only the full budget; name a smaller setting or prune[:TOL]")
     return out
+
+
+def _defaults(family_name: str, budget: Budget | None, can_prune: bool) -> list[Setting]:
+    """Without --budgets: the knob's ladder, then prune:0 where the family prunes."""
+    if budget is None and not can_prune:
+        raise ModelLoadError(f"tune: {family_name} has no visual budget to vary (its images have one fixed size) "
+                             "and cannot prune duplicate visual tokens")
+    out = [Setting(f"{budget.field}={v}", v) for v in budget.ladder] if budget else []
+    if not out and not can_prune:
+        raise ModelLoadError(f"tune: model.{budget.field} is {budget.full}, the smallest {family_name} takes: "
+                             "nothing smaller to compare; set it higher in the job file")
+    return [FULL, *out, *([_prune("prune:0")] if can_prune else [])]
+
+
+def _asked(item: str, family_name: str, budget: Budget | None, can_prune: bool) -> Setting:
+    """One --budgets item: an integer setting of the knob, or prune[:TOL]."""
+    if item == "prune" or item.startswith("prune:"):
+        if not can_prune:
+            raise ModelLoadError(f"--budgets: {item!r}: {family_name} cannot prune duplicate visual tokens "
+                                 "(native Qwen3-VL and Qwen3.5 can)")
+        return _prune(item)
+    try:
+        value = int(item)
+    except ValueError:
+        raise ModelLoadError(f"--budgets: {item!r} is neither an integer setting nor prune[:TOL]") from None
+    if budget is None:
+        raise ModelLoadError(f"--budgets: {value}: {family_name} has no visual budget knob (one fixed size); "
+                             "only prune[:TOL] applies")
+    try:
+        budget.check(value)
+    except ValueError as e:
+        raise ModelLoadError(f"--budgets: {e}") from None
+    return FULL if value == budget.full else Setting(f"{budget.field}={value}", value)

@@ -65,4 +65,13 @@ def test_an_out_of_memory_batch_runs_in_halves():
     out = list(labeler.label(samples([5] * 20)))
     assert sorted(int(s.key) for s, _ in out) == list(range(20))
     assert max(len(b) for _, b in toy.batches) <= 2
-    assert labeler.batch <= 4 and labeler.stats["oom_halvings"] >= 1
+    # 8 fails, then its first 4 (two halvings); its second 4 and later batches run as 2s, never failing again
+    assert labeler.batch == 2 and labeler.stats["oom_halvings"] == 2
+
+
+def test_a_bucket_filled_before_an_out_of_memory_runs_at_the_lowered_size():
+    toy = Toy(fail_over=2)
+    labeler = ImageLabeler(toy, [], EngineSpec(max_batch_size=8))
+    out = list(labeler.label(samples([5, 15] * 10)))  # the 15s' bucket holds 7 when the 5s' 8 fail
+    assert sorted(int(s.key) for s, _ in out) == list(range(20))
+    assert max(len(b) for _, b in toy.batches) <= 2 and labeler.stats["oom_halvings"] == 2

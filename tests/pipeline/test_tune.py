@@ -11,10 +11,13 @@ import pytest
 from support.cli import cli, cli_app
 from support.inputs import good_png, write_job, write_tar
 
-from batchvlm.data.sources import ShardRef
+from batchvlm.data.sources import ShardRef, SourceError
 from batchvlm.job import InputSpec
 from batchvlm.tune.agreement import Agreement, match_near, token_f1
+from batchvlm.models.base.budget import Budget, halvings
+from batchvlm.models.base.errors import ModelLoadError
 from batchvlm.tune.sample import draw
+from batchvlm.tune.settings import settings_for
 from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
 
 
@@ -49,6 +52,8 @@ def test_tune_subprocess_reports_every_setting_and_writes_nothing_into_the_outpu
     (["--budgets", "prune"], {"max_crops": 2}, "moondream cannot prune"),
     (["--budgets", "many"], {"max_crops": 2}, "neither an integer"),
     ([], {}, "nothing smaller to compare"),
+    (["--json", "out/r.json"], {"max_crops": 2}, "out/r.json: inside the job's output folder"),
+    (["--budgets", "2,"], {"max_crops": 2}, "only the full budget"),
 ])
 def test_tune_refuses_bad_input_in_one_line_before_work(tmp_path, args, model, words):
     job = write_job(tmp_path / "job.yaml", shards(tmp_path), model={"name": "demo", **model})
@@ -57,6 +62,22 @@ def test_tune_refuses_bad_input_in_one_line_before_work(tmp_path, args, model, w
     lines = [x for x in r.stdout.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("batchvlm: error:") and words in lines[0], r.stdout
     assert not list(tmp_path.glob("*.tune.*"))
+
+
+def test_settings_from_the_budget_and_budgets():
+    b = Budget("max_pixels", 1024, 8192, halvings(8192, 1024))
+    assert [s.name for s in settings_for("q", b, True, None)] == ["full", "max_pixels=4096", "max_pixels=2048",
+                                                                  "max_pixels=1024", "prune=0"]
+    got = settings_for("q", b, True, " 2048, prune:0.02,2048 , 8192,prune")  # repeats and the full budget: once
+    assert [(s.name, s.value, s.prune) for s in got] == [("full", None, None), ("max_pixels=2048", 2048, None),
+                                                         ("prune=0.02", None, 0.02), ("prune=0", None, 0.0)]
+    for asked, words in [("prune:2", r"'prune:2': the tolerance must be in \[0, 1\]"),
+                         ("prune:x", "must be a number"), ("512", r"512 is outside model.max_pixels's range"),
+                         ("9000", "9000 is outside")]:
+        with pytest.raises(ModelLoadError, match=words):
+            settings_for("q", b, True, asked)
+    with pytest.raises(ModelLoadError, match="f2 has no visual budget knob"):
+        settings_for("f2", None, True, "4")
 
 
 def test_the_draw_is_reproducible_and_independent_of_shard_order(tmp_path):
@@ -68,6 +89,14 @@ def test_the_draw_is_reproducible_and_independent_of_shard_order(tmp_path):
     c = [e.key for e in draw(refs, inp, 5, seed=1).images]
     assert a == b and len(set(a)) == 5 and a != c
     assert draw(refs, inp, 12, 0).population == 12
+    assert [e.key for e in draw(refs, inp, 5, 0, exact=False).images] == a  # the default's draw is the same
+    every = draw(refs, inp, 200, 0, exact=False)  # no --sample: the default, capped at what the inputs hold
+    assert len(every.images) == every.population == 12
+    with pytest.raises(SourceError, match="--sample: 13 is more than the 12 readable"):
+        draw(refs, inp, 13, 0)
+    (tmp_path / "bad.tar").write_bytes(b"not a tar")
+    with pytest.raises(SourceError, match="no readable image"):
+        draw([ShardRef("bad", str(tmp_path / "bad.tar"), "tar")], inp, 200, 0, exact=False)
 
 
 def test_agreement_metrics():

@@ -67,14 +67,16 @@ class Siglip(FamilyBase):
                                   f"can: {', '.join(KINDS)})")
             if kind in ("classify", "similarity") and self.text is None:
                 raise FamilyError(f"tasks.{i}.{kind}: {self.no_text}")
-            if kind == "classify" and a.question is not None:
-                raise FamilyError(f"tasks.{i}.classify.question: SigLIP answers no question; it scores each choice "
-                                  f"put into `template` (default {DEFAULT_TEMPLATE!r}) against the image")
             if kind == "classify":
+                if a.question is not None:
+                    raise FamilyError(f"tasks.{i}.classify.question: SigLIP answers no question; it scores each "
+                                      f"choice put into `template` (default {DEFAULT_TEMPLATE!r}) against the image")
                 template = a.template or DEFAULT_TEMPLATE
                 spec = ImageTask(kind, texts=tuple(template.replace("{}", c) for c in a.choices))
+            elif kind == "similarity":
+                spec = ImageTask(kind, text_column=a.text_column)
             else:
-                spec = ImageTask(kind, text_column=a.text_column if kind == "similarity" else None)
+                spec = ImageTask(kind)
             seqs.append(TaskSequence(i, None, spec))
         return seqs
 

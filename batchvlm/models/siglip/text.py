@@ -30,8 +30,7 @@ class TextPrep:
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         if lowercase and tok.normalizer is not None:
             tok.normalizer = normalizers.Sequence([normalizers.Lowercase(), tok.normalizer])
-        self.length = MAX_LENGTH
-        if self.length > max_positions:
+        if MAX_LENGTH > max_positions:
             raise ConfigError(f"{folder}: the text tower has {max_positions} positions, fewer than the "
                               f"{MAX_LENGTH} tokens transformers pads texts to")
         pad = _content(cfg.get("pad_token", "<pad>"))
@@ -39,8 +38,8 @@ class TextPrep:
         if pad_id is None:
             raise ConfigError(f"{folder}: the pad token {pad!r} is not in tokenizer.json")
         side = cfg.get("padding_side", "left" if lowercase else "right")
-        tok.enable_truncation(self.length)
-        tok.enable_padding(direction=side, pad_id=pad_id, pad_token=pad, length=self.length)
+        tok.enable_truncation(MAX_LENGTH)
+        tok.enable_padding(direction=side, pad_id=pad_id, pad_token=pad, length=MAX_LENGTH)
         self.tok = tok
 
     def __call__(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

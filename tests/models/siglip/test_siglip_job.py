@@ -39,6 +39,7 @@ def test_run_writes_typed_columns_with_transformers_values(checkpoint, tmp_path)
         if i != 4:  # one image has no text: its similarity is null
             (tmp_path / "imgs" / f"{i:02d}.txt").write_text(text)
     tasks = [{"embed": {}}, {"embed": {"name": "e16", "dtype": "float16"}}, {"classify": {"choices": CHOICES}},
+             {"classify": {"choices": CHOICES, "template": "a {} in the picture", "name": "own"}},
              {"similarity": {"text_column": "txt", "name": "clip_score"}}]
     cli("run", job_file(tmp_path, checkpoint, tasks))
     table = pq.read_table(tmp_path / "out").sort_by("key")
@@ -62,12 +63,17 @@ def test_run_writes_typed_columns_with_transformers_values(checkpoint, tmp_path)
         text = proc.tokenizer([f"This is a photo of {c}." for c in CHOICES], padding="max_length", max_length=64,
                               truncation=True, return_tensors="pt")
         probs = model(**px, **text).logits_per_image.softmax(-1)
+        own = proc.tokenizer([f"a {c} in the picture" for c in CHOICES], padding="max_length", max_length=64,
+                             truncation=True, return_tensors="pt")
+        own_probs = model(**px, **own).logits_per_image.softmax(-1)
         pair = proc.tokenizer(texts, padding="max_length", max_length=64, truncation=True, return_tensors="pt")
         sim = torch.sigmoid(model(**px, **pair).logits_per_image.diagonal())
     assert (torch.tensor([r["embed"] for r in rows]) - emb).abs().max() < 1e-5
     assert (torch.tensor([r["e16"] for r in rows]) - emb).abs().max() < 1e-3
     assert (torch.tensor([[s["prob"] for s in r["classify_scores"]] for r in rows]) - probs).abs().max() < 1e-5
     assert [r["classify"] for r in rows] == [CHOICES[i] for i in probs.argmax(-1).tolist()]
+    assert (torch.tensor([[s["prob"] for s in r["own_scores"]] for r in rows]) - own_probs).abs().max() < 1e-5
+    assert (own_probs - probs).abs().max() > 1e-4  # the template is what the choices were scored in
     got = [r["clip_score"] for r in rows]
     assert got[4] is None
     assert max(abs(g - s) for i, (g, s) in enumerate(zip(got, sim.tolist())) if i != 4) < 1e-5
@@ -90,6 +96,20 @@ def test_validate_refuses_in_one_line(checkpoint, tmp_path, model, tasks, keep, 
     r = cli_app(tmp_path, "validate", job_file(tmp_path, checkpoint if model == "siglip" else "demo", tasks, keep))
     assert r.returncode == 2, r.stdout
     assert says in r.stdout
+    assert len([line for line in r.stdout.splitlines() if line.strip()]) == 1, r.stdout
+
+
+def test_without_a_tokenizer_embed_validates_and_text_tasks_refuse_in_one_line(checkpoint, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(checkpoint, tmp_path / "no_tokenizer")
+    (folder / "tokenizer.json").unlink()
+    (tmp_path / "imgs").mkdir()
+    Image.new("RGB", (20, 20)).save(tmp_path / "imgs" / "a.png")
+    r = cli_app(tmp_path, "validate", job_file(tmp_path, folder, [{"embed": {}}], keep=[]))
+    assert r.returncode == 0, r.stdout
+    r = cli_app(tmp_path, "validate", job_file(tmp_path, folder, [{"classify": {"choices": CHOICES}}], keep=[]))
+    assert r.returncode == 2 and "tasks.0.classify: " in r.stdout and "no tokenizer.json" in r.stdout, r.stdout
     assert len([line for line in r.stdout.splitlines() if line.strip()]) == 1, r.stdout
 
 
