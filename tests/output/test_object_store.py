@@ -122,6 +122,12 @@ def test_run_limit_resume_status_preview_export_and_readers(tmp_path, bucket):
     assert json.loads((tmp_path / "coco" / "annotations.json").read_text())["images"]
     r = cli_app(tmp_path, "run", job, "--overwrite", check=True)  # cleared, labelled again
     assert "3 shard(s) written, 0 already done" in r.stdout and len(_done(client, name)) == 3
+    # a folder may gain tasks (output/extend.py rewrites its files in place); a store not yet: one line
+    grown = write_job(tmp_path / "grown.yaml", "data/shapes-*.tar", out=f"s3://{name}/labels",
+                      tasks=[{"caption": {}}, {"detect": {"objects": ["circle"]}}, {"point": {"objects": ["circle"]}}])
+    r = cli_app(tmp_path, "validate", grown)
+    assert r.returncode == 2 and "adding tasks to an output in an object store is not supported" in r.stdout
+    assert len(r.stdout.strip().splitlines()) == 1, r.stdout
 
 
 def _run(job, env_extra=None) -> subprocess.Popen:
