@@ -43,6 +43,7 @@ import numpy as np
 from ..cache.blocks import BlockManager, SnapshotSlots
 from ..models.base.decoding import RawOutput, SeqSpec, emit_text
 from .plan import PREFILL_TOKENS_PER_STEP, Emissions, StepPlan
+from .rows import RowTable
 from .sequence import Prefix, Request, SeqState, Sequence
 
 
@@ -56,6 +57,15 @@ def _lens(prefixes: list[Prefix]) -> np.ndarray:
 
 def _ints(values) -> np.ndarray:
     return np.array(values, dtype=np.int64)
+
+
+def _first_use(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct keys in first-use order, and each key's index into them."""
+    uniq, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    order = np.argsort(first)
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    return uniq[order], rank[inverse.reshape(-1)]
 
 
 def _by_prefix(seqs: list[Sequence]) -> tuple[list[Prefix], np.ndarray]:
@@ -79,6 +89,12 @@ class Scheduler:
         self.row_cap = n_rows
         self._rows_left = n_rows  # rows this step may still start (set per schedule())
         self.free_rows = list(range(n_rows - 1, -1, -1))
+        self.rows = RowTable(n_rows)  # running sequences' decode state by row (rows.py)
+        self._seq_at = np.empty(n_rows, dtype=object)  # row -> its sequence
+        # Prefixes by serial (RowTable.prefix), from admission until their image is done
+        self._prefix_at: dict[int, Prefix] = {}
+        self._serial: dict[Prefix, int] = {}
+        self._next_serial = 0
         self._row_blocks = np.zeros((n_rows, 0), dtype=np.int64)  # [row, j]: own block j of the row's sequence
         # The blocks of each admitted prefix as an array, until its image is done (no later step
         # plans a sequence on it then).
@@ -131,10 +147,13 @@ class Scheduler:
 
     def schedule(self) -> StepPlan | None:
         # Every sequence started earlier decodes, unless its limit says it must be finished.
-        decoding = [s for s in self.running if s.state is SeqState.RUNNING and s.decode_steps < s.max_decode_steps]
+        rows = self.rows.decoding()
+        decoding = self._seq_at[rows].tolist()
         if self.mask_words:
-            decoding = self._constrained_turns(decoding)
-        decoding = decoding[: self.row_cap]
+            turns = self._constrained_turns(decoding)
+            if len(turns) < len(decoding):
+                decoding, rows = turns, _ints([s.row for s in turns])
+        decoding, rows = decoding[: self.row_cap], rows[: self.row_cap]
         self._rows_left = self.row_cap - len(decoding)
         new: list[Sequence] = []
         prefilled: list[Request] = []
@@ -142,32 +161,34 @@ class Scheduler:
             self._admit(new, prefilled)
         if not new and not decoding:
             return None
-        plan = self._plan(new, decoding, prefilled)
+        plan = self._plan(new, decoding, rows, prefilled)
         if self.mask_words:
             plan.mask_rows, plan.masks = self._masks(new, decoding)
-        for s in new:
-            s.own_len = len(s.spec.prompt)
-            s.inflight += 1
+        self.rows.own[plan.new_rows] = plan.prompt_lens
+        self.rows.inflight[plan.new_rows] += 1
         for im in prefilled:  # their snapshots are freed after the last fork was planned (above)
             if im not in self.admitted:
                 self._drop_snapshots(im)
         for im in self._forked:
             self._drop_snapshots(im)
         self._forked.clear()
-        for s in decoding:
-            s.own_len += 1
-            s.decode_steps += 1
-            s.inflight += 1
+        self.rows.own[rows] += 1
+        self.rows.steps[rows] += 1
+        self.rows.inflight[rows] += 1
         self.step += 1
         return plan
 
-    def _plan(self, new: list[Sequence], decoding: list[Sequence], prefilled: list[Request]) -> StepPlan:
-        """The step's plan from what it prefills, starts and decodes (bookkeeping is the caller's)."""
+    def _plan(self, new: list[Sequence], decoding: list[Sequence], decode_rows: np.ndarray,
+              prefilled: list[Request]) -> StepPlan:
+        """The step's plan from what it prefills, starts and decodes (bookkeeping is the caller's).
+        Decode rows are read from the row table: no pass over the decoding sequences."""
         prompt_prefixes, prompt_image = _by_prefix(new)
-        decode_prefixes, decode_image = _by_prefix(decoding)
+        r = self.rows
+        serials, decode_image = _first_use(r.prefix[decode_rows])
+        decode_prefixes = [self._prefix_at[k] for k in serials.tolist()]
         pre = [(self.feature_of[id(im)], p) for im in prefilled for p in im.prefixes]
         new_rows, prompt_lens = _ints([s.row for s in new]), _ints([len(s.spec.prompt) for s in new])
-        decode_rows, decode_own = _ints([s.row for s in decoding]), _ints([s.own_len for s in decoding])
+        decode_own = r.own[decode_rows]
         return StepPlan(
             step=self.step,
             prefix_features=_ints([slot for slot, _ in pre]),
@@ -189,13 +210,12 @@ class Scheduler:
             prompt_image_lens=_lens(prompt_prefixes),
             decode_rows=decode_rows,
             decode_own=decode_own,
-            decode_pos=np.array([s.prefix.next_pos + s.own_len for s in decoding], dtype=np.int64),
+            decode_pos=r.pos0[decode_rows] + decode_own,
             decode_tables=self._own_tables(decode_rows, decode_own + 1),
             decode_image=decode_image,
             decode_image_tables=self._prefix_tables(decode_prefixes),
             decode_image_lens=_lens(decode_prefixes),
-            needs=np.array([s.needs(0) for s in new] + [s.needs(s.decode_steps + 1) for s in decoding],
-                           dtype=np.int64),
+            needs=np.concatenate([_ints([s.needs(0) for s in new]), r.needs(decode_rows, r.steps[decode_rows] + 1)]),
             seqs=new + decoding,
         )
 
@@ -237,6 +257,9 @@ class Scheduler:
             for p in request.prefixes:
                 p.blocks = self.blocks.allocate(self.blocks.blocks_for(p.length))
                 self._prefix_blocks[p] = np.array(p.blocks, dtype=np.int64)
+                self._serial[p] = self._next_serial
+                self._prefix_at[self._next_serial] = p
+                self._next_serial += 1
                 if self.snapshots is not None:
                     p.snapshot = self.snapshots.take()
             request.unfinished = len(request.seqs)
@@ -257,6 +280,8 @@ class Scheduler:
             self.blocks.share(s.prefix.blocks)
             s.row = self.free_rows.pop()
             self._hold_row_blocks(s)
+            self.rows.start(s.row, 0, s.max_decode_steps, s.prefix.next_pos, self._serial[s.prefix], s.spec.heads)
+            self._seq_at[s.row], s.table = s, self.rows
             self._rows_left -= 1
             s.state = SeqState.RUNNING
             self.running.append(s)
@@ -311,12 +336,16 @@ class Scheduler:
         done: list[Request] = []
         # Python ints and floats once per step (the same values: float32 -> float is exact), not
         # one numpy scalar per row and field.
-        values = zip(em.code.tolist(), em.token.tolist(), em.value.tolist(), em.finished.tolist())
-        for s, (code, token, (v0, v1), finished) in zip(plan.seqs, values):
+        rows = np.concatenate([plan.new_rows, plan.decode_rows])
+        self.rows.inflight[rows] -= 1
+        values = zip(em.code.tolist(), em.token.tolist(), em.value.tolist(), em.finished.tolist(),
+                     self.rows.inflight[rows].tolist())
+        for s, (code, token, (v0, v1), finished, inflight) in zip(plan.seqs, values):
             if s.state is SeqState.RUNNING:  # a zombie's emission (already finished) is ignored
                 self.emit(s.output, s.spec, code, token, v0, v1)
                 if finished:
                     s.state = SeqState.FINISHED
+                    self.rows.live[s.row] = False
                     # or the family's emit saw a cut the count cannot show (a forced end token)
                     s.output.cut = s.output.cut or s.output.hit_limit(s.spec)
                     s.request.unfinished -= 1
@@ -324,8 +353,8 @@ class Scheduler:
                         done.append(s.request)
                         for p in s.request.prefixes:
                             del self._prefix_blocks[p]
-            s.inflight -= 1
-            if s.state is SeqState.FINISHED and s.inflight == 0:
+                            del self._prefix_at[self._serial.pop(p)]
+            if s.state is SeqState.FINISHED and inflight == 0:
                 self._retire(s)
         for slot in dict.fromkeys(plan.prefix_features.tolist()):  # an image's prefixes share its slot
             self.free_feature_slots.append(int(slot))
@@ -333,6 +362,8 @@ class Scheduler:
 
     def _retire(self, s: Sequence) -> None:
         s.state = SeqState.RETIRED
+        s.leave_row()
+        self._seq_at[s.row] = None
         self.blocks.release(s.blocks + s.prefix.blocks)
         self.free_rows.append(s.row)
         self.running.remove(s)

@@ -1,0 +1,48 @@
+"""The scheduler's per-row decode state: what every step's plan reads and writes of each running
+sequence, in arrays indexed by device-state row, so a step of 256 decoding rows is a few numpy
+calls rather than a Python pass over its sequences per field.
+
+A row holds one sequence from its start until it retires (scheduler.py); a retired sequence keeps
+its last values (`Sequence` reads them from here while it holds a row, then from its snapshot).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class RowTable:
+    def __init__(self, n_rows: int):
+        self.own = np.zeros(n_rows, dtype=np.int64)  # own tokens planned into the cache so far
+        self.steps = np.zeros(n_rows, dtype=np.int64)  # decode steps planned so far
+        self.max_steps = np.zeros(n_rows, dtype=np.int64)  # Sequence.max_decode_steps
+        self.inflight = np.zeros(n_rows, dtype=np.int64)  # planned, uncommitted steps with the row
+        self.pos0 = np.zeros(n_rows, dtype=np.int64)  # rotary position of own token 0 (Prefix.next_pos)
+        self.prefix = np.zeros(n_rows, dtype=np.int64)  # serial of the row's prefix (Scheduler._prefix_of)
+        self.order = np.zeros(n_rows, dtype=np.int64)  # start order: decode rows go oldest first
+        self.live = np.zeros(n_rows, dtype=bool)  # RUNNING: decodes while steps < max_steps
+        # heads needed after step k: heads[row, k % period[row]] (SeqSpec.heads); grown on demand
+        self.heads = np.ones((n_rows, 1), dtype=np.int64)
+        self.period = np.ones(n_rows, dtype=np.int64)
+        self._started = 0
+
+    def start(self, row: int, own: int, max_steps: int, pos0: int, prefix: int, heads: tuple[int, ...]) -> None:
+        self.own[row], self.steps[row], self.max_steps[row], self.inflight[row] = own, 0, max_steps, 0
+        self.pos0[row], self.prefix[row], self.order[row] = pos0, prefix, self._started
+        self.live[row] = True
+        self._started += 1
+        if len(heads) > self.heads.shape[1]:
+            grown = np.ones((self.heads.shape[0], len(heads)), dtype=np.int64)
+            grown[:, : self.heads.shape[1]] = self.heads
+            self.heads = grown
+        self.heads[row, : len(heads)] = heads
+        self.period[row] = len(heads)
+
+    def decoding(self) -> np.ndarray:
+        """Rows of running sequences whose limit allows another decode step, oldest start first."""
+        rows = np.flatnonzero(self.live & (self.steps < self.max_steps))
+        return rows[np.argsort(self.order[rows], kind="stable")]
+
+    def needs(self, rows: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """Heads each row needs after its step k (Sequence.needs)."""
+        return self.heads[rows, k % self.period[rows]]
