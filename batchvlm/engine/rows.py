@@ -21,15 +21,17 @@ class RowTable:
         self.prefix = np.zeros(n_rows, dtype=np.int64)  # serial of the row's prefix (Scheduler._prefix_of)
         self.order = np.zeros(n_rows, dtype=np.int64)  # start order: decode rows go oldest first
         self.live = np.zeros(n_rows, dtype=bool)  # RUNNING: decodes while steps < max_steps
+        self.buffered = np.zeros(n_rows, dtype=bool)  # its emissions wait for its end (emit_buffer.py)
         # heads needed after step k: heads[row, k % period[row]] (SeqSpec.heads); grown on demand
         self.heads = np.ones((n_rows, 1), dtype=np.int64)
         self.period = np.ones(n_rows, dtype=np.int64)
         self._started = 0
 
-    def start(self, row: int, own: int, max_steps: int, pos0: int, prefix: int, heads: tuple[int, ...]) -> None:
+    def start(self, row: int, own: int, max_steps: int, pos0: int, prefix: int, heads: tuple[int, ...],
+              buffered: bool) -> None:
         self.own[row], self.steps[row], self.max_steps[row], self.inflight[row] = own, 0, max_steps, 0
         self.pos0[row], self.prefix[row], self.order[row] = pos0, prefix, self._started
-        self.live[row] = True
+        self.live[row], self.buffered[row] = True, buffered
         self._started += 1
         if len(heads) > self.heads.shape[1]:
             grown = np.ones((self.heads.shape[0], len(heads)), dtype=np.int64)

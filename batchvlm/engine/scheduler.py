@@ -42,6 +42,7 @@ import numpy as np
 
 from ..cache.blocks import BlockManager, SnapshotSlots
 from ..models.base.decoding import RawOutput, SeqSpec, emit_text
+from .emit_buffer import EmitBuffer
 from .plan import PREFILL_TOKENS_PER_STEP, Emissions, StepPlan
 from .rows import RowTable
 from .sequence import Prefix, Request, SeqState, Sequence
@@ -90,6 +91,7 @@ class Scheduler:
         self._rows_left = n_rows  # rows this step may still start (set per schedule())
         self.free_rows = list(range(n_rows - 1, -1, -1))
         self.rows = RowTable(n_rows)  # running sequences' decode state by row (rows.py)
+        self.pending = EmitBuffer(n_rows)  # unconstrained rows' emissions until they finish
         self._seq_at = np.empty(n_rows, dtype=object)  # row -> its sequence
         # Prefixes by serial (RowTable.prefix), from admission until their image is done
         self._prefix_at: dict[int, Prefix] = {}
@@ -280,7 +282,9 @@ class Scheduler:
             self.blocks.share(s.prefix.blocks)
             s.row = self.free_rows.pop()
             self._hold_row_blocks(s)
-            self.rows.start(s.row, 0, s.max_decode_steps, s.prefix.next_pos, self._serial[s.prefix], s.spec.heads)
+            self.rows.start(s.row, 0, s.max_decode_steps, s.prefix.next_pos, self._serial[s.prefix], s.spec.heads,
+                            buffered=s.spec.grammar is None)
+            self.pending.count[s.row] = 0
             self._seq_at[s.row], s.table = s, self.rows
             self._rows_left -= 1
             s.state = SeqState.RUNNING
@@ -334,15 +338,25 @@ class Scheduler:
     def commit(self, plan: StepPlan, em: Emissions) -> list[Request]:
         """Apply one step's emissions (oldest step first). -> images whose labels are complete."""
         done: list[Request] = []
-        # Python ints and floats once per step (the same values: float32 -> float is exact), not
-        # one numpy scalar per row and field.
+        r = self.rows
         rows = np.concatenate([plan.new_rows, plan.decode_rows])
-        self.rows.inflight[rows] -= 1
-        values = zip(em.code.tolist(), em.token.tolist(), em.value.tolist(), em.finished.tolist(),
-                     self.rows.inflight[rows].tolist())
-        for s, (code, token, (v0, v1), finished, inflight) in zip(plan.seqs, values):
-            if s.state is SeqState.RUNNING:  # a zombie's emission (already finished) is ignored
-                self.emit(s.output, s.spec, code, token, v0, v1)
+        r.inflight[rows] -= 1
+        # A running unconstrained row's emission waits in the buffer (emit_buffer.py); a zombie's
+        # (already finished) is ignored. Python sees only the rows that finish, constrained rows
+        # and zombies, with ints and floats made once per step (float32 -> float is exact).
+        buffered = r.live[rows] & r.buffered[rows]
+        finished_all = np.asarray(em.finished, dtype=bool)
+        self.pending.put(rows[buffered], em.code[buffered], em.token[buffered], em.value[buffered])
+        at = np.flatnonzero(~buffered | finished_all)
+        values = zip(at.tolist(), buffered[at].tolist(), em.code[at].tolist(), em.token[at].tolist(),
+                     em.value[at].tolist(), finished_all[at].tolist(), r.inflight[rows[at]].tolist())
+        for i, held, code, token, (v0, v1), finished, inflight in values:
+            s = plan.seqs[i]
+            if s.state is SeqState.RUNNING:
+                if held:
+                    self.pending.flush(s.row, s.output, s.spec, self.emit)
+                else:
+                    self.emit(s.output, s.spec, code, token, v0, v1)
                 if finished:
                     s.state = SeqState.FINISHED
                     self.rows.live[s.row] = False
