@@ -39,6 +39,8 @@ class EmitBuffer:
     def flush(self, row: int, out: RawOutput, spec: SeqSpec, emit: Emit) -> None:
         """Hand the row's emissions to `emit`, oldest first, and empty the row."""
         n = int(self.count[row])
+        if not n:
+            return
         self.count[row] = 0
         codes, tokens, values = self.code[row, :n], self.token[row, :n], self.value[row, :n]
         if emit is emit_text and out.grammar is None:  # emit_text's effect, vectorised

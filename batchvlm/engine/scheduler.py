@@ -341,22 +341,22 @@ class Scheduler:
         r = self.rows
         rows = np.concatenate([plan.new_rows, plan.decode_rows])
         r.inflight[rows] -= 1
-        # A running unconstrained row's emission waits in the buffer (emit_buffer.py); a zombie's
-        # (already finished) is ignored. Python sees only the rows that finish, constrained rows
-        # and zombies, with ints and floats made once per step (float32 -> float is exact).
-        buffered = r.live[rows] & r.buffered[rows]
+        # A running unconstrained row's emission waits in the buffer (emit_buffer.py) until the
+        # row finishes; a zombie's (already finished) is ignored. Python sees only the rows that
+        # finish, constrained rows and zombies, with ints and floats made once per step (float32
+        # -> float is exact).
         finished_all = np.asarray(em.finished, dtype=bool)
-        self.pending.put(rows[buffered], em.code[buffered], em.token[buffered], em.value[buffered])
-        at = np.flatnonzero(~buffered | finished_all)
-        values = zip(at.tolist(), buffered[at].tolist(), em.code[at].tolist(), em.token[at].tolist(),
-                     em.value[at].tolist(), finished_all[at].tolist(), r.inflight[rows[at]].tolist())
-        for i, held, code, token, (v0, v1), finished, inflight in values:
+        held = r.live[rows] & r.buffered[rows] & ~finished_all
+        self.pending.put(rows[held], em.code[held], em.token[held], em.value[held])
+        at = np.flatnonzero(~held)
+        values = zip(at.tolist(), em.code[at].tolist(), em.token[at].tolist(), em.value[at].tolist(),
+                     finished_all[at].tolist(), r.inflight[rows[at]].tolist())
+        for i, code, token, (v0, v1), finished, inflight in values:
             s = plan.seqs[i]
             if s.state is SeqState.RUNNING:
-                if held:
+                if finished:  # what it held first (a classify choice, finished at once, holds nothing)
                     self.pending.flush(s.row, s.output, s.spec, self.emit)
-                else:
-                    self.emit(s.output, s.spec, code, token, v0, v1)
+                self.emit(s.output, s.spec, code, token, v0, v1)
                 if finished:
                     s.state = SeqState.FINISHED
                     self.rows.live[s.row] = False
