@@ -18,7 +18,7 @@ class RowTable:
         self.max_steps = np.zeros(n_rows, dtype=np.int64)  # Sequence.max_decode_steps
         self.inflight = np.zeros(n_rows, dtype=np.int64)  # planned, uncommitted steps with the row
         self.pos0 = np.zeros(n_rows, dtype=np.int64)  # rotary position of own token 0 (Prefix.next_pos)
-        self.prefix = np.zeros(n_rows, dtype=np.int64)  # serial of the row's prefix (Scheduler._prefix_of)
+        self.prefix = np.zeros(n_rows, dtype=np.int64)  # its prefix's PrefixTable slot
         self.order = np.zeros(n_rows, dtype=np.int64)  # start order: decode rows go oldest first
         self.live = np.zeros(n_rows, dtype=bool)  # RUNNING: decodes while steps < max_steps
         self.buffered = np.zeros(n_rows, dtype=bool)  # its emissions wait for its end (emit_buffer.py)
@@ -48,3 +48,41 @@ class RowTable:
     def needs(self, rows: np.ndarray, k: np.ndarray) -> np.ndarray:
         """Heads each row needs after its step k (Sequence.needs)."""
         return self.heads[rows, k % self.period[rows]]
+
+
+class PrefixTable:
+    """Admitted prefixes' block tables and lengths by slot, from admission until their image is
+    done (RowTable.prefix holds a row's slot; a freed slot is reused). A step's prefix tables are
+    one fancy index, padded with the null block to the widest, not a stack of per-prefix arrays."""
+
+    def __init__(self, slots: int = 16):
+        self.blocks = np.zeros((slots, 1), dtype=np.int64)  # [slot, j]: block j; 0 past the prefix's
+        self.lens = np.zeros(slots, dtype=np.int64)
+        self.widths = np.zeros(slots, dtype=np.int64)
+        self._free: list[int] = []
+        self._used = 0
+
+    def add(self, blocks: list[int], length: int) -> int:
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot, self._used = self._used, self._used + 1
+        rows, cols = self.blocks.shape
+        if slot >= rows or len(blocks) > cols:
+            grown = np.zeros((max(rows, 2 * slot + 2), max(cols, len(blocks))), dtype=np.int64)
+            grown[:rows, :cols] = self.blocks
+            self.blocks = grown
+            self.lens = np.concatenate([self.lens, np.zeros(grown.shape[0] - rows, dtype=np.int64)])
+            self.widths = np.concatenate([self.widths, np.zeros(grown.shape[0] - rows, dtype=np.int64)])
+        self.blocks[slot] = 0
+        self.blocks[slot, : len(blocks)] = blocks
+        self.lens[slot], self.widths[slot] = length, len(blocks)
+        return slot
+
+    def drop(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def tables(self, slots: np.ndarray) -> np.ndarray:
+        """[len(slots), widest] blocks of each slot's prefix (a copy)."""
+        width = int(self.widths[slots].max()) if len(slots) else 0
+        return self.blocks[slots, :width]

@@ -44,7 +44,7 @@ from ..cache.blocks import BlockManager, SnapshotSlots
 from ..models.base.decoding import RawOutput, SeqSpec, emit_text
 from .emit_buffer import EmitBuffer
 from .plan import PREFILL_TOKENS_PER_STEP, Emissions, StepPlan
-from .rows import RowTable
+from .rows import PrefixTable, RowTable
 from .sequence import Prefix, Request, SeqState, Sequence
 
 
@@ -93,14 +93,11 @@ class Scheduler:
         self.rows = RowTable(n_rows)  # running sequences' decode state by row (rows.py)
         self.pending = EmitBuffer(n_rows)  # unconstrained rows' emissions until they finish
         self._seq_at = np.empty(n_rows, dtype=object)  # row -> its sequence
-        # Prefixes by serial (RowTable.prefix), from admission until their image is done
-        self._prefix_at: dict[int, Prefix] = {}
-        self._serial: dict[Prefix, int] = {}
-        self._next_serial = 0
+        # Admitted prefixes' blocks by slot (RowTable.prefix), until their image is done (no later
+        # step plans a sequence on it then)
+        self.prefixes = PrefixTable()
+        self._slot: dict[Prefix, int] = {}
         self._row_blocks = np.zeros((n_rows, 0), dtype=np.int64)  # [row, j]: own block j of the row's sequence
-        # The blocks of each admitted prefix as an array, until its image is done (no later step
-        # plans a sequence on it then).
-        self._prefix_blocks: dict[Prefix, np.ndarray] = {}
         self.free_feature_slots = list(range(n_feature_slots - 1, -1, -1))
         self.encoded: deque[Request] = deque()  # features ready, prefix not yet admitted
         self.admitted: deque[Request] = deque()  # prefix admitted, some sequences still waiting
@@ -186,8 +183,7 @@ class Scheduler:
         Decode rows are read from the row table: no pass over the decoding sequences."""
         prompt_prefixes, prompt_image = _by_prefix(new)
         r = self.rows
-        serials, decode_image = _first_use(r.prefix[decode_rows])
-        decode_prefixes = [self._prefix_at[k] for k in serials.tolist()]
+        decode_slots, decode_image = _first_use(r.prefix[decode_rows])
         pre = [(self.feature_of[id(im)], p) for im in prefilled for p in im.prefixes]
         new_rows, prompt_lens = _ints([s.row for s in new]), _ints([len(s.spec.prompt) for s in new])
         decode_own = r.own[decode_rows]
@@ -215,8 +211,8 @@ class Scheduler:
             decode_pos=r.pos0[decode_rows] + decode_own,
             decode_tables=self._own_tables(decode_rows, decode_own + 1),
             decode_image=decode_image,
-            decode_image_tables=self._prefix_tables(decode_prefixes),
-            decode_image_lens=_lens(decode_prefixes),
+            decode_image_tables=self.prefixes.tables(decode_slots),
+            decode_image_lens=self.prefixes.lens[decode_slots],
             needs=np.concatenate([_ints([s.needs(0) for s in new]), r.needs(decode_rows, r.steps[decode_rows] + 1)]),
             seqs=new + decoding,
         )
@@ -258,10 +254,7 @@ class Scheduler:
             request = self.encoded.popleft()
             for p in request.prefixes:
                 p.blocks = self.blocks.allocate(self.blocks.blocks_for(p.length))
-                self._prefix_blocks[p] = np.array(p.blocks, dtype=np.int64)
-                self._serial[p] = self._next_serial
-                self._prefix_at[self._next_serial] = p
-                self._next_serial += 1
+                self._slot[p] = self.prefixes.add(p.blocks, p.length)
                 if self.snapshots is not None:
                     p.snapshot = self.snapshots.take()
             request.unfinished = len(request.seqs)
@@ -282,7 +275,7 @@ class Scheduler:
             self.blocks.share(s.prefix.blocks)
             s.row = self.free_rows.pop()
             self._hold_row_blocks(s)
-            self.rows.start(s.row, 0, s.max_decode_steps, s.prefix.next_pos, self._serial[s.prefix], s.spec.heads,
+            self.rows.start(s.row, 0, s.max_decode_steps, s.prefix.next_pos, self._slot[s.prefix], s.spec.heads,
                             buffered=s.spec.grammar is None)
             self.pending.count[s.row] = 0
             self._seq_at[s.row], s.table = s, self.rows
@@ -312,17 +305,8 @@ class Scheduler:
                 p.snapshot = -1
 
     def _prefix_tables(self, prefixes: list[Prefix]) -> np.ndarray:
-        """Blocks of each prefix, padded with the null block to the widest: stacked from the
-        prefixes' block arrays (`_prefix_blocks`; a prefix table is ~46 blocks wide, and every
-        step has one per decoding image: converting Python lists each step cost ~1 ms at 256)."""
-        arrays = [self._prefix_blocks[p] for p in prefixes]
-        widths = [len(a) for a in arrays]
-        if widths and min(widths) == max(widths):  # the usual case: images of one size
-            return np.stack(arrays)
-        table = np.zeros((len(arrays), max(widths, default=0)), dtype=np.int64)
-        for i, a in enumerate(arrays):
-            table[i, : len(a)] = a
-        return table
+        """Blocks of each prefix, padded with the null block to the widest (PrefixTable)."""
+        return self.prefixes.tables(_ints([self._slot[p] for p in prefixes]))
 
     def _own_tables(self, rows: np.ndarray, used: np.ndarray) -> np.ndarray:
         """Own blocks holding tokens after this step's writes (`used` tokens) of the sequences on
@@ -366,8 +350,7 @@ class Scheduler:
                     if s.request.unfinished == 0:
                         done.append(s.request)
                         for p in s.request.prefixes:
-                            del self._prefix_blocks[p]
-                            del self._prefix_at[self._serial.pop(p)]
+                            self.prefixes.drop(self._slot.pop(p))
             if s.state is SeqState.FINISHED and inflight == 0:
                 self._retire(s)
         for slot in dict.fromkeys(plan.prefix_features.tolist()):  # an image's prefixes share its slot
