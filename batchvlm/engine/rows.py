@@ -27,18 +27,23 @@ class RowTable:
         self.period = np.ones(n_rows, dtype=np.int64)
         self._started = 0
 
-    def start(self, row: int, own: int, max_steps: int, pos0: int, prefix: int, heads: tuple[int, ...],
-              buffered: bool) -> None:
-        self.own[row], self.steps[row], self.max_steps[row], self.inflight[row] = own, 0, max_steps, 0
-        self.pos0[row], self.prefix[row], self.order[row] = pos0, prefix, self._started
-        self.live[row], self.buffered[row] = True, buffered
-        self._started += 1
-        if len(heads) > self.heads.shape[1]:
-            grown = np.ones((self.heads.shape[0], len(heads)), dtype=np.int64)
+    def start(self, rows: np.ndarray, max_steps: np.ndarray, pos0: np.ndarray, prefix: np.ndarray,
+              heads: list[tuple[int, ...]], buffered: np.ndarray) -> None:
+        """Sequences starting on `rows` (distinct): nothing planned yet."""
+        self.own[rows] = self.steps[rows] = self.inflight[rows] = 0
+        self.max_steps[rows], self.pos0[rows], self.prefix[rows] = max_steps, pos0, prefix
+        self.order[rows] = self._started + np.arange(len(rows))
+        self._started += len(rows)
+        self.live[rows], self.buffered[rows] = True, buffered
+        widest = max(map(len, heads), default=1)
+        if widest > self.heads.shape[1]:
+            grown = np.ones((self.heads.shape[0], widest), dtype=np.int64)
             grown[:, : self.heads.shape[1]] = self.heads
             self.heads = grown
-        self.heads[row, : len(heads)] = heads
-        self.period[row] = len(heads)
+        for h in set(heads):  # a job has a few head schedules
+            at = rows[[x == h for x in heads]]
+            self.heads[at, : len(h)] = h
+            self.period[at] = len(h)
 
     def decoding(self) -> np.ndarray:
         """Rows of running sequences whose limit allows another decode step, oldest start first."""

@@ -158,6 +158,7 @@ class Scheduler:
         prefilled: list[Request] = []
         if not decoding or min(len(self.free_rows), self._rows_left) >= self.admit_rows:
             self._admit(new, prefilled)
+            self._start_rows(new)
         if not new and not decoding:
             return None
         plan = self._plan(new, decoding, rows, prefilled)
@@ -217,6 +218,17 @@ class Scheduler:
             seqs=new + decoding,
         )
 
+    def _start_rows(self, new: list[Sequence]) -> None:
+        """The row-indexed state of the sequences started in this step, in one write per field."""
+        if not new:
+            return
+        rows = _ints([s.row for s in new])
+        self.rows.start(rows, _ints([s.max_decode_steps for s in new]), _ints([s.prefix.next_pos for s in new]),
+                        _ints([self._slot[s.prefix] for s in new]), [s.spec.heads for s in new],
+                        np.array([s.spec.grammar is None for s in new], dtype=bool))
+        self._seq_at[rows] = new
+        self.pending.count[rows] = 0
+
     def _constrained_turns(self, decoding: list[Sequence]) -> list[Sequence]:
         """Constrained sequences whose last step is committed, at most half of them in a pipelined
         step (module docstring); free sequences all."""
@@ -275,10 +287,7 @@ class Scheduler:
             self.blocks.share(s.prefix.blocks)
             s.row = self.free_rows.pop()
             self._hold_row_blocks(s)
-            self.rows.start(s.row, 0, s.max_decode_steps, s.prefix.next_pos, self._slot[s.prefix], s.spec.heads,
-                            buffered=s.spec.grammar is None)
-            self.pending.count[s.row] = 0
-            self._seq_at[s.row], s.table = s, self.rows
+            s.table = self.rows  # its row's decode state is written once per step for all (_start_rows)
             self._rows_left -= 1
             s.state = SeqState.RUNNING
             self.running.append(s)
@@ -330,7 +339,9 @@ class Scheduler:
         # finish, constrained rows and zombies, with ints and floats made once per step (float32
         # -> float is exact).
         finished_all = np.asarray(em.finished, dtype=bool)
-        held = r.live[rows] & r.buffered[rows] & ~finished_all
+        live = r.live[rows]
+        held = live & r.buffered[rows] & ~finished_all
+        r.live[rows[live & finished_all]] = False
         self.pending.put(rows[held], em.code[held], em.token[held], em.value[held])
         at = np.flatnonzero(~held)
         values = zip(at.tolist(), em.code[at].tolist(), em.token[at].tolist(), em.value[at].tolist(),
@@ -343,7 +354,6 @@ class Scheduler:
                 self.emit(s.output, s.spec, code, token, v0, v1)
                 if finished:
                     s.state = SeqState.FINISHED
-                    self.rows.live[s.row] = False
                     # or the family's emit saw a cut the count cannot show (a forced end token)
                     s.output.cut = s.output.cut or s.output.hit_limit(s.spec)
                     s.request.unfinished -= 1
