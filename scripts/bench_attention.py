@@ -12,6 +12,8 @@ script exits 1.
 
   python scripts/bench_attention.py                    # CUDA: Moondream 2 shapes, bfloat16, blocks 16 and 64
   python scripts/bench_attention.py --images 8 --rows 56 --layers 4 --block-sizes 16   # a CPU-sized shape
+  python scripts/bench_attention.py --decode-sweep     # CUDA: the decode kernel's num_stages x num_warps
+                                                       # (attention/paged_mask.py DECODE_OPTIONS), each timed
 
 Bytes: "minimal" is every K/V byte the step must read (each image's prefix once, each row's own
 tokens), per layer. The reference's "written" is measured: the bytes of every tensor its aten
@@ -31,6 +33,7 @@ from paged_step import paged_step
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchvlm.attention import AttentionBatch, KVCache, ReferenceAttention, attend, plan_groups
+from batchvlm.attention import paged_mask
 from batchvlm.attention.fused import FusedAttention
 
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 2e-4}
@@ -139,6 +142,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="compile flex_attention (default: on CUDA only; eager flex elsewhere)")
+    ap.add_argument("--decode-sweep", action="store_true",
+                    help="time the flex decode kernel at each num_stages x num_warps of --stages / --warps (CUDA)")
+    ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -149,8 +156,29 @@ def main() -> None:
     print(f"workload: decode step, {a.images} images x {a.prefix}-token prefix, {a.rows} rows (own <= {a.own_max}), "
           f"{a.layers} layers, {a.heads}/{a.kv_heads} heads x {a.head_dim}, {dtype}; "
           f"device: {name}; torch {torch.__version__}")
+    if a.decode_sweep:
+        sys.exit(0 if decode_sweep(a, dev, dtype, compile_) else 1)
     ok = all([bench(a, dev, dtype, bs, compile_) for bs in a.block_sizes])
     sys.exit(0 if ok else 1)
+
+
+def decode_sweep(a, dev: torch.device, dtype: torch.dtype, compile_: bool) -> bool:
+    """Every (num_stages, num_warps) of the decode kernel through `bench` (each checked against the
+    reference); a choice that does not compile (shared memory) is said and skipped. Inductor's own
+    choice first."""
+    ok = True
+    for options in [{}] + [{"num_stages": s, "num_warps": w} for s in a.stages for w in a.warps]:
+        paged_mask.DECODE_OPTIONS.clear()
+        paged_mask.DECODE_OPTIONS.update(options)
+        torch._dynamo.reset()  # kernel options are compile-time constants: a fresh compile each
+        print(f"--- decode kernel options: {options or 'inductor default'}")
+        for bs in a.block_sizes:
+            try:
+                ok &= bench(a, dev, dtype, bs, compile_)
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory at this choice
+                print(f"block {bs}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    paged_mask.DECODE_OPTIONS.clear()
+    return ok
 
 
 def _visited(batch: AttentionBatch, bs: int) -> int:

@@ -166,6 +166,23 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def delta_rule_kernels(dev: torch.device) -> str:
+    """Which kernels run Qwen3.5's Gated DeltaNet on both sides: flash-linear-attention's when it
+    imports on CUDA (batchvlm: models/qwen3_5/fla_rule.py; transformers picks it itself when its
+    modeling module is imported, hub_kernels.use_kernel_func_from_hub_with_fallback), else torch.
+    A comparison where only one side has fla says so here."""
+    from batchvlm.models.qwen3_5 import fla_rule
+
+    ours = "fla" if fla_rule.kernels(dev) else "torch"
+    try:
+        import fla  # noqa: F401
+
+        theirs = "fla" if dev.type == "cuda" else "torch (fla runs on CUDA only)"
+    except Exception as e:  # noqa: BLE001 - any import failure means the torch path
+        theirs = f"torch (fla not importable: {type(e).__name__})"
+    return f"batchvlm {ours}, transformers {theirs}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", choices=list(FAMILIES), default="qwen3_vl")
@@ -225,6 +242,8 @@ def main() -> int:
           f"images={args.images} (mean {tokens:.0f} image tokens) sequences/image={len(seqs)} "
           f"max_new_tokens={args.max_new_tokens} engine batch={args.batch} hf rows/call={args.hf_batch} "
           f"repeat={args.repeat} (best of)")
+    if args.family == "qwen3_5":
+        print(f"# gated delta rule: {delta_rule_kernels(dev)}")
 
     runners = {}
     n_one = min(args.one_at_a_time_images, args.images)

@@ -268,7 +268,7 @@ bench_moe() {
     $PY scripts/bench_moe.py "${args[@]}" --json "$LOG_DIR/bench_moe.json"
 }
 
-bench_qwen35() {  # the Gated DeltaNet layers in plain torch (flash-linear-attention is not used)
+bench_qwen35() {  # Gated DeltaNet on flash-linear-attention's kernels on both sides when the carried fla imports (the log says which)
     local args=(--config 2b --dtype bfloat16 --images 128 --batch 256 --hf-batch 64 --max-new-tokens 32)
     (( DRY )) && args=(--config mid --device cpu --images 2 --batch 16 --hf-batch 8 --max-new-tokens 3)
     $PY scripts/bench_qwen3vl.py --family qwen3_5 "${args[@]}" --skip-one-at-a-time --json "$LOG_DIR/bench_qwen35.json"

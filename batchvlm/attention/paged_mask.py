@@ -39,6 +39,13 @@ from .layout import bucket
 Q_BLOCK = 128  # the mask's query block for the main kernel (its BLOCK_M, <= 128, divides it)
 
 
+# num_stages / num_warps for inductor's flex decode kernel (the calls with < 128 queries per entry);
+# empty: inductor's choice (torch 2.11 on sm_90: 1 stage, 2 warps, as a later branch of its
+# heuristics overwrites the sm_90 one). Unchanged until a device measures better:
+# scripts/bench_attention.py --decode-sweep times the candidates.
+DECODE_OPTIONS: dict[str, int] = {}
+
+
 def flex_tiles(block_size: int, dtype: torch.dtype, head_dim: int, n_queries: int, group: int
                ) -> tuple[int, dict[str, int | bool]]:
     """-> (the mask's query block, kernel_options) of one flex call with `n_queries` (padded)
@@ -46,7 +53,7 @@ def flex_tiles(block_size: int, dtype: torch.dtype, head_dim: int, n_queries: in
     defaults (so they fit in shared memory) and BLOCK_N divides the KV block size."""
     pow2_group = group & (group - 1) == 0
     if n_queries < 128 and pow2_group:  # inductor's decode kernel
-        return max(Q_BLOCK, bucket(n_queries * group)), {"BLOCK_N": min(block_size, 64)}
+        return max(Q_BLOCK, bucket(n_queries * group)), {"BLOCK_N": min(block_size, 64), **DECODE_OPTIONS}
     wide = dtype == torch.float32
     big = head_dim > 128  # Qwen3.5's 256: inductor's own sm_90 tiles are 64 x 32 there (shared memory)
     options: dict[str, int | bool] = {"BLOCK_M": 32 if wide and head_dim > 64 else 64 if big else 128,

@@ -14,7 +14,8 @@ covering a group of its layers; the engine allocates one tensor set per spec (te
                end is a snapshot that each sequence on it forks from by copy when its prompt is
                prefilled; decode steps update a row in place.
 
-Memory: paged kinds cost `bytes_per_slot` for every slot of every block; a recurrent kind costs
+Memory: paged kinds cost `bytes_per_slot` for every slot of every block (a CrossKV kind that
+`shares` a PagedKV kind's tensors costs nothing of its own); a recurrent kind costs
 `bytes_per_state` for every row (plus a scratch row) and every snapshot slot. On the reference
 attention backend a CrossKV kind also costs its PrefixView, outside the cache:
 `prefix_view_bytes`.
@@ -43,7 +44,21 @@ class PagedKV:
 
 @dataclass(frozen=True)
 class CrossKV(PagedKV):
-    pass
+    # A PagedKV kind of the same shape whose tensors also hold this kind's blocks (None: its own).
+    # Sound only when that kind writes and reads own blocks alone (an encoder-decoder's decoder
+    # self-attention, Reads.OWN): this kind writes and reads prefix blocks alone, and a block is a
+    # prefix's or a sequence's own, never both at once, so the two never meet in a slot. One
+    # allocation then serves both, and a slot costs once.
+    shares: str | None = None
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return 0 if self.shares else super().bytes_per_slot
+
+    @property
+    def view_bytes_per_slot(self) -> int:
+        """Its K/V of one slot, however they are stored (what a PrefixView copies)."""
+        return super().bytes_per_slot
 
 
 @dataclass(frozen=True)
@@ -77,4 +92,4 @@ def prefix_view_bytes(specs: list[StateSpec], n_prefixes: int, prefix_len: int) 
     prefixes of at most prefix_len tokens: every layer's K and V of each CrossKV kind, densely,
     in the cache's dtype, i.e. their slots' bytes. Only CrossKV kinds are viewed (attention/dispatch.py
     `attend`), and only on the reference backend (the fused kernels read the cache in place)."""
-    return n_prefixes * prefix_len * sum(s.bytes_per_slot for s in specs if isinstance(s, CrossKV))
+    return n_prefixes * prefix_len * sum(s.view_bytes_per_slot for s in specs if isinstance(s, CrossKV))

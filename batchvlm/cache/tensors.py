@@ -57,9 +57,22 @@ class EngineCache:
                  device: torch.device) -> EngineCache:
         paged = {s.name: KVCache.allocate(s.layers, n_blocks, block_size, s.kv_heads, s.head_dim, s.dtype, device,
                                           prefix_views=isinstance(s, CrossKV))
-                 for s in specs if isinstance(s, PagedKV)}
+                 for s in specs if isinstance(s, PagedKV) and not (isinstance(s, CrossKV) and s.shares)}
+        for s in specs:
+            if isinstance(s, CrossKV) and s.shares:
+                paged[s.name] = _shared(s, paged, specs, block_size)
         n = n_rows + 1 + n_snapshots
         recurrent = {s.name: {part: torch.zeros(n, *shape, dtype=s.dtype, device=device)
                               for part, shape in s.shapes.items()}
                      for s in specs if isinstance(s, Recurrent)}
         return cls(paged, recurrent, block_size, n_rows, n_blocks)
+
+
+def _shared(spec: CrossKV, paged: dict[str, KVCache], specs: list[StateSpec], block_size: int) -> KVCache:
+    """A CrossKV kind's KVCache on the tensors of the PagedKV kind it shares (specs.py CrossKV.shares)."""
+    host = next((s for s in specs if s.name == spec.shares and type(s) is PagedKV), None)
+    if host is None or (host.layers, host.kv_heads, host.head_dim, host.dtype) != (
+            spec.layers, spec.kv_heads, spec.head_dim, spec.dtype):
+        raise ValueError(f"CrossKV {spec.name!r} shares {spec.shares!r}, which is no PagedKV kind of its shape")
+    own = paged[host.name]
+    return KVCache(own.k, own.v, block_size, prefix_views=True)

@@ -42,7 +42,9 @@ import numpy as np
 
 from ..cache.blocks import BlockManager, SnapshotSlots
 from ..models.base.decoding import RawOutput, SeqSpec, emit_text
+from .emit_buffer import EmitBuffer
 from .plan import PREFILL_TOKENS_PER_STEP, Emissions, StepPlan
+from .rows import PrefixTable, RowTable
 from .sequence import Prefix, Request, SeqState, Sequence
 
 
@@ -56,6 +58,15 @@ def _lens(prefixes: list[Prefix]) -> np.ndarray:
 
 def _ints(values) -> np.ndarray:
     return np.array(values, dtype=np.int64)
+
+
+def _first_use(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct keys in first-use order, and each key's index into them."""
+    uniq, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    order = np.argsort(first)
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    return uniq[order], rank[inverse.reshape(-1)]
 
 
 def _by_prefix(seqs: list[Sequence]) -> tuple[list[Prefix], np.ndarray]:
@@ -79,10 +90,14 @@ class Scheduler:
         self.row_cap = n_rows
         self._rows_left = n_rows  # rows this step may still start (set per schedule())
         self.free_rows = list(range(n_rows - 1, -1, -1))
+        self.rows = RowTable(n_rows)  # running sequences' decode state by row (rows.py)
+        self.pending = EmitBuffer(n_rows)  # unconstrained rows' emissions until they finish
+        self._seq_at = np.empty(n_rows, dtype=object)  # row -> its sequence
+        # Admitted prefixes' blocks by slot (RowTable.prefix), until their image is done (no later
+        # step plans a sequence on it then)
+        self.prefixes = PrefixTable()
+        self._slot: dict[Prefix, int] = {}
         self._row_blocks = np.zeros((n_rows, 0), dtype=np.int64)  # [row, j]: own block j of the row's sequence
-        # The blocks of each admitted prefix as an array, until its image is done (no later step
-        # plans a sequence on it then).
-        self._prefix_blocks: dict[Prefix, np.ndarray] = {}
         self.free_feature_slots = list(range(n_feature_slots - 1, -1, -1))
         self.encoded: deque[Request] = deque()  # features ready, prefix not yet admitted
         self.admitted: deque[Request] = deque()  # prefix admitted, some sequences still waiting
@@ -131,43 +146,48 @@ class Scheduler:
 
     def schedule(self) -> StepPlan | None:
         # Every sequence started earlier decodes, unless its limit says it must be finished.
-        decoding = [s for s in self.running if s.state is SeqState.RUNNING and s.decode_steps < s.max_decode_steps]
+        rows = self.rows.decoding()
+        decoding = self._seq_at[rows].tolist()
         if self.mask_words:
-            decoding = self._constrained_turns(decoding)
-        decoding = decoding[: self.row_cap]
+            turns = self._constrained_turns(decoding)
+            if len(turns) < len(decoding):
+                decoding, rows = turns, _ints([s.row for s in turns])
+        decoding, rows = decoding[: self.row_cap], rows[: self.row_cap]
         self._rows_left = self.row_cap - len(decoding)
         new: list[Sequence] = []
         prefilled: list[Request] = []
         if not decoding or min(len(self.free_rows), self._rows_left) >= self.admit_rows:
             self._admit(new, prefilled)
+            self._start_rows(new)
         if not new and not decoding:
             return None
-        plan = self._plan(new, decoding, prefilled)
+        plan = self._plan(new, decoding, rows, prefilled)
         if self.mask_words:
             plan.mask_rows, plan.masks = self._masks(new, decoding)
-        for s in new:
-            s.own_len = len(s.spec.prompt)
-            s.inflight += 1
+        self.rows.own[plan.new_rows] = plan.prompt_lens
+        self.rows.inflight[plan.new_rows] += 1
         for im in prefilled:  # their snapshots are freed after the last fork was planned (above)
             if im not in self.admitted:
                 self._drop_snapshots(im)
         for im in self._forked:
             self._drop_snapshots(im)
         self._forked.clear()
-        for s in decoding:
-            s.own_len += 1
-            s.decode_steps += 1
-            s.inflight += 1
+        self.rows.own[rows] += 1
+        self.rows.steps[rows] += 1
+        self.rows.inflight[rows] += 1
         self.step += 1
         return plan
 
-    def _plan(self, new: list[Sequence], decoding: list[Sequence], prefilled: list[Request]) -> StepPlan:
-        """The step's plan from what it prefills, starts and decodes (bookkeeping is the caller's)."""
+    def _plan(self, new: list[Sequence], decoding: list[Sequence], decode_rows: np.ndarray,
+              prefilled: list[Request]) -> StepPlan:
+        """The step's plan from what it prefills, starts and decodes (bookkeeping is the caller's).
+        Decode rows are read from the row table: no pass over the decoding sequences."""
         prompt_prefixes, prompt_image = _by_prefix(new)
-        decode_prefixes, decode_image = _by_prefix(decoding)
+        r = self.rows
+        decode_slots, decode_image = _first_use(r.prefix[decode_rows])
         pre = [(self.feature_of[id(im)], p) for im in prefilled for p in im.prefixes]
         new_rows, prompt_lens = _ints([s.row for s in new]), _ints([len(s.spec.prompt) for s in new])
-        decode_rows, decode_own = _ints([s.row for s in decoding]), _ints([s.own_len for s in decoding])
+        decode_own = r.own[decode_rows]
         return StepPlan(
             step=self.step,
             prefix_features=_ints([slot for slot, _ in pre]),
@@ -189,15 +209,25 @@ class Scheduler:
             prompt_image_lens=_lens(prompt_prefixes),
             decode_rows=decode_rows,
             decode_own=decode_own,
-            decode_pos=np.array([s.prefix.next_pos + s.own_len for s in decoding], dtype=np.int64),
+            decode_pos=r.pos0[decode_rows] + decode_own,
             decode_tables=self._own_tables(decode_rows, decode_own + 1),
             decode_image=decode_image,
-            decode_image_tables=self._prefix_tables(decode_prefixes),
-            decode_image_lens=_lens(decode_prefixes),
-            needs=np.array([s.needs(0) for s in new] + [s.needs(s.decode_steps + 1) for s in decoding],
-                           dtype=np.int64),
+            decode_image_tables=self.prefixes.tables(decode_slots),
+            decode_image_lens=self.prefixes.lens[decode_slots],
+            needs=np.concatenate([_ints([s.needs(0) for s in new]), r.needs(decode_rows, r.steps[decode_rows] + 1)]),
             seqs=new + decoding,
         )
+
+    def _start_rows(self, new: list[Sequence]) -> None:
+        """The row-indexed state of the sequences started in this step, in one write per field."""
+        if not new:
+            return
+        rows = _ints([s.row for s in new])
+        self.rows.start(rows, _ints([s.max_decode_steps for s in new]), _ints([s.prefix.next_pos for s in new]),
+                        _ints([self._slot[s.prefix] for s in new]), [s.spec.heads for s in new],
+                        np.array([s.spec.grammar is None for s in new], dtype=bool))
+        self._seq_at[rows] = new
+        self.pending.count[rows] = 0
 
     def _constrained_turns(self, decoding: list[Sequence]) -> list[Sequence]:
         """Constrained sequences whose last step is committed, at most half of them in a pipelined
@@ -236,7 +266,7 @@ class Scheduler:
             request = self.encoded.popleft()
             for p in request.prefixes:
                 p.blocks = self.blocks.allocate(self.blocks.blocks_for(p.length))
-                self._prefix_blocks[p] = np.array(p.blocks, dtype=np.int64)
+                self._slot[p] = self.prefixes.add(p.blocks, p.length)
                 if self.snapshots is not None:
                     p.snapshot = self.snapshots.take()
             request.unfinished = len(request.seqs)
@@ -257,6 +287,7 @@ class Scheduler:
             self.blocks.share(s.prefix.blocks)
             s.row = self.free_rows.pop()
             self._hold_row_blocks(s)
+            s.table = self.rows  # its row's decode state is written once per step for all (_start_rows)
             self._rows_left -= 1
             s.state = SeqState.RUNNING
             self.running.append(s)
@@ -283,17 +314,8 @@ class Scheduler:
                 p.snapshot = -1
 
     def _prefix_tables(self, prefixes: list[Prefix]) -> np.ndarray:
-        """Blocks of each prefix, padded with the null block to the widest: stacked from the
-        prefixes' block arrays (`_prefix_blocks`; a prefix table is ~46 blocks wide, and every
-        step has one per decoding image: converting Python lists each step cost ~1 ms at 256)."""
-        arrays = [self._prefix_blocks[p] for p in prefixes]
-        widths = [len(a) for a in arrays]
-        if widths and min(widths) == max(widths):  # the usual case: images of one size
-            return np.stack(arrays)
-        table = np.zeros((len(arrays), max(widths, default=0)), dtype=np.int64)
-        for i, a in enumerate(arrays):
-            table[i, : len(a)] = a
-        return table
+        """Blocks of each prefix, padded with the null block to the widest (PrefixTable)."""
+        return self.prefixes.tables(_ints([self._slot[p] for p in prefixes]))
 
     def _own_tables(self, rows: np.ndarray, used: np.ndarray) -> np.ndarray:
         """Own blocks holding tokens after this step's writes (`used` tokens) of the sequences on
@@ -309,11 +331,26 @@ class Scheduler:
     def commit(self, plan: StepPlan, em: Emissions) -> list[Request]:
         """Apply one step's emissions (oldest step first). -> images whose labels are complete."""
         done: list[Request] = []
-        # Python ints and floats once per step (the same values: float32 -> float is exact), not
-        # one numpy scalar per row and field.
-        values = zip(em.code.tolist(), em.token.tolist(), em.value.tolist(), em.finished.tolist())
-        for s, (code, token, (v0, v1), finished) in zip(plan.seqs, values):
-            if s.state is SeqState.RUNNING:  # a zombie's emission (already finished) is ignored
+        r = self.rows
+        rows = np.concatenate([plan.new_rows, plan.decode_rows])
+        r.inflight[rows] -= 1
+        # A running unconstrained row's emission waits in the buffer (emit_buffer.py) until the
+        # row finishes; a zombie's (already finished) is ignored. Python sees only the rows that
+        # finish, constrained rows and zombies, with ints and floats made once per step (float32
+        # -> float is exact).
+        finished_all = np.asarray(em.finished, dtype=bool)
+        live = r.live[rows]
+        held = live & r.buffered[rows] & ~finished_all
+        r.live[rows[live & finished_all]] = False
+        self.pending.put(rows[held], em.code[held], em.token[held], em.value[held])
+        at = np.flatnonzero(~held)
+        values = zip(at.tolist(), em.code[at].tolist(), em.token[at].tolist(), em.value[at].tolist(),
+                     finished_all[at].tolist(), r.inflight[rows[at]].tolist())
+        for i, code, token, (v0, v1), finished, inflight in values:
+            s = plan.seqs[i]
+            if s.state is SeqState.RUNNING:
+                if finished:  # what it held first (a classify choice, finished at once, holds nothing)
+                    self.pending.flush(s.row, s.output, s.spec, self.emit)
                 self.emit(s.output, s.spec, code, token, v0, v1)
                 if finished:
                     s.state = SeqState.FINISHED
@@ -323,9 +360,8 @@ class Scheduler:
                     if s.request.unfinished == 0:
                         done.append(s.request)
                         for p in s.request.prefixes:
-                            del self._prefix_blocks[p]
-            s.inflight -= 1
-            if s.state is SeqState.FINISHED and s.inflight == 0:
+                            self.prefixes.drop(self._slot.pop(p))
+            if s.state is SeqState.FINISHED and inflight == 0:
                 self._retire(s)
         for slot in dict.fromkeys(plan.prefix_features.tolist()):  # an image's prefixes share its slot
             self.free_feature_slots.append(int(slot))
@@ -333,6 +369,8 @@ class Scheduler:
 
     def _retire(self, s: Sequence) -> None:
         s.state = SeqState.RETIRED
+        s.leave_row()
+        self._seq_at[s.row] = None
         self.blocks.release(s.blocks + s.prefix.blocks)
         self.free_rows.append(s.row)
         self.running.remove(s)

@@ -27,6 +27,7 @@ from enum import Enum
 
 from ..models.base.contract import SampleLike
 from ..models.base.decoding import RawOutput, SeqSpec
+from .rows import RowTable
 
 
 class SeqState(Enum):
@@ -63,10 +64,29 @@ class Sequence:
     state: SeqState = SeqState.WAITING
     row: int = -1  # row of the device state while RUNNING / FINISHED
     blocks: list[int] = field(default_factory=list)  # own blocks (after the shared prefix)
-    own_len: int = 0  # own tokens (prompt, then generated) planned into the cache so far
-    decode_steps: int = 0  # decode steps planned so far
-    inflight: int = 0
     output: RawOutput = field(default_factory=RawOutput.empty)
+    # While it holds a row: the scheduler's row-indexed decode state (rows.py) holds its counts;
+    # before and after, `kept` does (own_len, decode_steps, inflight).
+    table: RowTable | None = field(default=None, repr=False)
+    kept: tuple[int, int, int] = (0, 0, 0)
+
+    @property
+    def own_len(self) -> int:
+        """Own tokens (prompt, then generated) planned into the cache so far."""
+        return int(self.table.own[self.row]) if self.table is not None else self.kept[0]
+
+    @property
+    def decode_steps(self) -> int:
+        """Decode steps planned so far."""
+        return int(self.table.steps[self.row]) if self.table is not None else self.kept[1]
+
+    @property
+    def inflight(self) -> int:
+        return int(self.table.inflight[self.row]) if self.table is not None else self.kept[2]
+
+    def leave_row(self) -> None:
+        """Keep its counts on retiring (its row goes to another sequence)."""
+        self.kept, self.table = (self.own_len, self.decode_steps, self.inflight), None
 
     def needs(self, k: int) -> int:
         """Heads needed after step k (0 = the prompt): the family's schedule (SeqSpec.heads)."""

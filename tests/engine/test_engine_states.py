@@ -74,6 +74,21 @@ def test_encoder_decoder_cross_attends_to_an_image_prompt_prefix(encdec, batch, 
     assert model.encodes == engine.stats["vision_images"] == len(images)
 
 
+@pytest.mark.parametrize("batch, pipelined", [(1, False), (7, True), (64, False)])
+def test_encoder_decoder_self_and_cross_kv_on_one_allocation(encdec, batch, pipelined):
+    """CrossKV.shares: the cross K/V live in the self-attention's tensors (prefix blocks beside
+    own blocks, never the same block), a slot costs once, and the tokens are the same."""
+    from batchvlm.cache.specs import bytes_per_slot
+
+    model, images, specs, want = encdec
+    shared = EncDecToy(seed=6, shared_cache=True)
+    assert 2 * bytes_per_slot(shared.state_specs()) == bytes_per_slot(model.state_specs())
+    got, engine = _run(shared, images, specs, batch, pipelined)
+    assert got == want
+    paged = engine.runner.cache.paged
+    assert paged["cross"].k is paged["self"].k and paged["cross"].v is paged["self"].v
+
+
 def test_reference_attention_on_an_empty_prefix_is_own_attention():
     """A prefix of length 0 contributes nothing (it gave NaN before): prefix+own equals own."""
     from batchvlm.attention import (AttentionBatch, KVCache, Reads, SharedPrefix, TaskGroup, attend,

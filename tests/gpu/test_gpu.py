@@ -447,3 +447,46 @@ def test_siglip_image_batches_on_cuda_agree_with_the_cpu(tmp_path):
         for a, b in zip(cpu, cuda):
             assert np.abs(np.array(a["embed"]) - np.array(b["embed"])).max() < tol
             assert abs(a["similarity"] - b["similarity"]) < tol
+
+
+def test_fla_gated_delta_rule_equals_the_torch_path_on_cuda(monkeypatch):
+    """Qwen3.5's Gated DeltaNet layer on flash-linear-attention's kernels (models/qwen3_5/fla_rule.py:
+    chunked prefill over cu_seqlens, fused recurrent decode) against the torch path on the same
+    CUDA inputs and states, at Qwen3.5-2B's linear-attention shapes: runs from zeros longer than a
+    chunk, a run continuing from another's state, decode steps. fla's float32 dots may use TF32:
+    a relative tolerance of 1e-2 on outputs and states."""
+    from types import SimpleNamespace
+
+    from batchvlm.cache.spans import ZERO
+    from batchvlm.models.qwen3_5 import fla_rule
+    from batchvlm.models.qwen3_5.linear_attention import GatedDeltaNet
+    from batchvlm.models.qwen3_5.linear_state import Segments
+
+    c = SimpleNamespace(dim=512, lin_k_heads=16, lin_v_heads=16, lin_k_dim=128, lin_v_dim=128, conv_kernel=4,
+                        rms_eps=1e-6)
+    c.conv_dim = 2 * c.lin_k_heads * c.lin_k_dim + c.lin_v_heads * c.lin_v_dim
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(c).cuda()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    lengths, reads, writes = [300, 17, 130], [ZERO, ZERO, 1], [0, 1, 2]
+    starts = [0, 300, 317]
+    steps = torch.tensor([0, 3, 2], device="cuda")
+    x = torch.randn(sum(lengths) + len(steps), c.dim, device="cuda")
+
+    def run(enabled: bool):
+        monkeypatch.setattr(fla_rule, "ENABLED", enabled)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        conv = torch.randn(4, c.conv_dim, c.conv_kernel - 1, device="cuda", generator=g)
+        rec = torch.randn(4, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim, device="cuda", generator=g) * 0.05
+        seg = Segments.of(starts, lengths, reads, writes, steps, sum(lengths), x.device)
+        with torch.inference_mode():
+            return layer(x, seg, conv, rec), conv, rec
+
+    if not fla_rule.kernels(torch.device("cuda")):  # the carried wheels (scripts/gpu_wheels.sh) did not import
+        pytest.skip("flash-linear-attention is not importable")
+    want, got = run(False), run(True)
+    for name, w, g in zip(("out", "conv", "recurrent"), want, got):
+        err = ((g.float() - w.float()).norm() / w.float().norm()).item()
+        assert err < 1e-2, (name, err)

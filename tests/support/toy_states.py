@@ -160,8 +160,9 @@ def _posenc(pos_N: torch.Tensor) -> torch.Tensor:
 class EncDecToy(ToyModel):
     causal_prefix = False
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, shared_cache: bool = False):
         super().__init__(seed)
+        self.shared_cache = shared_cache  # cross K/V on the self-attention's tensors (CrossKV.shares)
         g = torch.Generator().manual_seed(seed + 200)
         r = lambda *shape: torch.randn(*shape, generator=g) / shape[0] ** 0.5  # noqa: E731
         self.enc = {"q": r(DIM, HEADS * HEAD_DIM) * 2, "k": r(DIM, HEADS * HEAD_DIM) * 2, "v": r(DIM, HEADS * HEAD_DIM),
@@ -172,7 +173,8 @@ class EncDecToy(ToyModel):
 
     def state_specs(self):
         n = len(self.layers)
-        return [PagedKV("self", n, KV_HEADS, HEAD_DIM, self.dtype), CrossKV("cross", n, KV_HEADS, HEAD_DIM, self.dtype)]
+        return [PagedKV("self", n, KV_HEADS, HEAD_DIM, self.dtype),
+                CrossKV("cross", n, KV_HEADS, HEAD_DIM, self.dtype, shares="self" if self.shared_cache else None)]
 
     def prefix_layout(self, image: ToyImage, prompt: tuple[int, ...]) -> tuple[int, int]:
         return image.prefix_len + len(prompt), 0  # the decoder's positions start at 0

@@ -44,8 +44,10 @@ class Florence2EngineModel(EngineModelBase):
 
     def state_specs(self) -> list[StateSpec]:
         t = self.model.config.text
+        # One allocation for both: self-attention reads and writes own blocks only (Reads.OWN), the
+        # cross K/V prefix blocks only (Reads.PREFIX)
         return [PagedKV("self", t.decoder_layers, t.decoder_heads, t.decoder_head_dim, self.dtype),
-                CrossKV("cross", t.decoder_layers, t.decoder_heads, t.decoder_head_dim, self.dtype)]
+                CrossKV("cross", t.decoder_layers, t.decoder_heads, t.decoder_head_dim, self.dtype, shares="self")]
 
     def prefix_layout(self, image: PreparedImage, prompt: tuple[int, ...]) -> tuple[int, int]:
         return self.image_tokens + len(prompt), 0  # decoder positions start at 0
@@ -103,16 +105,24 @@ class Florence2EngineModel(EngineModelBase):
         else:
             empty = embeds_NC.new_zeros(0, H, D)
             cross_kv = [(empty, empty)] * len(text.decoder.layers)
-        pad = embeds_NC.new_zeros(P, H, D)
-        full = (lambda x: torch.cat([pad, x])) if P else (lambda x: x)  # noqa: E731
+        # `attend` takes all N rows: own rows go below P zero rows, in buffers made once per step and
+        # rewritten by every layer (attend copies what it keeps: K/V into the cache)
+        full_3NHD = embeds_NC.new_zeros(3, embeds_NC.shape[0], H, D) if P else None
+
+        def full(j: int, x: torch.Tensor) -> torch.Tensor:
+            if full_3NHD is None:
+                return x
+            full_3NHD[j, P:] = x
+            return full_3NHD[j]
+
         po, pc = plan_groups(batch, own), plan_groups(batch, cross)
 
         def self_attend(i: int, q, k, v):
-            return attend(full(q), full(k), full(v), own.k[i], own.v[i], batch, po, Reads.OWN)[P:]
+            return attend(full(0, q), full(1, k), full(2, v), own.k[i], own.v[i], batch, po, Reads.OWN)[P:]
 
         def cross_attend(i: int, q):
             k, v = cross_kv[i]
-            return attend(full(q), k, v, cross.k[i], cross.v[i], batch, pc, Reads.PREFIX, layer=i)[P:]
+            return attend(full(0, q), k, v, cross.k[i], cross.v[i], batch, pc, Reads.PREFIX, layer=i)[P:]
 
         hidden = text.decoder(embeds_NC[P:], positions[P:], self_attend, cross_attend)
         return torch.cat([embeds_NC.new_zeros(P, hidden.shape[1]), hidden]) if P else hidden

@@ -10,6 +10,8 @@ convs are residual too. Parameter names are the checkpoint's (`model.vision_towe
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -103,9 +105,17 @@ class ChannelAttention(nn.Module):
         for sl in chunks(B, T * C, x_BTC.device):
             x = x_BTC[sl]
             # [3, b, groups, C / groups, T]: each channel is a query over the T cells
-            q, k, v = self.qkv(x).view(x.shape[0], T, 3, self.groups, C // self.groups).permute(2, 0, 3, 4, 1)
-            out = F.scaled_dot_product_attention(q, k, v, scale=T**-0.5)  # [b, groups, C / groups, T]
-            out_BTC[sl] = self.proj(out.permute(0, 3, 1, 2).reshape(x.shape[0], T, C))
+            b = x.shape[0]
+            # [3, b, groups, T, C / groups]: each channel is a query over the T cells
+            q, k, v = self.qkv(x).view(b, T, 3, self.groups, C // self.groups).permute(2, 0, 3, 1, 4)
+            # Two matmuls around a [C / groups]^2 softmax. As SDPA this is attention with head_dim T
+            # (36,864 cells at stage 0 of a 768 image): no fused kernel takes it, and the math
+            # fallback copies q, k, v to float32 for half inputs. Scaled as that fallback scales
+            # (q and k by the scale's root), so float32 values are SDPA's bit for bit.
+            root = math.sqrt(T**-0.5)
+            attn = ((q * root).transpose(-1, -2) @ (k * root)).softmax(-1)  # [b, groups, C / groups, C / groups]
+            out = v @ attn.transpose(-1, -2)  # [b, groups, T, C / groups]
+            out_BTC[sl] = self.proj(out.transpose(1, 2).reshape(b, T, C))
         return out_BTC
 
 

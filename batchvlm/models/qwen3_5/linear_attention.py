@@ -7,10 +7,11 @@ g = -exp(A_log) softplus(in_proj_a x + dt_bias) (float32); the gated delta rule
 (delta_rule.py) with the recurrent state; an RMSNorm per value head gated by SiLU(in_proj_z x);
 out_proj. Parameter names are the checkpoint's.
 
-The delta rule runs in two places, the seam where flash-linear-attention's CUDA kernels would
-plug in (not yet: the torch path runs everywhere): `_runs` (prefill: its chunk_gated_delta_rule
-over the step's StateSpans.cu_seqlens, initial states gathered by StateSpans.read, unpadded) and
-`_steps` (decode: its fused_recurrent_gated_delta_rule over the rows' gathered states).
+The delta rule runs in two places: `_runs` (prefill) and `_steps` (decode). On CUDA with
+flash-linear-attention installed they run its kernels (fla_rule.py: chunk_gated_delta_rule over
+the wave's unpadded tokens cut by StateSpans.cu_seqlens, initial states gathered by
+StateSpans.read; fused_recurrent_gated_delta_rule over the rows' gathered states); elsewhere the
+torch path (delta_rule.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import fla_rule
 from .config import TextConfig
 from .delta_rule import chunked, l2_normalize, recurrent_step_
 from .linear_state import Runs, Segments
@@ -98,7 +100,11 @@ class GatedDeltaNet(nn.Module):
         conv_state[at] = window[:, :, 1:]
         q, k, v, g, beta = self._heads(self._conv(window), b_NH[r, None], a_NH[r, None])
         S = recurrent_state[at]  # the rows' states gathered once, updated in place, written back once
-        o_NHV[r] = recurrent_step_(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], S)
+        args = (q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], S)
+        if fla_rule.kernels(S.device):
+            o_NHV[r], S = fla_rule.step(*args)
+        else:
+            o_NHV[r] = recurrent_step_(*args)
         recurrent_state[at] = S
 
     def _runs(self, w: Runs, mixed_NC: torch.Tensor, b_NH: torch.Tensor, a_NH: torch.Tensor,
@@ -116,6 +122,10 @@ class GatedDeltaNet(nn.Module):
         last = w.lens_B[:, None] + torch.arange(c.conv_kernel - 1, device=rows.device)  # the run's last K - 1
         conv_state[w.write] = window.gather(2, last[:, None, :].expand(-1, c.conv_dim, -1))
         q, k, v, g, beta = self._heads(self._conv(window), b_NH[rows], a_NH[rows])
+        if fla_rule.kernels(S0.device):  # the real tokens alone, time first: [T, H, ...]
+            real = [x.transpose(1, 2).flatten(0, 1)[w.padded] for x in (q, k, v, g, beta)]
+            o_NHV[w.rows], recurrent_state[w.write] = fla_rule.chunked_varlen(*real, S0, w.cu, w.cu_host)
+            return
         keep = valid[:, None, :]  # padding writes nothing and keeps the decay at 1
         k, g, beta = k * keep[..., None], g * keep, beta * keep
         o, S = chunked(q, k, v, g, beta, S0)

@@ -65,6 +65,9 @@ class Runs:
         self.rows = torch.arange(spans.scan_start[lo], spans.scan_start[hi - 1] + spans.scan_len[hi - 1], device=dev)
         b = torch.searchsorted(end_B, self.rows, right=True)
         self.padded = b * L + self.rows - start_B[b]
+        # the wave's runs as one flat sequence of those tokens (fla_rule.chunked_varlen), on both sides
+        self.cu = spans.cu_seqlens[lo : hi + 1] - spans.cu_seqlens[lo]
+        self.cu_host = torch.from_numpy(np.concatenate([[0], np.cumsum(spans.scan_len[lo:hi], dtype=np.int64)]))
 
 
 class Segments:

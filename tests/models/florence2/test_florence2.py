@@ -271,7 +271,9 @@ def test_cpu_kv_sizing_reserves_the_largest_prefix_view(greedy, tmp_path, monkey
     assert held[1] == max(held) == engine.stats["prefix_view_bytes"] > 0
     # A host with little memory left (a container's cgroup limit, read as memory.py reads it):
     # the cache gets what is left after the view's bytes, not all of it.
-    per_block = sum(kv.k.nbytes + kv.v.nbytes for kv in engine.runner.cache.paged.values()) // engine.stats["kv_blocks"]
+    # (the self and cross kinds share their tensors: CrossKV.shares)
+    tensors = {id(t): t for kv in engine.runner.cache.paged.values() for t in (kv.k, kv.v)}
+    per_block = sum(t.nbytes for t in tensors.values()) // engine.stats["kv_blocks"]
     free = held[1] + 12 * per_block
     (tmp_path / "memory.max").write_text(str(free))
     (tmp_path / "memory.current").write_text("0")
@@ -290,3 +292,20 @@ def test_cpu_kv_sizing_reserves_the_largest_prefix_view(greedy, tmp_path, monkey
     assert halved.stats["kv_blocks"] == int((free - 2 * per_row) * 0.98) // per_block
     assert said == ["batchvlm: the attention's prefix copies for every row leave no cpu memory for one image's KV "
                     "cache; trying 2 rows (engine.max_batch_size=4)"]
+
+
+def test_channel_attention_as_two_matmuls_is_sdpa_bit_for_bit():
+    """DaViT's channel attention (head_dim = cells) runs as two matmuls around a small softmax,
+    scaled as torch's SDPA fallback scales: float32 values equal SDPA's exactly."""
+    import torch.nn.functional as F
+
+    from batchvlm.models.florence2.vision import ChannelAttention
+
+    torch.manual_seed(0)
+    for B, T, C, groups in [(3, 484, 16, 1), (2, 121, 24, 2), (1, 2304, 64, 2)]:
+        m = ChannelAttention(C, groups, bias=True)
+        x = torch.randn(B, T, C)
+        with torch.inference_mode():
+            q, k, v = m.qkv(x).view(B, T, 3, groups, C // groups).permute(2, 0, 3, 4, 1)
+            out = F.scaled_dot_product_attention(q, k, v, scale=T**-0.5)
+            assert torch.equal(m(x), m.proj(out.permute(0, 3, 1, 2).reshape(B, T, C)))
