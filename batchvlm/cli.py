@@ -171,7 +171,8 @@ def status(
         return
     typer.echo(f"{job.name}: {report['done']}/{report['shards'] or '?'} shards done, {report['partial']} partial, "
                f"{report['failed']} failed, {report['pending'] if report['pending'] is not None else '?'} pending, "
-               f"{report['damaged']} damaged; {report['rows']} rows, {report['errors']} errors")
+               f"{report['damaged']} damaged; {report['rows']} rows, {report['errors']} errors, "
+               f"{report['tokens']['prompt']} prompt + {report['tokens']['generated']} generated tokens")
     if report["skipped"]:
         typer.echo(f"  {report['skipped']}")
     if report["inputs_missing"]:

@@ -209,6 +209,18 @@ class RuntimeSpec(Strict):
     workers_per_node: int = Field(1, ge=1, le=1024, description="Worker processes on a machine without GPUs.")
     work_stealing: bool = Field(False, description="Claim shards with atomic files in the output folder "
                                                    "(shared filesystems; for uneven shards).")
+    metrics_file: str | None = Field(None, min_length=1, description="A Prometheus text-format file (e.g. for "
+                                     "node_exporter's textfile collector: name it *.prom in its folder) that a run "
+                                     "rewrites atomically every few seconds: rows, errors, tokens, images/s, tokens/s, "
+                                     "shards done; relative paths resolve against the job file; with several ranks, "
+                                     "`{rank}` in the name, or `-rank<N>` added before the suffix.")
+
+    @field_validator("metrics_file")
+    @classmethod
+    def _local_file(cls, v: str | None) -> str | None:
+        if v is not None and is_url(v):
+            raise ValueError(f"{v} is a URL; the metrics file is a local path (node_exporter reads a local folder)")
+        return v
 
 
 class Job(Strict):
@@ -226,7 +238,7 @@ class Job(Strict):
         """Every output column has one writer: the row's own, the tasks', `input.keep`'s."""
         owner = {c: "a column every row has" for c in RESERVED_COLUMNS}
         described = {"label": "column", "scores": "scores column", "raw": "raw text column (output.raw_text)",
-                     "truncated": "truncation flag"}
+                     "truncated": "truncation flag", "tokens": "token counts column"}
         for col, i, what in label_columns(self.tasks, self.output.raw_text):
             if col in owner:
                 raise ValueError(f"tasks.{i}: its {described[what]} {col!r} is also {owner[col]}; give the task a "
@@ -301,6 +313,8 @@ def parse_job(data: Any, base: Path, source: str = "job", node: yaml.Node | None
     return job.model_copy(update={
         "input": inp.model_copy(update=updates),
         "output": job.output.model_copy(update={"dir": _resolve(base, job.output.dir)}),
+        "runtime": job.runtime.model_copy(update={"metrics_file": job.runtime.metrics_file and _resolve(
+            base, job.runtime.metrics_file)}),
     })
 
 

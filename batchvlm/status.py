@@ -32,6 +32,7 @@ def collect(job: Job) -> dict[str, Any]:
     except SourceError as e:
         shards, inputs_missing = None, str(e)
     done, partial, failed, damaged, no_images, rows, errors = [], [], [], [], [], 0, 0
+    tokens = {"prompt": 0, "generated": 0}  # of the rows counted (stats written before counts had none)
     kept = []  # done before, input files gone now (unmounted?): the labels stand, a run keeps them
     skipped = Counter(shards.skipped if shards is not None else {})  # a folder's, and the done tars' members
 
@@ -40,6 +41,8 @@ def collect(job: Job) -> dict[str, Any]:
         into.append(stem)
         rows += stats.get("rows", 0)
         errors += stats.get("errors", 0)
+        for kind in tokens:
+            tokens[kind] += (stats.get("tokens") or {}).get(kind, 0)
         skipped.update(stats.get("skipped") or {})
         if images_in(stats) == 0 and not stats.get("damaged"):
             no_images.append(stem)
@@ -74,7 +77,7 @@ def collect(job: Job) -> dict[str, Any]:
     pending = None if inputs_missing else len(stems) - len(done) - len(kept) - len(partial) - len(failed)
     return {"job": job.name, "output": str(layout.dir), "shards": None if inputs_missing else len(stems),
             "done": len(done), "partial": len(partial), "failed": len(failed), "pending": pending,
-            "damaged": len(damaged), "rows": rows, "errors": errors, "partial_shards": partial,
+            "damaged": len(damaged), "rows": rows, "errors": errors, "tokens": tokens, "partial_shards": partial,
             "failed_shards": failed, "kept": len(kept), "kept_shards": kept, "damaged_shards": damaged,
             "no_image_shards": no_images,
             "no_images": bool(stems) and pending == 0 and not partial and not failed and len(no_images) == len(done),

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from .json_schema import check_schema
+
+if TYPE_CHECKING:
+    from .models.base.contract import TaskSequence
+    from .models.base.decoding import RawOutput
 
 
 class Strict(BaseModel):
@@ -223,6 +227,23 @@ def raw_column(task: Task) -> str | None:
     return f"{column_of(task)}_raw" if kind_of(task) in ("detect", "point") else None
 
 
+def tokens_column(task: Task) -> str:
+    """Per task, the tokens its sequences read and wrote on the image: {prompt, generated}, for
+    budgeting a job (RawOutput's counts, summed over the task's sequences)."""
+    return f"{column_of(task)}_tokens"
+
+
+def token_columns(tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput]) -> dict[str, dict[str, int]]:
+    """One image's `<name>_tokens` per task: the prompt and generated tokens of its sequences, as
+    whatever ran them counted (RawOutput); the same for every family, so not a family's `columns`."""
+    out = {tokens_column(task): {"prompt": 0, "generated": 0} for task in tasks}
+    for s, r in zip(seqs, raws):
+        cell = out[tokens_column(tasks[s.task])]
+        cell["prompt"] += r.prompt_tokens
+        cell["generated"] += r.generated_tokens
+    return out
+
+
 def choice_values(choices: list[str], logprobs: list[float]) -> tuple[str, list[dict[str, Any]]]:
     """Summed log-probabilities of each choice -> (the most probable choice, the scores cell):
     a softmax over the choices, in float64 (the first of equal scores wins)."""
@@ -236,8 +257,9 @@ def choice_values(choices: list[str], logprobs: list[float]) -> tuple[str, list[
 def label_columns(tasks: list[Task], raw_text: bool = False) -> list[tuple[str, int, str]]:
     """The columns the tasks add to a row, in schema order, as (column, task index, what): each
     task's column (a classify task's `<name>_scores` after it; with `raw_text`, a detect / point
-    task's `<name>_raw`), then the truncation flags (none for classify). `what` is "label",
-    "scores", "raw" or "truncated". Each column must be unique in the row (job.py checks)."""
+    task's `<name>_raw`), then the truncation flags (none for classify), then the token counts.
+    `what` is "label", "scores", "raw", "truncated" or "tokens". Each column must be unique in the
+    row (job.py checks)."""
     out = []
     for i, t in enumerate(tasks):
         out.append((column_of(t), i, "label"))
@@ -245,7 +267,8 @@ def label_columns(tasks: list[Task], raw_text: bool = False) -> list[tuple[str, 
             out.append((scores, i, "scores"))
         if raw_text and (raw := raw_column(t)):
             out.append((raw, i, "raw"))
-    return out + [(c, i, "truncated") for i, t in enumerate(tasks) if (c := truncated_column(t))]
+    out += [(c, i, "truncated") for i, t in enumerate(tasks) if (c := truncated_column(t))]
+    return out + [(tokens_column(t), i, "tokens") for i, t in enumerate(tasks)]
 
 
 def _clamp(v: float) -> float:

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..cache.blocks import BlockManager, SnapshotSlots
-from ..models.base.decoding import RawOutput, SeqSpec, emit_text
+from ..models.base.decoding import MODE_SCORE, RawOutput, SeqSpec, emit_text
 from .emit_buffer import EmitBuffer
 from .plan import PREFILL_TOKENS_PER_STEP, Emissions, StepPlan
 from .rows import PrefixTable, RowTable
@@ -354,6 +354,10 @@ class Scheduler:
                 self.emit(s.output, s.spec, code, token, v0, v1)
                 if finished:
                     s.state = SeqState.FINISHED
+                    s.output.prompt_tokens = s.prefix.length + len(s.spec.prompt)
+                    # one decided position per committed step: the prompt's, then each decode step
+                    # but those still in flight (zombies); a scored choice generates nothing
+                    s.output.generated_tokens = 0 if s.spec.mode == MODE_SCORE else s.decode_steps - inflight + 1
                     # or the family's emit saw a cut the count cannot show (a forced end token)
                     s.output.cut = s.output.cut or s.output.hit_limit(s.spec)
                     s.request.unfinished -= 1

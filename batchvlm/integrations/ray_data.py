@@ -7,7 +7,7 @@
 
 Each actor builds the job's model family and engine once; each batch comes back with its own
 columns plus the label columns of `batchvlm run`'s Parquet output (width, height, status, error,
-one per task, the truncation flags) in the same Arrow types. An image that cannot be read or
+one per task, the truncation flags, the token counts) in the same Arrow types. An image that cannot be read or
 decoded is a row with status `error`, never an exception. The job file's model, tasks, engine
 and loader sections apply; its input and output sections do not (Ray reads and writes).
 Delivery is Ray's: a task retried after a failure labels its batch again (at-least-once), and
@@ -29,7 +29,7 @@ from ..data.sources import image_cells
 from ..device import for_device
 from ..dist import Rank
 from ..job import Job, load_job, parse_job
-from ..tasks import SimilarityTask
+from ..tasks import SimilarityTask, token_columns
 
 IDENTITY = ("key", "source")  # Parquet output columns that name a shard's sample: the pipeline has its own
 
@@ -85,7 +85,8 @@ class Labeler:
             if self.texts:
                 s.meta = {c: table.column(c)[s.index].as_py() for c in self.texts if c in table.column_names}
         for s, raws in self.labeler.label([s for s in samples if s.error is None]):
-            rows[s.index] |= self.family.columns(self.job.tasks, self.seqs, raws, s.seen)
+            rows[s.index] |= self.family.columns(self.job.tasks, self.seqs, raws, s.seen) \
+                | token_columns(self.job.tasks, self.seqs, raws)
         labels = pa.Table.from_pylist(rows, schema=self.schema)
         for name in labels.column_names:  # a label column replaces an input column of its name
             if name in table.column_names:

@@ -36,6 +36,14 @@ class Score(BaseModel):
                                                 "probabilities sum to 1.")
 
 
+class TokenCount(BaseModel):
+    prompt: int = Field(ge=0, description="Tokens the task's sequences read before generating: the image's tokens "
+                                          "and the prompt, for each sequence (a detect task's objects and a classify "
+                                          "task's choices each read the image).")
+    generated: int = Field(ge=0, description="Tokens the task's sequences generated, a stop token included (0 for "
+                                             "classify: its choices are scored, not generated).")
+
+
 class LabelRow(BaseModel):
     """One row per input sample. Task columns are named by the task's `name` (default: its kind):
     caption / query / ocr -> string; detect / regions -> list of Box; point -> list of Point;
@@ -48,6 +56,8 @@ class LabelRow(BaseModel):
     caption may stop mid-sentence, a json answer is incomplete, or objects may be missing; null on
     error rows. With output.raw_text, `<name>_raw` beside each detect / point
     column -> list of RawText (the decoded text of each object's sequence).
+    Each task has `<name>_tokens` -> TokenCount (its tokens read and generated on the image, as the
+    engine counted them, for budgeting a job); null on error rows.
     Then one column per `input.keep` name, on every row (error rows too): a Parquet input's column
     with its type; a tar / folder sidecar (`json`, `txt`, ...) as a string; `path` (folder input)
     the image's path relative to input.folder. A missing sidecar is null."""
@@ -72,13 +82,14 @@ def error_kind(error: str) -> str:
 def json_schema() -> dict:
     schema = LabelRow.model_json_schema()
     schema["$defs"] = schema.get("$defs", {}) | {"Box": Box.model_json_schema(), "Point": Point.model_json_schema(),
-                                                 "RawText": RawText.model_json_schema(), "Score": Score.model_json_schema()}
+                                                 "RawText": RawText.model_json_schema(), "Score": Score.model_json_schema(),
+                                                 "TokenCount": TokenCount.model_json_schema()}
     schema["additionalProperties"] = {"anyOf": [
         {"type": "string"}, {"type": "array", "items": {"$ref": "#/$defs/Box"}},
         {"type": "array", "items": {"$ref": "#/$defs/Point"}},
         {"type": "array", "items": {"$ref": "#/$defs/RawText"}},
-        {"type": "array", "items": {"$ref": "#/$defs/Score"}}, {"type": "boolean"}, {"type": "null"},
-        {"type": "number", "description": "similarity"},
+        {"type": "array", "items": {"$ref": "#/$defs/Score"}}, {"$ref": "#/$defs/TokenCount"}, {"type": "boolean"},
+        {"type": "null"}, {"type": "number", "description": "similarity"},
         {"type": "array", "items": {"type": "number"}, "description": "embed: unit length"},
         {"description": "an input.keep column: the input column's type, or a string for sidecars and path"}]}
     schema["title"] = "batchvlm label row"

@@ -42,6 +42,7 @@ TYPES = {"caption": pa.string(), "query": pa.string(), "detect": pa.list_(BOX), 
          "ocr": pa.string(), "regions": pa.list_(BOX), "classify": pa.string(), "json": pa.string(),
          "similarity": pa.float32()}
 RAW_TEXT = pa.list_(pa.struct([("label", pa.string()), ("text", pa.string())]))
+TOKENS = pa.struct([("prompt", pa.int32()), ("generated", pa.int32())])
 
 
 def label_type(task: Task, embed_dim: int | None = None) -> pa.DataType:
@@ -57,8 +58,8 @@ def schema(tasks: list[Task], metadata: dict[str, Any], kept: list[pa.Field] | N
            raw_text: bool = False, embed_dim: int | None = None) -> pa.Schema:
     """The label columns, the task columns (a classify column followed by its `<name>_scores`;
     with `raw_text`, a `<name>_raw` column after each detect / point column: output.raw_text),
-    the truncation flags, then the `input.keep` columns (`kept`). `embed_dim`: the model's
-    embedding width, for embed columns (fixed_size_list)."""
+    the truncation flags, the token counts (`<name>_tokens`), then the `input.keep` columns (`kept`).
+    `embed_dim`: the model's embedding width, for embed columns (fixed_size_list)."""
     fields = [
         pa.field("key", pa.string(), nullable=False),
         pa.field("source", pa.string(), nullable=False),
@@ -69,7 +70,7 @@ def schema(tasks: list[Task], metadata: dict[str, Any], kept: list[pa.Field] | N
     ]
     for col, i, what in label_columns(tasks, raw_text):
         fields.append(pa.field(col, label_type(tasks[i], embed_dim) if what == "label" else
-                               {"scores": SCORES, "raw": RAW_TEXT, "truncated": pa.bool_()}[what]))
+                               {"scores": SCORES, "raw": RAW_TEXT, "truncated": pa.bool_(), "tokens": TOKENS}[what]))
     fields += kept or []
     return pa.schema(fields, metadata={"batchvlm": json.dumps(metadata)})
 

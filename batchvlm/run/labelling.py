@@ -22,7 +22,9 @@ from ..output.layout import Layout
 from ..output.rows import error_kind
 from ..output.writer import ShardOutput, WriterThread
 from ..progress import Progress
+from ..tasks import token_columns
 from .log import log
+from .metrics import Meter
 from .stop import Interrupted, StopFlag
 from .summary import RunSummary
 
@@ -40,6 +42,8 @@ class ShardAssembly:
     damaged: str | None = None
     failed: str | None = None
     skipped: dict[str, int] | None = None  # a tar's members that are no sample's: reason -> count
+    prompt_tokens: int = 0  # of its rows' sequences (RawOutput's counts)
+    generated_tokens: int = 0
 
     @property
     def complete(self) -> bool:
@@ -53,6 +57,7 @@ class ShardAssembly:
                  "complete": complete, "rows": len(rows),
                  "ok": len(rows) - sum(errors.values()), "errors": sum(errors.values()),
                  "error_kinds": dict(errors), "parse_failures": sum(r.get(PARSE_FAILURES, 0) for r in rows),
+                 "tokens": {"prompt": self.prompt_tokens, "generated": self.generated_tokens},
                  "damaged": self.damaged, "skipped": self.skipped or {}, "seconds": round(seconds, 3),
                  "images_per_s": round(len(rows) / seconds, 2) if seconds > 0 else None,
                  "finished": now(), "batchvlm": __version__}
@@ -74,11 +79,13 @@ class Labelling:
 
     def __init__(self, layout: Layout, pending: list[ShardRef], summary: RunSummary, writer: WriterThread,
                  bar: Progress, claims: Claims | None, stop: StopFlag, limit: int | None,
-                 replacing: set[str] | None = None):
+                 replacing: set[str] | None = None, meter: Meter | None = None):
         self.layout, self.summary, self.writer, self.bar = layout, summary, writer, bar
         # stems of shards done before whose input changed: replaced only by a complete new shard
         self.replacing = replacing or set()
         self.claims, self.stop, self.limit = claims, stop, limit
+        self.meter = meter
+        self.done_before = summary.shards_done_before + len(summary.shards_written)  # for the meter
         self.assemblies = {i: ShardAssembly(ref) for i, ref in enumerate(pending)}
         self.claimed: set[str] = set()  # stems this rank holds claims on (work stealing)
         self.beat_stop = threading.Event()
@@ -99,7 +106,8 @@ class Labelling:
 
     def label(self, stream, labeler, family: Family, job: Job, seqs: list[TaskSequence]) -> None:
         for sample, raws in labeler.label(self.samples(stream)):
-            self.add_row(sample, family.columns(job.tasks, seqs, raws, sample.seen))
+            self.add_row(sample, family.columns(job.tasks, seqs, raws, sample.seen) | token_columns(job.tasks, seqs, raws),
+                         sum(r.prompt_tokens for r in raws), sum(r.generated_tokens for r in raws))
         if self.limit is not None and not self.stop.event.is_set():
             # --limit: keep what was labelled, marked incomplete so the next run redoes it whole.
             for i, a in list(self.assemblies.items()):
@@ -133,6 +141,8 @@ class Labelling:
                 self.writer.close()
         finally:  # the bar's last line is the true final state, also after a failed write
             self.bar.close(len(self.writer.written) - len(self.summary.shards_partial))
+            if self.meter:
+                self.count_done()
             self.beat_stop.set()
             if self.claims:
                 for stem in self.claimed - set(self.writer.written):
@@ -144,6 +154,8 @@ class Labelling:
         out = a.output(complete=complete)
         self.summary.images += out.stats["rows"]
         self.summary.errors += out.stats["errors"]
+        self.summary.prompt_tokens += out.stats["tokens"]["prompt"]
+        self.summary.generated_tokens += out.stats["tokens"]["generated"]
         self.summary.found += manifest.images_in(out.stats)
         if complete:
             self.summary.skipped.update(out.stats["skipped"])
@@ -172,10 +184,19 @@ class Labelling:
         self.summary.shards_kept.append(note := manifest.kept_note(a.ref.stem, why))
         log(f"batchvlm: shard {note}")
 
-    def add_row(self, s: Sample, columns: dict[str, Any] | None = None) -> None:
+    def count_done(self) -> None:
+        self.meter.shards_done = self.done_before + len(self.writer.written) - len(self.summary.shards_partial)
+
+    def add_row(self, s: Sample, columns: dict[str, Any] | None = None, prompt_tokens: int = 0,
+                generated_tokens: int = 0) -> None:
         a = self.assemblies[s.shard]
         a.rows[s.index] = row_for(a.ref, s, columns)
+        a.prompt_tokens += prompt_tokens
+        a.generated_tokens += generated_tokens
         self.bar.add(bool(s.error), len(self.writer.written))
+        if self.meter:
+            self.meter.add_row(bool(s.error), prompt_tokens, generated_tokens)
+            self.count_done()
         if a.complete:
             self.finish(s.shard)
 

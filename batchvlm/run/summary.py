@@ -31,6 +31,8 @@ class RunSummary:
     no_images: bool = False  # every shard of the job is done and none holds an image: the input has none to label
     dropped: int = 0  # images labelled in shards left unfinished (stop) or failed: not kept, labelled again
     errors: int = 0
+    prompt_tokens: int = 0  # of the rows of `images` (RawOutput's counts)
+    generated_tokens: int = 0
     seconds: float = 0.0
     stopped_by_signal: bool = False
     # files of the input that are no images to label, by reason: a folder's, and the members of the
@@ -48,7 +50,8 @@ class RunSummary:
         if self.dropped:  # the progress bar counted them: say where they went
             parts.append(f"{self.dropped} more labelled in unfinished or failed shards (not kept; the next run "
                          "labels them again)")
-        parts += [f"{self.errors} errors", f"{rate:.1f} images/s"]
+        parts += [f"{self.errors} errors", f"{rate:.1f} images/s",
+                  f"{self.prompt_tokens} prompt + {self.generated_tokens} generated tokens"]
         if self.shards_failed:
             parts.append(f"{len(self.shards_failed)} FAILED ({', '.join(self.shards_failed[:3])})")
         if self.shards_damaged:
@@ -77,6 +80,8 @@ class RunSummary:
         self.no_images |= rank.no_images  # the rank that saw every shard done, none holding an image
         self.images += rank.images
         self.errors += rank.errors
+        self.prompt_tokens += rank.prompt_tokens
+        self.generated_tokens += rank.generated_tokens
         self.stopped_by_signal |= rank.stopped_by_signal
 
     def end(self, job: Job) -> int:

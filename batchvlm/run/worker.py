@@ -49,6 +49,7 @@ from ..tasks import label_columns
 from .extending import extend_done, to_extend
 from .labelling import Labelling, now
 from .log import log
+from .metrics import Meter, MetricsFile, rank_path
 from .preflight import Preflight, clears, preflight
 from .stop import StopFlag
 from .summary import RunSummary
@@ -69,8 +70,10 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
     lock = None if job.runtime.work_stealing or pre.layout.in_store else RunLock(pre.layout, rank.rank, rank.world)
     if lock:
         lock.acquire()  # in __batchvlm__/; before anything is cleared or labelled; released when the process ends
+    meter = Meter(len(pre.shards))  # _run counts this rank's shards
+    metrics = _metrics_file(job, rank, meter)
     try:
-        return _run(pre, limit, rank, progress, stop or StopFlag(), t0, await_held)
+        return _run(pre, limit, rank, progress, stop or StopFlag(), t0, await_held, meter)
     except Exception:
         if lock:
             lock.release()
@@ -79,16 +82,26 @@ def run_job(job: Job, limit: int | None = None, overwrite: bool = False, rank: R
     finally:
         if lock:
             lock.release()
+        if metrics:
+            metrics.close()
+
+
+def _metrics_file(job: Job, rank: Rank, meter: Meter) -> MetricsFile | None:
+    """runtime.metrics_file, written while the run lasts and once more at its end (close)."""
+    if job.runtime.metrics_file is None:
+        return None
+    return MetricsFile(rank_path(job.runtime.metrics_file, rank.rank, rank.world), meter, job.name, rank.rank)
 
 
 def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: StopFlag, t0: float,
-         await_held: bool) -> RunSummary:
+         await_held: bool, meter: Meter) -> RunSummary:
     job, layout, shards = pre.job, pre.layout, pre.shards
     _open_folder(layout, pre.clear)
     claims = _claims(job, layout)
     mine = shards if claims else my_shards(shards, rank)  # with claims every rank may take any shard
     summary = RunSummary(len(shards), 0, skipped=Counter(shards.skipped))
     pending, done = _skip_done(layout, mine, summary)
+    meter.shards_total, meter.shards_done = len(mine), summary.shards_done_before
     replacing = {s.stem for s in pending if manifest.prior_output(layout, s.stem)}
     # done shards whose files lack the columns of tasks the job gained (not under --limit; with
     # work stealing rank 0 adds them; not in an object store, where preflight refuses new tasks)
@@ -126,7 +139,7 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
             # with work stealing this rank's share is not known in advance: no total
             bar = Progress(job.name, len(pending), None if claims else shard_sizes(layout, mine, pending),
                            enabled=progress)
-            labelling = Labelling(layout, pending, summary, writer, bar, claims, stop, limit, replacing)
+            labelling = Labelling(layout, pending, summary, writer, bar, claims, stop, limit, replacing, meter)
             labelling.run(stream, labeler, family, job, seqs)
             if not claims or not await_held or stop.event.is_set() or limit is not None:
                 break

@@ -62,3 +62,4 @@ def task_columns(tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutp
         for name, value in one_task(outputs).items():
             out[name] = out.get(PARSE_FAILURES, 0) + value if name == PARSE_FAILURES else value
     return out
+

@@ -227,7 +227,10 @@ class RawOutput:
     e.g. points / boxes; a classify choice's summed log-probability as `(score,)`), `pending` as
     the family's scratch, and `cut`: a limit ended it, not the model (its label may be cut short).
     On the native engine the family's `emit` assembles it on the host and the scheduler sets
-    `cut` when the sequence finishes (`hit_limit`)."""
+    `cut` when the sequence finishes (`hit_limit`). Token counts, for budgeting a job, come from
+    whatever ran the sequence (never re-tokenised): `prompt_tokens` the context before its first
+    generated token (the image's prefix, read by every sequence of the image, and its own prompt),
+    `generated_tokens` the positions it decoded (a stop token included; 0 for a scored choice)."""
 
     tokens: list[int]
     objects: list[tuple[float, ...]] = field(default_factory=list)
@@ -235,6 +238,8 @@ class RawOutput:
     cut: bool = False
     more: bool = False  # a decides_after_limit sequence asked for another item past its limit
     grammar: Any = None  # a constrained sequence's grammar state (SeqSpec.grammar), fed what it emits
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
 
     @classmethod
     def empty(cls) -> RawOutput:

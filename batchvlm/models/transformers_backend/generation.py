@@ -100,8 +100,12 @@ class StaticLabeler:
         for k, v in enc.items():  # pixel values in the model's dtype; ids and masks stay integers
             if torch.is_floating_point(v):
                 enc[k] = v.to(self.model.dtype)
+        # each row's prompt tokens: its unpadded ids (image tokens included), as the native engine counts them
+        prompt_lens = enc["attention_mask"].sum(1).tolist() if "attention_mask" in enc else \
+            [enc["input_ids"].shape[1]] * len(images)
         if prompt.choices:
-            return [RawOutput([], [(score,) for score in row]) for row in score_choices(self.model, enc, prompt.choices)]
+            return [RawOutput([], [(score,) for score in row], prompt_tokens=sum(int(n) + len(c) for c in prompt.choices))
+                    for row, n in zip(score_choices(self.model, enc, prompt.choices), prompt_lens)]
         if self.sampling:
             torch.manual_seed(sequence_seed(self.settings.seed, first_key, s))
         grammar = self.grammars[s]
@@ -113,7 +117,9 @@ class StaticLabeler:
         new = out[:, 1:] if self.model.config.is_encoder_decoder else out[:, enc["input_ids"].shape[1]:]
         kept = prompt.max_new_tokens - 1 if self.forced_stop else prompt.max_new_tokens  # tokens a cut answer keeps
         results = []
-        for row in new.tolist():
+        for row, n in zip(new.tolist(), prompt_lens):
             stop = next((k for k, t in enumerate(row) if t in self.stop), None)
-            results.append(RawOutput(row[:kept], cut=True) if stop is None else RawOutput(row[:stop], cut=False))
+            out = RawOutput(row[:kept], cut=True) if stop is None else RawOutput(row[:stop], cut=False)
+            out.prompt_tokens, out.generated_tokens = int(n), len(row) if stop is None else stop + 1
+            results.append(out)
         return results
