@@ -171,7 +171,7 @@ def status(
         return
     typer.echo(f"{job.name}: {report['done']}/{report['shards'] or '?'} shards done, {report['partial']} partial, "
                f"{report['failed']} failed, {report['pending'] if report['pending'] is not None else '?'} pending, "
-               f"{report['damaged']} damaged; {report['rows']} rows, {report['errors']} errors, "
+               f"{report['damaged']} damaged{_also_running_changed(report)}; {report['rows']} rows, {report['errors']} errors, "
                f"{report['tokens']['prompt']} prompt + {report['tokens']['generated']} generated tokens")
     if report["skipped"]:
         typer.echo(f"  {report['skipped']}")
@@ -183,12 +183,20 @@ def status(
         typer.echo(f"  {no_images_message(job.input, report['shards'])}")
     elif names := report["no_image_shards"]:
         typer.echo(f"  holding no image: {', '.join(names[:10])}{', ...' if len(names) > 10 else ''}")
+    for name in report["running_shards"][:10]:
+        typer.echo(f"  running: {name} (held by a live run)")
+    for name in report["changed_shards"][:10]:
+        typer.echo(f"  done, input changed: {name} (its rows stay until the next run relabels it)")
     for name in report["partial_shards"][:10]:
         typer.echo(f"  partial: {name}")
     for line in report["failed_shards"][:10]:
         typer.echo(f"  failed: {line}")
     for line in report["kept_shards"][:10]:
         typer.echo(f"  kept: {line}")
+
+
+def _also_running_changed(report: dict) -> str:
+    return "".join(f", {report[k]} {k}" for k in ("running", "changed") if report[k])
 
 
 @app.command()

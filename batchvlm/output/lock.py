@@ -18,12 +18,13 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
 
 from .layout import Layout
-from .manifest import OutputConflict, lock_path
+from .manifest import OutputConflict, lock_path, pid_alive
 
 
 _HELD: set[int] = set()  # the fds of the run locks this process holds
@@ -90,3 +91,36 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def held_ranks(layout: Layout) -> list[tuple[int, int]]:
+    """(rank, world) of the run locks a live process holds now (`status`: their shards are running).
+    Asked of the kernel with a shared lock taken and dropped at once, only where the holder the file
+    names may be alive (on this host: its pid), so a run starting in that instant is hardly ever
+    refused as if another held the lock (it would say so)."""
+    held = []
+    for path in layout.meta.glob("run-*-of-*.lock"):
+        if not (m := re.fullmatch(r"run-(\d+)-of-(\d+)\.lock", path.name)):
+            continue
+        try:
+            holder = json.loads(path.read_bytes())
+            here = holder["host"] == socket.gethostname()
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # never taken, or being written by a run that takes it now
+        if (not here or pid_alive(int(holder["pid"]))) and _locked(path):
+            held.append((int(m.group(1)), int(m.group(2))))
+    return held
+
+
+def _locked(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
