@@ -247,11 +247,13 @@ class RawOutput:
 
     def hit_limit(self, spec: SeqSpec) -> bool:
         """The sequence stopped because of its limit, not by itself. (A stop token is never
-        emitted, so `limit` emitted tokens means the limit ended it; a decides_after_limit
-        sequence is cut when it asked for more.)"""
+        emitted, so `limit` emitted tokens means the limit ended it, unless its grammar says the
+        answer was whole by then; a decides_after_limit sequence is cut when it asked for more.)"""
         if spec.decides_after_limit:
             return self.more
-        return len(self.tokens if spec.mode == MODE_TEXT else self.objects) >= spec.limit
+        if len(self.tokens if spec.mode == MODE_TEXT else self.objects) < spec.limit:
+            return False
+        return self.grammar is None or not self.grammar.complete  # whole with the last token allowed: no cut
 
 
 def emit_text(out: RawOutput, spec: SeqSpec, code: int, token: int, v0: float, v1: float) -> None:

@@ -166,6 +166,20 @@ class Answer:
     def ended(self) -> bool:
         return self.matcher.is_terminated()
 
+    @property
+    def complete(self) -> bool:
+        """The answer is whole: its grammar ended, or matched all of it and allows nothing but the
+        end next. An answer that became whole with the last token a limit allowed was cut by
+        nothing (RawOutput.hit_limit)."""
+        if self.matcher.is_terminated():
+            return True
+        if not self.matcher.is_completed():
+            return False
+        mask = _xgrammar().allocate_token_bitmask(1, self.vocab.vocab_size)
+        self.matcher.fill_next_token_bitmask(mask)
+        allowed = np.flatnonzero(np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[: self.vocab.vocab_size])
+        return set(allowed.tolist()) <= set(self.vocab.info.stop_token_ids)
+
 
 def mask_threads(device: torch.device) -> int:
     """xgrammar's threads for one step's masks, from the device the forward runs on. On a CPU

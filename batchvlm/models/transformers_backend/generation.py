@@ -109,17 +109,19 @@ class StaticLabeler:
         if self.sampling:
             torch.manual_seed(sequence_seed(self.settings.seed, first_key, s))
         grammar = self.grammars[s]
-        extra = {"logits_processor": [GrammarLogits(self.vocab, grammar, len(images), enc["input_ids"].shape[1])]} \
-            if grammar is not None else {}
+        masks = GrammarLogits(self.vocab, grammar, len(images), enc["input_ids"].shape[1]) if grammar is not None else None
+        extra = {"logits_processor": [masks]} if masks is not None else {}
         out = self.model.generate(**enc, generation_config=self.config, max_new_tokens=prompt.max_new_tokens,
                                   forced_eos_token_id=None, **extra)
         # Decoder-only models return the prompt too; encoder-decoders start with the decoder's start token.
         new = out[:, 1:] if self.model.config.is_encoder_decoder else out[:, enc["input_ids"].shape[1]:]
         kept = prompt.max_new_tokens - 1 if self.forced_stop else prompt.max_new_tokens  # tokens a cut answer keeps
         results = []
-        for row, n in zip(new.tolist(), prompt_lens):
+        for j, (row, n) in enumerate(zip(new.tolist(), prompt_lens)):
             stop = next((k for k, t in enumerate(row) if t in self.stop), None)
+            if stop is None and masks is not None and not self.forced_stop and masks.whole_with(j, row[-1]):
+                stop = len(row)  # a json answer whole with the last token allowed: nothing was cut
             out = RawOutput(row[:kept], cut=True) if stop is None else RawOutput(row[:stop], cut=False)
-            out.prompt_tokens, out.generated_tokens = int(n), len(row) if stop is None else stop + 1
+            out.prompt_tokens, out.generated_tokens = int(n), len(row) if stop is None else min(len(row), stop + 1)
             results.append(out)
         return results

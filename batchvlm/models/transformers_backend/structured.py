@@ -90,3 +90,9 @@ class GrammarLogits:
             self.rows.advance(rows, input_ids_BT[:, -1].tolist())
         self.rows.fill(rows, self.mask_BW)
         return apply_mask_(scores_BV, self.mask_BW.to(scores_BV.device))
+
+    def whole_with(self, row: int, last: int) -> bool:
+        """After `generate`: row's answer is whole with its last token (`generate` never fed it here)."""
+        answer = self.rows.answers[row]
+        answer.accept(last)
+        return answer.complete

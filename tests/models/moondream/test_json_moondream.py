@@ -49,3 +49,27 @@ def test_answers_validate_and_do_not_depend_on_batch_or_pipelining(setup):
     first = columns(setup, 64, True)
     assert columns(setup, 4, False) == first
     assert_finished_answers_validate(first)
+
+
+def test_a_json_answer_whole_at_exactly_max_new_tokens_is_not_truncated(tmp_path):
+    """The grammar decides: an answer that became whole with the last token allowed was cut by nothing."""
+    import pyarrow.parquet as pq
+    from support.cli import cli
+    from support.inputs import good_png, write_job, write_tar
+
+    write_tar(tmp_path / "s.tar", [("a.png", good_png())])
+    schema = {"type": "object", "properties": {"shape": {"enum": ["circle", "square"]}}, "required": ["shape"],
+              "additionalProperties": False}
+
+    def answer(limit: int) -> dict:
+        job = write_job(tmp_path / f"job{limit}.yaml", "s.tar", out=f"out{limit}", engine={"max_new_tokens": limit},
+                        tasks=[{"json": {"prompt": "Which shape?", "schema": schema}}])
+        cli("run", job)
+        return pq.read_table(tmp_path / f"out{limit}" / "s.parquet").to_pylist()[0]
+
+    free = answer(40)
+    assert not free["json_truncated"], free
+    whole = free["json_tokens"]["generated"] - 1  # its tokens, the stop token not counted
+    exact = answer(whole)
+    assert (exact["json"], exact["json_truncated"], exact["json_tokens"]["generated"]) == (free["json"], False, whole)
+    assert answer(whole - 1)["json_truncated"]

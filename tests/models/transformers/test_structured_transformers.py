@@ -102,3 +102,24 @@ def test_json_answers_that_ended_validate(run):
         for text in ended:
             jsonschema.validate(json.loads(text), SCHEMAS[name][0])
             assert text == json.dumps(json.loads(text), separators=(",", ":"))
+
+
+def test_a_json_answer_whole_at_exactly_max_new_tokens_is_not_truncated(run, tmp_path):
+    """The grammar decides: an answer that became whole with the last token allowed was cut by nothing."""
+    folder, ims, rows = run
+    lengths = {key: row["enums_tokens"]["generated"] - 1 for key, row in rows.items() if not row["enums_truncated"]}
+    limit = min(lengths.values())  # the tokens of the shortest whole answer: its stop token no longer fits
+    (tmp_path / "imgs").mkdir()
+    for key, im in ims.items():
+        im.save(tmp_path / "imgs" / key)
+    task = {"json": {"prompt": "Describe it.", "schema": SCHEMAS["enums"][0], "name": "enums", "max_new_tokens": limit}}
+    job = {"name": "s", "input": {"folder": "imgs"}, "model": {"name": str(folder), "backend": "transformers"},
+           "tasks": [task], "engine": {"max_batch_size": 4}, "loader": {"workers": 0}, "output": {"dir": "out"}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    cli_app(tmp_path, "run", tmp_path / "job.yaml", check=True)
+    again = {row["key"]: row for row in pq.read_table(tmp_path / "out").to_pylist()}
+    for key, n in lengths.items():
+        if n == limit:
+            assert (again[key]["enums"], again[key]["enums_truncated"]) == (rows[key]["enums"], False), again[key]
+            assert again[key]["enums_tokens"]["generated"] == limit
+    assert all(row["enums_truncated"] for key, row in again.items() if lengths.get(key, limit + 1) > limit)
