@@ -109,8 +109,10 @@ class InputSpec(Strict):
 class ModelSpec(Strict):
     name: NonEmpty = Field("demo", description="'demo' (built in), a Hugging Face repo id, or a local model folder.")
     family: NonEmpty = Field("auto",
-                             description="auto (from the model folder's config.json) or the family it must be: "
-                                         "moondream, qwen3_vl, qwen3_5, florence2.")
+                             description="auto (from the model folder's config.json) or the family it must be, "
+                                         "named by config.json's model_type: moondream (the demo and Moondream 2), "
+                                         "qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe, florence2, or the model_type "
+                                         "of a model the transformers backend runs.")
     revision: NonEmpty | None = Field(
         None, description="Hub revision (tag, branch or commit); pin it for reproducible labels.")
     backend: Literal["auto", "native", "transformers"] = Field(

@@ -93,6 +93,9 @@ class QwenVLHost(FamilyBase):
                  revision: str | None, min_pixels: int | None = None, max_pixels: int | None = None,
                  prune: float | None = None):
         self.config, self.folder, self.model_name, self.revision = config, folder, model_name, revision
+        # named by its config's model_type, as model.family, the log line and job.json say it: a MoE
+        # checkpoint is a qwen3_vl_moe / qwen3_5_moe model (model_types: dense, then MoE)
+        self.name = self.config_class.model_types[config.text.moe is not None]
         self.settings = settings
         self.tokenizer = TokenizerAdapter(tokenizer, skip_special=True)
         self.template = ChatTemplate(*read_template(folder), special_tokens(folder),

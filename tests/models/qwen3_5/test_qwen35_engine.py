@@ -23,6 +23,9 @@ N_IMAGES = 3  # small: batch-1 generate as the reference, and 2 cores for the wh
 VARIANT_IMAGES = {"dense": N_IMAGES, "moe": 2}
 
 
+FAMILY = {"dense": "qwen3_5", "moe": "qwen3_5_moe"}  # config.json's model_type
+
+
 @pytest.fixture(scope="module", params=list(VARIANT_IMAGES))
 def setup(request, tmp_path_factory):
     moe = dict(MOE, shared=40) if request.param == "moe" else None
@@ -51,7 +54,7 @@ def run(setup, seqs, batch: int, pipelined: bool, n_images: int) -> list[list[li
                                                      (64, False, N_IMAGES)])
 def test_engine_tokens_equal_transformers(setup, batch, pipelined, n_images):
     n_images = min(n_images, len(setup["images"]))
-    assert setup["family"].name == "qwen3_5" and setup["family"].backend == "native"
+    assert setup["family"].name == FAMILY[setup["variant"]] and setup["family"].backend == "native"
     assert run(setup, setup["seqs"], batch, pipelined, n_images) == setup["expected"][:n_images]
 
 
@@ -84,7 +87,8 @@ def test_forked_state_is_exact(setup, batch, n_images):
 def test_cli_on_a_sharded_hub_folder(setup, tmp_path):
     assert len(list(setup["folder"].glob("*.safetensors"))) > 1
     rows, meta = cli_rows(setup, tmp_path)
-    assert meta["model"]["family"] == "qwen3_5" and meta["model"]["backend"] == "native"
+    # the family is named by config.json's model_type everywhere: model.family, job.json, the metadata
+    assert meta["model"]["family"] == FAMILY[setup["variant"]] and meta["model"]["backend"] == "native"
     assert len(rows) == len(setup["images"])
     for key, want in reference_columns(setup).items():  # every row's texts are the reference tokens'
         assert rows[key]["status"] == "ok"

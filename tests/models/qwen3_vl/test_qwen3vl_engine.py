@@ -24,6 +24,7 @@ from batchvlm.models.registry import open_family
 pytest.importorskip("transformers")
 
 N_IMAGES = {"dense": 7, "moe": 2}
+FAMILY = {"dense": "qwen3_vl", "moe": "qwen3_vl_moe"}  # config.json's model_type
 
 
 
@@ -44,7 +45,7 @@ def setup(request, tmp_path_factory):
                                                      (64, True, 7), (64, False, 7)])
 def test_engine_tokens_equal_transformers(setup, batch, pipelined, n_images):
     n_images = min(n_images, len(setup["images"]))
-    assert setup["family"].name == "qwen3_vl" and setup["family"].backend == "native"
+    assert setup["family"].name == FAMILY[setup["variant"]] and setup["family"].backend == "native"
     engine = Engine(setup["model"], setup["seqs"], EngineSpec(max_new_tokens=MAX_NEW, max_batch_size=batch,
                                                               pipelined=pipelined),
                     setup["family"].max_prefix_len())
@@ -68,7 +69,10 @@ def test_loading_imports_neither_dynamo_nor_sympy(setup):
 def test_cli_on_a_sharded_hub_folder(setup, tmp_path):
     assert len(list(setup["folder"].glob("*.safetensors"))) > 1
     rows, meta = cli_rows(setup, tmp_path)
-    assert meta["model"]["family"] == "qwen3_vl" and meta["model"]["backend"] == "native"
+    # the family is named by config.json's model_type everywhere: model.family, job.json, the metadata
+    assert meta["model"]["family"] == FAMILY[setup["variant"]] and meta["model"]["backend"] == "native"
+    job = json.loads((tmp_path / "out" / "__batchvlm__" / "job.json").read_text())
+    assert job["model"]["family"] == FAMILY[setup["variant"]], job["model"]
     for key, want in reference_columns(setup).items():  # every row's texts are the reference tokens'
         assert rows[key]["status"] == "ok"
         assert {c: rows[key][c] for c in want} == want, key
@@ -128,3 +132,14 @@ def test_bfloat16_runs(setup):
     engine = Engine(model, seqs, EngineSpec(max_new_tokens=3), setup["family"].max_prefix_len())
     done = list(engine.run(Sample(0, i, f"k{i}", p) for i, p in enumerate(prepared(setup)[:2])))
     assert len(done) == 2 and all(len(s.output.tokens) <= 3 for im in done for s in im.seqs)
+
+
+def test_model_family_is_the_config_model_type(setup):
+    """What the README says model.family is, and what the log line and job.json name."""
+    from batchvlm.models.base.errors import ModelLoadError
+
+    name = FAMILY[setup["variant"]]
+    assert open_family(ModelSpec(name=str(setup["folder"]), family=name), weights=False).name == name
+    other = FAMILY["moe" if setup["variant"] == "dense" else "dense"]
+    with pytest.raises(ModelLoadError, match=f"is a {name} model"):
+        open_family(ModelSpec(name=str(setup["folder"]), family=other), weights=False)
