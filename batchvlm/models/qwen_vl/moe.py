@@ -20,9 +20,9 @@ Three ways to run the experts, the same sums (`path`, chosen for the device by p
            CUTLASS kernel; elsewhere torch falls back to a loop over the experts that reads the
            offsets back to the host, a sync per call that also fails inside a CUDA graph
            capture), and CPU where torch has `F.grouped_mm` (2.10+; faster there than the loop,
-           and the tests then run the CUDA path's code). CUDA's kernel also wants 16-byte
-           aligned rows: dim and ff_dim multiples of 8 (every released checkpoint's are; a
-           model whose are not runs gathered).
+           and the tests then run the CUDA path's code). Both want 16-byte aligned rows: dim and
+           ff_dim multiples of 8 in bfloat16, of 4 in float32 (every released checkpoint's are; a
+           model whose are not runs gathered on CUDA, by the loop on the CPU).
   gathered the same sorted rows, each multiplied by its own expert's weights gathered per row
            (a batched matmul) in fixed chunks of rows: fixed shapes, no host sync; the fallback
            where the grouped kernel cannot run (float32, or other GPUs, on CUDA). Memory per chunk:
@@ -61,14 +61,19 @@ def grouped_kernel_on(device: torch.device, dtype: torch.dtype) -> bool:
     return (major, minor) == (9, 0) or major == 10
 
 
+def aligned(model: nn.Module, dtype: torch.dtype) -> bool:
+    """grouped_mm's operands need 16-byte aligned rows, on CUDA and on the CPU alike (8 bfloat16, 4
+    float32): the width and the expert width of every SparseMoE layer."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return all(m.experts.gate_up_proj.shape[-1] * size % 16 == 0 and m.experts.ff_dim * size % 16 == 0
+               for m in model.modules() if isinstance(m, SparseMoE))
+
+
 def path_for(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str:
     """The expert path for `model`'s SparseMoE layers on this device and dtype."""
     if device.type != "cuda":
-        return "grouped" if hasattr(F, "grouped_mm") else "loop"
-    # The kernel's operands need 16-byte aligned rows (8 bf16): the width and the expert width.
-    aligned = all(m.experts.gate_up_proj.shape[-1] % 8 == 0 and m.experts.ff_dim % 8 == 0
-                  for m in model.modules() if isinstance(m, SparseMoE))
-    return "grouped" if grouped_kernel_on(device, dtype) and aligned else "gathered"
+        return "grouped" if hasattr(F, "grouped_mm") and aligned(model, dtype) else "loop"
+    return "grouped" if grouped_kernel_on(device, dtype) and aligned(model, dtype) else "gathered"
 
 
 class Experts(nn.Module):

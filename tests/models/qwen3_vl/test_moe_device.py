@@ -61,3 +61,27 @@ def test_grouped_path_in_bfloat16_equals_the_loop():
         got = m(x.to(torch.bfloat16))
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dim,ff,dtype,path", [(64, 24, torch.float32, "grouped"), (66, 24, torch.float32, "loop"),
+                                               (64, 22, torch.float32, "loop"), (64, 20, torch.bfloat16, "loop"),
+                                               (64, 24, torch.bfloat16, "grouped")])
+def test_the_cpu_checks_alignment_as_cuda_does(dim, ff, dtype, path):
+    """torch's CPU grouped_mm wants 16-byte strides too: a width that is no multiple of 4 (float32)
+    failed with `strides should be multiple of 16 bytes`; such a model runs the loop, the same sums."""
+    torch.manual_seed(0)
+    m = moe(dim, 4, 2, ff).to(dtype)
+    assert path_for(m, torch.device("cpu"), dtype) == path
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    x = torch.randn(9, dim, dtype=dtype)
+    with torch.inference_mode():
+        m.path = path
+        got = m(x)
+        m.path = "loop"
+        assert torch.allclose(got.float(), m(x).float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+        if path == "loop":  # what the grouped path does with it
+            m.path = "grouped"
+            with pytest.raises(RuntimeError, match="16 bytes"):
+                m(x)
