@@ -123,12 +123,20 @@ def _dry_run(job: Job, overwrite: bool) -> None:
     pre = preflight(job, clears(job, overwrite), resolve_rank(), dry=True)
     from .run.extending import to_extend
 
-    done = pre.done()
+    done, kept = pre.done(), pre.kept()
     gaining = sum(map(len, to_extend(pre.layout, done, pre.job).values()))  # a job that gained tasks
-    typer.echo(f"job {pre.job.name}: {len(pre.shards)} shard(s), {len(done)} done, {len(pre.shards) - len(done)} "
-               "to label" + (f", {gaining} done shard(s) to gain the new tasks' columns" if gaining else ""))
+    typer.echo(f"job {pre.job.name}: {len(pre.shards)} shard(s), {len(done)} done, "
+               f"{len(pre.shards) - len(done) - len(kept)} to label"
+               + (f", {gaining} done shard(s) to gain the new tasks' columns" if gaining else ""))
     typer.echo(f"model {pre.job.model.name} (revision {pre.job.model.revision or 'default'}), "
                f"{len(pre.job.tasks)} task(s), output {pre.layout.dir}")
+    _warn_kept(kept)
+
+
+def _warn_kept(kept: list[str]) -> None:
+    """Done shards whose input files are all gone (an unmounted mount point): not relabelled."""
+    for note in kept:
+        typer.echo(f"  warning: shard {note}; a run keeps them and exits 1")
 
 
 @app.command()
@@ -150,6 +158,7 @@ def validate(job_file: Path = JOB_ARG) -> None:
     device_type, asked = job.model.device.split(":")[0], job.engine.max_batch_size
     if asked and (runs := job.engine.batch_size_for(device_type)) < asked:
         typer.echo(f"  engine.max_batch_size: {asked} is more than {device_type.upper()} runs; it runs {runs}")
+    _warn_kept(pre.kept())
 
 
 @app.command()

@@ -82,6 +82,23 @@ def test_3_a_done_shard_whose_images_vanished_is_not_relabelled_into_errors(tmp_
     assert [(row["key"], row["status"]) for row in rows] == [("0.png", "ok"), ("1.png", "error")]
 
 
+def test_validate_and_dry_run_warn_of_done_shards_whose_inputs_are_gone(tmp_path):
+    img, job = _folder_job(tmp_path)
+    assert cli_app(tmp_path, "run", job).returncode == 0
+    shutil.move(img, tmp_path / "away")
+    img.mkdir()  # an unmounted mount point: a run would keep both shards and exit 1
+    r = cli_app(tmp_path, "validate", job)
+    assert r.returncode == 0, r.stdout
+    for stem in ("root-00000", "root-00001"):
+        assert f"warning: shard {stem}: labels from before kept (its " in r.stdout, r.stdout
+    assert "a run keeps them and exits 1" in r.stdout
+    r = cli_app(tmp_path, "run", job, "--dry-run")
+    assert "2 shard(s), 0 done, 0 to label" in r.stdout and r.stdout.count("warning: shard root-") == 2, r.stdout
+    img.rmdir()
+    shutil.move(tmp_path / "away", img)  # mounted again: nothing to warn of
+    assert "warning" not in cli_app(tmp_path, "validate", job).stdout
+
+
 def test_5_overwrite_deletes_only_what_this_output_wrote(tmp_path):
     write_shards(tmp_path / "data", 1, 2, seed=5)
     other = write_job(tmp_path / "other.yaml", "data/shapes-*.tar", out="other", tasks=[{"caption": {}}])
