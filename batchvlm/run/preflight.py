@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pyarrow as pa
+
 from ..data.checks import check_first_parquet, check_sidecars
 from ..data.sources import SourceError, count_samples, keep_fields, list_files
 from ..dist import Rank
@@ -33,6 +35,9 @@ class Preflight:
     layout: Layout
     shards: ShardList  # the frozen list plus what is new (nothing written back)
     clear: bool  # the run starts over (--overwrite, output.mode: overwrite)
+    # the output columns of input.keep, with their types unified over every Parquet file: each
+    # footer read once, here (the writer's schema takes them from here)
+    keep_columns: list[pa.Field]
 
     def done(self) -> list:
         """The shards a run would skip."""
@@ -75,7 +80,7 @@ def preflight(job: Job, clear: bool, rank: Rank, dry: bool = False) -> Preflight
         more = f" (and {len(unreadable) - 1} more)" if len(unreadable) > 1 else ""
         raise SourceError(f"{field}: cannot read {unreadable[0].url}{more}; a run would fail its shard(s)")
     check_first_parquet(shards, job.input)  # a wrong image column is refused before the model loads
-    keep_fields(job.input, shards)  # input.keep columns whose types clash across Parquet files
+    keep_columns = keep_fields(job.input, shards)  # refuses input.keep columns whose types clash across files
     check_sidecars(job.input, shards)  # input.keep extensions no file of a folder has
     if not layout.in_store:
         check_writable(layout.dir)
@@ -85,4 +90,4 @@ def preflight(job: Job, clear: bool, rank: Rank, dry: bool = False) -> Preflight
     check_tasks(job.model, job.tasks, job.engine, job.output.constrain)
     if resume:
         manifest.check_settings(layout, job.label_fingerprint(), job.label_settings())
-    return Preflight(job, layout, shards, clear)
+    return Preflight(job, layout, shards, clear, keep_columns)

@@ -28,9 +28,11 @@ import time
 from collections import Counter
 from functools import partial
 
+import pyarrow as pa
+
 from .. import __version__
 from ..data.loader import Stealing, load
-from ..data.sources import ShardRef, keep_fields
+from ..data.sources import ShardRef
 from ..dist import Rank, my_shards
 from ..engine.engine import EngineLabeler
 from ..engine.images import ImageLabeler
@@ -124,7 +126,7 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
         t_load = time.time() - t_load
         manifest.check_weights(layout, model.info.weights_sha256)
         _freeze(job, layout, pending)  # nothing refuses the run from here on
-        writer = _start_output(job, layout, rank, model, shards, claims, family.embed_dim)
+        writer = _start_output(job, layout, rank, model, shards, claims, pre.keep_columns, family.embed_dim)
         t_engine, labelled, info = time.time(), bool(pending), model.info
         if labelled:
             labeler, how = _labeler(family, model, seqs, job)
@@ -215,8 +217,10 @@ def _freeze(job: Job, layout: Layout, pending: list[ShardRef]) -> None:
 
 
 def _start_output(job: Job, layout: Layout, rank: Rank, model: EngineModel | StaticModel | ImageModel,
-                  shards: ShardList, claims: Claims | None, embed_dim: int | None = None) -> WriterThread:
-    """The job record (rank 0, or whoever comes first) and the writer of finished shards."""
+                  shards: ShardList, claims: Claims | None, kept: list[pa.Field],
+                  embed_dim: int | None = None) -> WriterThread:
+    """The job record (rank 0, or whoever comes first) and the writer of finished shards; `kept`:
+    the input.keep columns preflight unified (Preflight.keep_columns)."""
     info = model.info
     started = now()
     meta = {"batchvlm": __version__, "job": job.name, "model": info.to_dict(),
@@ -230,7 +234,7 @@ def _start_output(job: Job, layout: Layout, rank: Rank, model: EngineModel | Sta
                                                    "job_spec": job.model_dump(), "world_size": rank.world,
                                                    "skipped_files": shards.skipped,
                                                    "runs": manifest.runs(layout, started, len(job.tasks))})
-    return WriterThread(layout, schema(job.tasks, meta, keep_fields(job.input, shards), job.output.raw_text, embed_dim),
+    return WriterThread(layout, schema(job.tasks, meta, kept, job.output.raw_text, embed_dim),
                         job.output.compression, on_written=claims.release if claims else None,
                         confirm=claims.confirm if isinstance(claims, StoreClaims) else None)
 

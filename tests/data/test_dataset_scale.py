@@ -288,6 +288,21 @@ def test_keep_names_are_checked_before_any_work(tmp_path):
     assert r.returncode == 2 and "input.keep" in r.stderr and "'url'" in r.stderr
 
 
+def test_a_run_reads_each_parquet_footer_once_for_the_keep_columns(tmp_path, monkeypatch):
+    """input.keep's types are unified over every file's footer: by the pre-run check, and the
+    writer's schema takes them from it (a run over thousands of remote files read them twice)."""
+    for i, ints in enumerate([pa.int32(), pa.int64()]):  # unified: int64
+        pq.write_table(pa.table({"image": [tiny("PNG")], "n": pa.array([i], ints)}), tmp_path / f"t{i}.parquet")
+    job = write_job(tmp_path / "job.yaml", "unused", input={"parquet": "t*.parquet", "shards": None, "keep": ["n"]},
+                    **FAST)
+    reads = []
+    real = pq.read_schema
+    monkeypatch.setattr(pq, "read_schema", lambda f, *a, **kw: reads.append(getattr(f, "path", f)) or real(f, *a, **kw))
+    cli_app(tmp_path, "run", job, check=True)
+    assert sorted(Path(r).name for r in reads) == ["t0.parquet", "t1.parquet"], reads
+    assert pq.read_schema(tmp_path / "out" / "t0.parquet").field("n").type == pa.int64()
+
+
 def test_keep_columns_may_not_clash_with_label_columns(tmp_path):
     from batchvlm.job import JobError, parse_job
 
