@@ -145,7 +145,7 @@ def _columns(data: dict[str, Any]) -> list[str]:
     named = [(kind, args.get("name") or kind) for t in data["tasks"] for kind, args in t.items()]
     raw = [f"{n}_raw" for kind, n in named if kind in ("detect", "point")] if data["output"]["raw_text"] else []
     return (["key", "source", "width", "height", "status", "error"] + [n for _, n in named] + raw
-            + [f"{n}_truncated" for _, n in named] + data["input"]["keep"])
+            + [f"{n}_truncated" for _, n in named] + [f"{n}_tokens" for _, n in named] + data["input"]["keep"])
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -69,7 +69,8 @@ def test_columns_of_classify_and_json():
     job = _job({"classify": {"question": "Where?", "choices": ["in", "out"], "name": "scene"}},
                _json(SCHEMAS["enums"][0]))
     s = schema(job.tasks, {})
-    assert s.names[6:] == ["scene", "scene_scores", "json", "json_truncated"]  # no scene_truncated
+    assert s.names[6:] == ["scene", "scene_scores", "json", "json_truncated", "scene_tokens",
+                           "json_tokens"]  # no scene_truncated
     assert s.field("scene").type == pa.string() and s.field("json").type == pa.string()
     assert s.field("scene_scores").type == pa.list_(pa.struct([("label", pa.string()), ("prob", pa.float32())]))
 
