@@ -227,21 +227,25 @@ def raw_column(task: Task) -> str | None:
     return f"{column_of(task)}_raw" if kind_of(task) in ("detect", "point") else None
 
 
-def tokens_column(task: Task) -> str:
+def tokens_column(task: Task) -> str | None:
     """Per task, the tokens its sequences read and wrote on the image: {prompt, generated}, for
-    budgeting a job (RawOutput's counts, summed over the task's sequences)."""
-    return f"{column_of(task)}_tokens"
+    budgeting a job (RawOutput's counts, summed over the task's sequences). None for embed and
+    similarity: an encoder-only model's answers, no token sequences."""
+    return None if kind_of(task) in IMAGE_LEVEL_KINDS else f"{column_of(task)}_tokens"
 
 
-def token_columns(tasks: list[Task], seqs: list[TaskSequence], raws: list[RawOutput]) -> dict[str, dict[str, int]]:
+def token_columns(tasks: list[Task], seqs: list[TaskSequence],
+                  raws: list[RawOutput]) -> dict[str, dict[str, int] | None]:
     """One image's `<name>_tokens` per task: the prompt and generated tokens of its sequences, as
-    whatever ran them counted (RawOutput); the same for every family, so not a family's `columns`."""
-    out = {tokens_column(task): {"prompt": 0, "generated": 0} for task in tasks}
+    whatever ran them counted (RawOutput); the same for every family, so not a family's `columns`.
+    Null where nothing was counted (a classify task on an encoder-only model)."""
+    out: dict[str, dict[str, int] | None] = {}
     for s, r in zip(seqs, raws):
-        cell = out[tokens_column(tasks[s.task])]
-        cell["prompt"] += r.prompt_tokens
-        cell["generated"] += r.generated_tokens
-    return out
+        if (col := tokens_column(tasks[s.task])) is not None:
+            cell = out.setdefault(col, {"prompt": 0, "generated": 0})
+            cell["prompt"] += r.prompt_tokens
+            cell["generated"] += r.generated_tokens
+    return {col: cell if cell["prompt"] or cell["generated"] else None for col, cell in out.items()}
 
 
 def choice_values(choices: list[str], logprobs: list[float]) -> tuple[str, list[dict[str, Any]]]:
@@ -257,7 +261,7 @@ def choice_values(choices: list[str], logprobs: list[float]) -> tuple[str, list[
 def label_columns(tasks: list[Task], raw_text: bool = False) -> list[tuple[str, int, str]]:
     """The columns the tasks add to a row, in schema order, as (column, task index, what): each
     task's column (a classify task's `<name>_scores` after it; with `raw_text`, a detect / point
-    task's `<name>_raw`), then the truncation flags (none for classify), then the token counts.
+    task's `<name>_raw`), then the truncation flags (none for classify), then the token counts (none for embed, similarity).
     `what` is "label", "scores", "raw", "truncated" or "tokens". Each column must be unique in the
     row (job.py checks)."""
     out = []
@@ -268,7 +272,7 @@ def label_columns(tasks: list[Task], raw_text: bool = False) -> list[tuple[str, 
         if raw_text and (raw := raw_column(t)):
             out.append((raw, i, "raw"))
     out += [(c, i, "truncated") for i, t in enumerate(tasks) if (c := truncated_column(t))]
-    return out + [(tokens_column(t), i, "tokens") for i, t in enumerate(tasks)]
+    return out + [(c, i, "tokens") for i, t in enumerate(tasks) if (c := tokens_column(t))]
 
 
 def _clamp(v: float) -> float:

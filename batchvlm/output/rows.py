@@ -56,8 +56,9 @@ class LabelRow(BaseModel):
     caption may stop mid-sentence, a json answer is incomplete, or objects may be missing; null on
     error rows. With output.raw_text, `<name>_raw` beside each detect / point
     column -> list of RawText (the decoded text of each object's sequence).
-    Each task has `<name>_tokens` -> TokenCount (its tokens read and generated on the image, as the
-    engine counted them, for budgeting a job); null on error rows.
+    Each task but embed and similarity has `<name>_tokens` -> TokenCount (its tokens read and
+    generated on the image, as the engine counted them, for budgeting a job); null on error rows and
+    where the model counts none (encoder-only models).
     Then one column per `input.keep` name, on every row (error rows too): a Parquet input's column
     with its type; a tar / folder sidecar (`json`, `txt`, ...) as a string; `path` (folder input)
     the image's path relative to input.folder. A missing sidecar is null."""

@@ -52,6 +52,9 @@ def test_run_writes_typed_columns_with_transformers_values(checkpoint, tmp_path)
     assert "embed_truncated" not in table.column_names
     rows = table.to_pylist()
     assert [r["status"] for r in rows] == ["ok"] * 9
+    # an encoder-only model counts no tokens: no column for its own kinds, null for classify
+    assert "embed_tokens" not in table.column_names and "clip_score_tokens" not in table.column_names
+    assert all(r["classify_tokens"] is None for r in rows)
 
     model = tf.AutoModel.from_pretrained(checkpoint, dtype=torch.float32).eval()
     proc = tf.AutoProcessor.from_pretrained(checkpoint)
