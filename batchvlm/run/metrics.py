@@ -81,30 +81,31 @@ def rank_path(path: str, rank: int, world: int) -> Path:
 
 class MetricsFile:
     """Writes `render(meter)` at `path` now, every EVERY_S seconds from a daemon thread, and once
-    more at close() (finished = 1)."""
+    more at close() (finished = 1). The labels matter more than their metrics: a write that fails
+    (a full disk, a folder gone) is said once and tried again at the next turn, never fatal."""
 
     def __init__(self, path: Path, meter: Meter, job: str, rank: int, every_s: float = EVERY_S):
         self.path, self.meter, self.job, self.rank, self.every_s = path, meter, job, rank, every_s
         self._stop = threading.Event()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self._said = False
         self.write(finished=False)
         self._thread = threading.Thread(target=self._run, name="batchvlm-metrics", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
-            try:
-                self.write(finished=False)
-            except OSError:  # a full disk must not stop the labelling: the next write tries again
-                pass
+            self.write(finished=False)
 
     def write(self, finished: bool) -> None:
-        atomic_write_bytes(self.path, render(self.meter, self.job, self.rank, finished).encode())
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self.path, render(self.meter, self.job, self.rank, finished).encode())
+        except OSError as e:
+            if not self._said:
+                log(f"batchvlm: runtime.metrics_file: cannot write {self.path}: {e.strerror or e} (labelling goes on)")
+                self._said = True
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
-        try:
-            self.write(finished=True)
-        except OSError as e:
-            log(f"batchvlm: runtime.metrics_file: cannot write {self.path}: {e.strerror or e}")
+        self.write(finished=True)

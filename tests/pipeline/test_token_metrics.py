@@ -120,3 +120,12 @@ def test_a_metrics_file_url_is_refused_at_validate(tmp_path):
     job = write_job(tmp_path / "job.yaml", "s-000.tar", runtime={"metrics_file": "s3://bucket/job.prom"})
     r = cli_app(tmp_path, "validate", job)
     assert r.returncode == 2 and "runtime.metrics_file" in r.stdout and "URL" in r.stdout, r.stdout
+
+
+def test_a_metrics_file_that_cannot_be_written_is_said_once_and_labelling_goes_on(tmp_path, capsys):
+    (tmp_path / "blocker").write_text("a file where the folder should be")
+    metrics = MetricsFile(tmp_path / "blocker" / "m.prom", Meter(shards_total=1), "j", rank=0, every_s=0.01)
+    time.sleep(0.1)
+    metrics.close()
+    err = capsys.readouterr().err
+    assert err.count("runtime.metrics_file: cannot write") == 1 and "labelling goes on" in err, err
