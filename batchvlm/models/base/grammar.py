@@ -175,9 +175,9 @@ class Answer:
             return True
         if not self.matcher.is_completed():
             return False
-        mask = _xgrammar().allocate_token_bitmask(1, self.vocab.vocab_size)
-        self.matcher.fill_next_token_bitmask(mask)
-        allowed = np.flatnonzero(np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[: self.vocab.vocab_size])
+        mask = np.zeros((1, mask_words(self.vocab.vocab_size)), dtype=np.int32)  # host memory: no device op
+        self.matcher.fill_next_token_bitmask(torch.from_numpy(mask))
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[: self.vocab.vocab_size])
         return set(allowed.tolist()) <= set(self.vocab.info.stop_token_ids)
 
 
