@@ -30,7 +30,9 @@ from .summary import RunSummary
 
 
 def now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    """UTC, to the millisecond: a run's `started` names it in provenance (columns_by_run), and two
+    runs of a small job can start within one second."""
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
 @dataclass
