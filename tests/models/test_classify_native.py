@@ -28,9 +28,9 @@ N_IMAGES = 2
 # variables: Qwen3.5 labels non-thinking)
 FAMILIES = {
     "qwen3_vl": ("qwen3_vl", qwen3vl_fixture, None, "Qwen3VLForConditionalGeneration", {}),
-    "qwen3_vl_moe": ("qwen3_vl", qwen3vl_fixture, MOE, "Qwen3VLMoeForConditionalGeneration", {}),
+    "qwen3_vl_moe": ("qwen3_vl_moe", qwen3vl_fixture, MOE, "Qwen3VLMoeForConditionalGeneration", {}),
     "qwen3_5": ("qwen3_5", qwen35_fixture, None, "Qwen3_5ForConditionalGeneration", {"enable_thinking": False}),
-    "qwen3_5_moe": ("qwen3_5", qwen35_fixture, dict(MOE, shared=40), "Qwen3_5MoeForConditionalGeneration",
+    "qwen3_5_moe": ("qwen3_5_moe", qwen35_fixture, dict(MOE, shared=40), "Qwen3_5MoeForConditionalGeneration",
                     {"enable_thinking": False}),
 }
 

@@ -100,9 +100,11 @@ class StaticLabeler:
         for k, v in enc.items():  # pixel values in the model's dtype; ids and masks stay integers
             if torch.is_floating_point(v):
                 enc[k] = v.to(self.model.dtype)
-        # each row's prompt tokens: its unpadded ids (image tokens included), as the native engine counts them
+        # each row's prompt tokens as the native engine counts them: its unpadded ids (image tokens
+        # included), and an encoder-decoder's decoder start token, read before the first generated one
         prompt_lens = enc["attention_mask"].sum(1).tolist() if "attention_mask" in enc else \
             [enc["input_ids"].shape[1]] * len(images)
+        prompt_lens = [int(n) + int(self.model.config.is_encoder_decoder) for n in prompt_lens]
         if prompt.choices:
             return [RawOutput([], [(score,) for score in row], prompt_tokens=sum(int(n) + len(c) for c in prompt.choices))
                     for row, n in zip(score_choices(self.model, enc, prompt.choices), prompt_lens)]
