@@ -73,7 +73,21 @@ def _part(x) -> str:
 
 
 def _named_field(message: str) -> str:
-    return message.removeprefix("job: ").split(": ", 1)[0]
+    """The field a message starts with: parts joined by `.`, each a JSON string (a quoted key may
+    hold `": "`, which also ends the field) or plain (no `.`, `:` or space, as _part writes it)."""
+    s, i = message.removeprefix("job: "), 0
+    while True:
+        end = None
+        if s.startswith('"', i):
+            try:
+                end = json.JSONDecoder().raw_decode(s, i)[1]
+            except ValueError:
+                pass  # a plain key that starts with a quote
+        if end is None:
+            end = re.compile(r'[^.: ]*').match(s, i + s.startswith('"', i)).end()
+        if not s.startswith(".", end):
+            return s[:end]
+        i = end + 1
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
