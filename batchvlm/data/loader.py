@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -201,10 +202,22 @@ class Stream:
 
     def close(self) -> None:
         """Kill the workers. They ignore SIGTERM, and the multiprocessing exit hook terminates
-        and then joins them: after an error it would wait forever."""
-        for p in self.workers:
-            p.kill()
-            p.join()
+        and then joins them: after an error it would wait forever. Meanwhile SIGCHLD is not
+        torch's: its DataLoader handler would take these kills for workers that failed and raise
+        that in place of the error being reported (the run's own, e.g. /dev/shm being full)."""
+        handler = signal.getsignal(signal.SIGCHLD)  # None: not set from Python, so left alone
+        # only the main thread may set handlers
+        if handler is None or not self.workers or threading.current_thread() is not threading.main_thread():
+            handler = None
+        else:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        try:
+            for p in self.workers:
+                p.kill()
+                p.join()
+        finally:
+            if handler is not None:
+                signal.signal(signal.SIGCHLD, handler)
 
 
 def load(shards: list[ShardRef], inp: InputSpec, spec: LoaderSpec, pre: Preprocessor,
