@@ -13,7 +13,7 @@ import torch
 from ...tasks import IMAGE_LEVEL_KINDS, args_of, kind_of
 from .budget import Budget
 from .contract import ModelInfo, TaskSequence
-from .errors import FamilyError
+from .errors import FamilyError, ModelLoadError
 from .hub import resolve_device, resolve_dtype, weight_files, weights_sha256
 
 if TYPE_CHECKING:
@@ -92,6 +92,14 @@ def check_generative(i: int, task: Task, model: str) -> None:
     if kind == "classify" and args.template is not None:
         raise FamilyError(f"tasks.{i}.classify.template: {model} scores the choices as answers to the question; "
                           "a template is for encoder-only models such as SigLIP")
+
+
+def refuse_size_settings(spec: ModelSpec, model: str, why: str) -> None:
+    """The image-size knobs (Moondream's max_crops, the Qwens' min / max_pixels) on a family whose
+    checkpoint fixes how images are sized: one line naming the field."""
+    for field in ("max_crops", "min_pixels", "max_pixels"):
+        if getattr(spec, field) is not None:
+            raise ModelLoadError(f"model.{field}: not a {model} setting ({why})")
 
 
 def refuse_constrain(tasks: list[Task], constrain: bool, model: str) -> None:

@@ -28,7 +28,7 @@ from ..base.columns import task_columns
 from ..base.decoding import MODE_SCORE, MODE_TEXT, RawOutput, SeqSpec
 from ..base.errors import FamilyError, ModelLoadError
 from ..base.contract import ModelInfo, TaskSequence
-from ..base.host import FamilyBase, check_kinds, choice_tokens, refuse_constrain
+from ..base.host import FamilyBase, check_kinds, choice_tokens, refuse_constrain, refuse_size_settings
 from ..base.grammar import Grammars
 from ..base.hub import load_tokenizer, read_json
 from ..base.errors import ConfigError
@@ -108,10 +108,8 @@ class Florence2(FamilyBase):
 
     @classmethod
     def open(cls, folder: Path, spec: ModelSpec, revision: str | None) -> Florence2:
-        for field in ("max_crops", "min_pixels", "max_pixels"):
-            if getattr(spec, field) is not None:
-                raise ModelLoadError(f"model.{field}: not a Florence-2 setting (images are resized to the size in "
-                                     "the checkpoint's preprocessor_config.json)")
+        refuse_size_settings(spec, "Florence-2",
+                             "images are resized to the size in the checkpoint's preprocessor_config.json")
         try:
             text = read_json(folder / "config.json").get("text_config") or {}
             return cls(read_config(folder), PixelSettings.read(folder), GenerationSettings.read(folder, text),

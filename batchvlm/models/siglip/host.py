@@ -15,7 +15,7 @@ from ..base.columns import task_columns
 from ..base.contract import ModelInfo, TaskSequence
 from ..base.decoding import RawOutput
 from ..base.errors import ConfigError, FamilyError, ModelLoadError
-from ..base.host import FamilyBase
+from ..base.host import FamilyBase, refuse_size_settings
 from .config import SiglipConfig
 from .device import ImageTask, SiglipImageModel
 from .labels import task_values
@@ -37,10 +37,7 @@ class Siglip(FamilyBase):
 
     @classmethod
     def open(cls, folder: Path, spec: ModelSpec, revision: str | None) -> Siglip:
-        for field in ("max_crops", "min_pixels", "max_pixels"):
-            if getattr(spec, field) is not None:
-                raise ModelLoadError(f"model.{field}: not a SigLIP setting (images are sized by the checkpoint's "
-                                     "image processor)")
+        refuse_size_settings(spec, "SigLIP", "images are sized by the checkpoint's image processor")
         config = read_config(folder)
         try:
             settings = PixelSettings.read(folder, config)
