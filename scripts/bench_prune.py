@@ -27,7 +27,7 @@ from PIL import Image, ImageDraw
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from batchvlm.models.qwen_vl.preprocess import PixelSettings, Preprocessor  # noqa: E402
-from batchvlm.models.qwen_vl.prune import kept_groups  # noqa: E402
+from batchvlm.models.base.prune import kept_groups  # noqa: E402
 from batchvlm.shapes.world import draw_scene, encode  # noqa: E402
 
 WORDS = ("the engine labels every image of a dataset with a vision language model and writes one parquet file per "
