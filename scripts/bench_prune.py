@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import io
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -131,9 +132,9 @@ def florence2_worker_ms(images: list[Image.Image], pre: florence2_pre.Preprocess
     return out[0], out[1]
 
 
-def speed(n: int, sets: dict[str, list[Image.Image]], config: str, family: str) -> None:
+def speed(n: int, sets: dict[str, list[Image.Image]], config: str, family: str, pairs: int) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-prune-") as tmp:
-        measure_speed(Path(tmp), n, sets, config, family)
+        measure_speed(Path(tmp), n, sets, config, family, pairs)
 
 
 def write_mid_checkpoint(folder: Path, config: str, family: str) -> None:
@@ -151,7 +152,8 @@ def write_mid_checkpoint(folder: Path, config: str, family: str) -> None:
                                      **QWEN3VL[config])
 
 
-def measure_speed(root: Path, n: int, sets: dict[str, list[Image.Image]], config: str, family: str) -> None:
+def measure_speed(root: Path, n: int, sets: dict[str, list[Image.Image]], config: str, family: str,
+                  pairs: int) -> None:
     import yaml
 
     from batchvlm.job import load_job
@@ -172,6 +174,51 @@ def measure_speed(root: Path, n: int, sets: dict[str, list[Image.Image]], config
         print(f"\n## {name}: {min(n, len(sets[name]))} images, {family} {config} (random weights)\n")
         print(tune(load_job(job), TuneArgs(min(n, len(sets[name])), 0, "prune:0,prune:0.02", root / f"{name}.json",
                                            None, False)))
+        if family == "florence2" and pairs:
+            alternating(folder, sets[name][:n], pairs)
+
+
+CHOICES = ["a photo", "a document", "a screenshot", "shapes"]
+
+
+def alternating(folder: Path, images: list[Image.Image], pairs: int) -> None:
+    """Off against prune:0 on a workload whose work the labels do not change (a classify task: the
+    same scored decoder rows whatever random weights answer; tune's caption / detect rows decode
+    as long as the answers run), the two alternating, `pairs` times, each run's process CPU time
+    beside its wall time (on a loaded machine the wall also counts waits for a core)."""
+    from pydantic import TypeAdapter
+
+    from batchvlm.data.loader import Sample
+    from batchvlm.engine.engine import EngineLabeler
+    from batchvlm.job import EngineSpec, ModelSpec
+    from batchvlm.models.registry import open_family
+    from batchvlm.tasks import Task
+
+    tasks = [TypeAdapter(Task).validate_python({"classify": {"question": "What is it?", "choices": CHOICES}})]
+    engine = EngineSpec(max_new_tokens=16)
+    loaded = open_family(ModelSpec(name=str(folder))).load("float32", "cpu")
+    runs = {}
+    for name, tol in (("off", None), ("prune 0", 0.0)):
+        family = open_family(ModelSpec(name=str(folder), prune_duplicates=tol))
+        model = loaded if tol is None else family.device_side(loaded.model, loaded.info)
+        prepared = [family.preprocessor()(im) for im in images]
+        runs[name] = (family, model, family.sequences(tasks, engine), prepared)
+    wall: dict[str, list[float]] = {k: [] for k in runs}
+    cpu: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(pairs):
+        for name, (family, model, seqs, prepared) in runs.items():
+            labeler = EngineLabeler(model, seqs, engine, family.max_prefix_len(), lambda _: None)
+            t, c = time.perf_counter(), time.process_time()
+            for _ in labeler.label(Sample(0, i, f"k{i}", p) for i, p in enumerate(prepared)):
+                pass
+            wall[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
+    print(f"\nclassify ({len(CHOICES)} choices), {len(images)} images, {pairs} alternating runs each (medians):\n")
+    print("| setting | prefix/img | CPU s/img | wall s/img |\n|---|---|---|---|")
+    for name, (_, _, _, prepared) in runs.items():
+        tokens = sum(p.prefix_len for p in prepared) / len(prepared)
+        print(f"| {name} | {tokens:.0f} | {statistics.median(cpu[name]) / len(images):.3f} | "
+              f"{statistics.median(wall[name]) / len(images):.3f} |")
 
 
 def main() -> int:
@@ -181,6 +228,7 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=12, help="images per set in --speed")
     ap.add_argument("--config", choices=["mid", "tiny"], default="mid", help="--speed's model (tiny: the dry run)")
     ap.add_argument("--family", choices=["qwen3_vl", "florence2"], default="qwen3_vl", help="--speed's model family")
+    ap.add_argument("--pairs", type=int, default=3, help="florence2 --speed: off / prune:0 classify runs, alternating")
     args = ap.parse_args()
     rng = random.Random(0)
     sets = {"photos": photos(), "documents": [document(rng) for _ in range(3)] + [screenshot(rng) for _ in range(3)],
@@ -203,7 +251,7 @@ def main() -> int:
     if args.speed:
         if args.config == "tiny" and args.family == "florence2":
             ap.error("--config tiny: Qwen3-VL's only; Florence-2's bench has mid and base")
-        speed(args.n, sets, args.config, args.family)
+        speed(args.n, sets, args.config, args.family, args.pairs)
     return 0
 
 

@@ -12,11 +12,10 @@ long as the kept tokens."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
-from support.florence2 import NEW_TOKENS, TASKS, Reference, tasks_of, tf
+from support.florence2 import NEW_TOKENS, TASKS, Reference, flat_images, tasks_of, tf
 from support.tiny_vlms import florence2
 
 from batchvlm.data.loader import Sample
@@ -28,21 +27,6 @@ from batchvlm.models.registry import open_family
 
 TEXTS = ["<CAPTION>", "What is it?", "<OPEN_VOCABULARY_DETECTION>car", "<OPEN_VOCABULARY_DETECTION>dog", "<OCR>",
          "<DENSE_REGION_CAPTION>"]  # what the processor gets for each sequence of TASKS
-
-
-def flat_images(side: int, n: int = 4) -> list[Image.Image]:
-    """Flat backgrounds with two rectangles (most footprints repeat), then one noise image (none do)."""
-    rng = np.random.default_rng(side)
-    out = []
-    for i in range(n):
-        a = np.full((side, side, 3), (230 - 40 * i, 220, 200 + 10 * i), dtype=np.uint8)
-        for _ in range(2):
-            w, h = (int(v) for v in rng.integers(side // 8, side // 3, 2))
-            x, y = (int(v) for v in rng.integers(0, side - w, 2))
-            a[y : y + h, x : x + w] = rng.integers(0, 256, 3, dtype=np.uint8)
-        out.append(Image.fromarray(a))
-    out.append(Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)))
-    return out
 
 
 def test_the_released_models_footprint():
