@@ -241,11 +241,13 @@ def main() -> int:
         if images:
             print(f"| {name} ({len(images)}) | " + " | ".join(f"{removed(images, pre, t):.1%}" for t in tols) + " |")
     f2 = florence2_preprocessor()
-    print("\nshare of Florence-2 image tokens removed (cells of 32 x 32 px reading 63 x 63 stem footprints, 768 x 768)\n")
+    print("\nshare of Florence-2 image tokens removed (cells of 32 x 32 px reading 63 x 63 stem footprints, "
+          "768 x 768)\n")
     print("| images | " + " | ".join(f"tolerance {t:g}" for t in tols) + " |\n|---|" + "---|" * len(tols))
     for name, images in sets.items():
         if images:
-            print(f"| {name} ({len(images)}) | " + " | ".join(f"{removed_florence2(images, f2, t):.1%}" for t in tols) + " |")
+            shares = " | ".join(f"{removed_florence2(images, f2, t):.1%}" for t in tols)
+            print(f"| {name} ({len(images)}) | {shares} |")
     resize_ms, both_ms = florence2_worker_ms(sets["documents"] + sets["shapes"][:10], f2)
     print(f"\nFlorence-2 loader worker, per image: resize {resize_ms:.1f} ms, resize + duplicate test {both_ms:.1f} ms")
     if args.speed:

@@ -132,7 +132,8 @@ class Florence2EngineModel(EngineModelBase):
         H, D = text.config.decoder_heads, text.config.decoder_head_dim
         if P:
             group = next(g for g in batch.groups if isinstance(g, PrefixGroup))
-            enc_PC = self._encoder(embeds_NC[:P], group, positions[:P] if prefix is not None and prefix.extras else None)
+            pruned = prefix is not None and prefix.extras  # positions with gaps: the encoder reads them
+            enc_PC = self._encoder(embeds_NC[:P], group, positions[:P] if pruned else None)
             cross_kv = text.decoder.cross_kv(enc_PC)  # per layer [P, H, D] each
         else:
             empty = embeds_NC.new_zeros(0, H, D)

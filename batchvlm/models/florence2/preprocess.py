@@ -110,7 +110,6 @@ class Footprint:
         """The kept cells (raster order, long; None: all). Outside the image the convs read their
         zero padding, the mean colour after normalization: padded here with a value no pixel
         has, so a window reaching past the border equals only one that reaches past it alike."""
-        H, W, _ = pixels_HW3.shape
         (gh, gw), s, z, p = self.grid, self.stride, self.size, self.pad
         padded = np.full(((gh - 1) * s + z, (gw - 1) * s + z, 3), -256, dtype=np.int16)
         inside = pixels_HW3[: padded.shape[0] - p, : padded.shape[1] - p]
