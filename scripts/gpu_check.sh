@@ -300,7 +300,7 @@ bench_attention() {
 
 bench_prune() {
     local args=(--speed --n 16) f2=(--speed --n 16 --family florence2)
-    (( DRY )) && args=(--speed --n 2 --config tiny) && f2=(--speed --n 1 --pairs 1 --family florence2)
+    (( DRY )) && args=(--speed --n 2 --config tiny) && f2=(--speed --n 2 --pairs 1 --config tiny --family florence2)
     $PY scripts/bench_prune.py "${args[@]}" && $PY scripts/bench_prune.py "${f2[@]}"
 }
 
