@@ -24,8 +24,7 @@ def plain(px: np.ndarray, grid: tuple[int, int], stride: int, size: int, tol: fl
         r, c = divmod(i, gw)
         rep[i] = i
         for near in ([i - 1] if c else []) + ([i - gw] if r else []):
-            close = [np.abs(window(i) - window(j)).max() <= tol * 255 for j in (near, rep[near])]
-            if all(close):
+            if np.abs(window(i) - window(near)).max() <= tol * 255 and np.abs(window(i) - window(rep[near])).max() <= tol * 255:
                 rep[i] = rep[near]
                 break
     kept = [i for i in range(gh * gw) if rep[i] == i]
