@@ -134,7 +134,9 @@ class ModelSpec(Strict):
         description="Qwen3-VL / Qwen3.5: drop every 2x2 merge group of image patches whose pixels equal an "
                     "already-kept neighbour's (left or above) within this tolerance (largest difference of any "
                     "pixel channel, as a share of 0-255; 0 = identical), before the vision tower and the prefill; "
-                    "kept tokens keep their positions. Off by default. docs/tune.md.")
+                    "kept tokens keep their positions. Florence-2: after its vision tower, the image tokens of "
+                    "cells whose pixel footprint repeats a kept neighbour's are left out of the encoder. Off by "
+                    "default. docs/tune.md.")
 
     @field_validator("revision", mode="before")
     @classmethod

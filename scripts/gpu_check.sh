@@ -69,7 +69,7 @@ STEPS=(
     "classify_bench     2  90  60 bench_classify.log     classify(10) vs query(8) vs query(1) on Qwen3-VL-2B shapes, bf16, batch 256"
     "bench_attention    2  50  50 bench_attention.log    one decode step's attention at Moondream 2 shapes, blocks 16 and 64, CUDA events on a captured step"
     "bench_embed        2  90  60 bench_embed.log        SigLIP 2 base NaFlex shapes, random bf16 weights, 1024 JPEGs: batchvlm run (embed) vs transformers' batched forward on preprocessed tensors"
-    "bench_prune        2  60  45 bench_prune.log        duplicate-token pruning (issue 43): share of Qwen image tokens removed, then batchvlm tune on the Qwen3-VL mid config (random weights), shapes and documents, pruned vs not"
+    "bench_prune        2  90  45 bench_prune.log        duplicate-token pruning (issue 43): share of Qwen and Florence-2 image tokens removed, then batchvlm tune on the Qwen3-VL and the Florence-2 mid configs (random weights), shapes and documents, pruned vs not"
 )
 
 plan() {
@@ -299,9 +299,9 @@ bench_attention() {
 }
 
 bench_prune() {
-    local args=(--speed --n 16)
-    (( DRY )) && args=(--speed --n 2 --config tiny)
-    $PY scripts/bench_prune.py "${args[@]}"
+    local args=(--speed --n 16) f2=(--speed --n 16 --family florence2)
+    (( DRY )) && args=(--speed --n 2 --config tiny) && f2=(--speed --n 2 --pairs 1 --config tiny --family florence2)
+    $PY scripts/bench_prune.py "${args[@]}" && $PY scripts/bench_prune.py "${f2[@]}"
 }
 
 export -f bench_embed environment moondream_bench bench_engine bench_engine_more flex_smoke_cut flex_smoke_rest gpu_tests_of \

@@ -380,6 +380,41 @@ def test_newer_model_paths_in_cuda_graphs_agree_with_eager_steps_and_the_cpu(nam
     assert share >= 0.9
 
 
+
+def test_florence2_pruned_on_cuda_agrees_with_eager_steps_and_the_cpu(tmp_path, monkeypatch):
+    """Florence-2 with duplicate pruning (model.prune_duplicates) on CUDA: the kept cells' tokens
+    gathered on the device and the encoder's positions with gaps, prefixes of differing lengths in
+    the cross-attention K/V; pipelined CUDA-graph runs against synchronous eager ones (float32: the
+    same labels), and against the CPU engine (which the CPU suite checks against transformers)."""
+    pytest.importorskip("transformers")
+    from batchvlm.job import ModelSpec
+    from batchvlm.models.registry import open_family
+    from support.florence2 import TASKS as FLORENCE_TASKS
+    from support.florence2 import flat_images, tasks_of
+    from support.tiny_vlms import florence2
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # convolutions as on the CPU
+    folder = florence2(tmp_path / "f2", seed=1, text=dict(d_model=128, encoder_attention_heads=2,
+                                                           decoder_attention_heads=2, encoder_ffn_dim=256,
+                                                           decoder_ffn_dim=256),
+                       generation=dict(no_repeat_ngram_size=3, forced_bos_token_id=256))
+    family = open_family(ModelSpec(name=str(folder), prune_duplicates=0.0))
+    prepared = [family.preprocessor()(im) for im in flat_images(64) * 2]
+    assert sum(p.keep is not None for p in prepared) == 8  # the flat ones are pruned, the noise ones not
+    tasks = tasks_of(FLORENCE_TASKS)
+    model = family.load("float32", "cuda")
+    eager, _ = _labels(family, model, tasks, prepared, max_new_tokens=12, max_batch_size=64, pipelined=False,
+                       cuda_graphs=False)
+    graphs, stats = _labels(family, model, tasks, prepared, max_new_tokens=12, max_batch_size=64, pipelined=True)
+    assert 0 < stats["graph_steps"] < stats["steps"], stats
+    assert all(_same(g, e, 1e-4) for g, e in zip(graphs, eager)), (graphs, eager)
+    cpu, _ = _labels(family, family.load("float32", "cpu"), tasks, prepared, max_new_tokens=12, max_batch_size=64,
+                     pipelined=False)
+    share = _share_same(eager, cpu, 1e-3)
+    print(f"florence2 pruned: {share:.0%} of the labels equal the CPU engine's")
+    assert share >= 0.9
+
+
 def test_moe_grouped_gemm_equals_the_loop_and_replays_in_a_cuda_graph():
     """The expert path CUDA bfloat16 gets (grouped GEMM on sm_90 / sm_100, else the gathered one)
     against the float32 loop, and captured in a CUDA graph: a replay with new tokens (new routing,

@@ -1,5 +1,5 @@
 """Florence-2's shared test pieces: the tasks, transformers' model and processor as the reference,
-random images of varied sizes."""
+random images of varied sizes, flat ones for duplicate pruning."""
 
 from __future__ import annotations
 
@@ -51,6 +51,22 @@ def random_images(n: int, seed: int = 0) -> list[Image.Image]:
     rng = np.random.default_rng(seed)
     return [Image.fromarray(rng.integers(0, 256, (int(rng.integers(20, 120)), int(rng.integers(20, 120)), 3),
                                         dtype=np.uint8)) for _ in range(n)]
+
+
+def flat_images(side: int, n: int = 4) -> list[Image.Image]:
+    """side x side flat backgrounds with two rectangles each (duplicate pruning drops most of their
+    cells), then one noise image (it drops none)."""
+    rng = np.random.default_rng(side)
+    out = []
+    for i in range(n):
+        a = np.full((side, side, 3), (230 - 40 * i, 220, 200 + 10 * i), dtype=np.uint8)
+        for _ in range(2):
+            w, h = (int(v) for v in rng.integers(side // 8, side // 3, 2))
+            x, y = (int(v) for v in rng.integers(0, side - w, 2))
+            a[y : y + h, x : x + w] = rng.integers(0, 256, 3, dtype=np.uint8)
+        out.append(Image.fromarray(a))
+    out.append(Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)))
+    return out
 
 
 def tasks_of(specs: list[dict]) -> list:

@@ -35,14 +35,6 @@ class VisionConfig:
     max_temporal: int
     in_channels: int = 3
 
-    @property
-    def stride(self) -> int:
-        """Input pixels per cell of the last stage (along each side)."""
-        s = 1
-        for x in self.patch_stride:
-            s *= x
-        return s
-
 
 @dataclass(frozen=True)
 class TextConfig:

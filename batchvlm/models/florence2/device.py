@@ -11,9 +11,17 @@ Stages and what they are shared by:
              prefix gives no positions); self-attention over own tokens in paged KV.
 The decoder runs on own rows only: the flat batch's prefix rows are zero-padded where an
 attention call wants all N rows, and come back as zero hidden states.
+
+Duplicate pruning (model.prune_duplicates, preprocess.py): DaViT and the projector run on the full
+grid (the pooled token is the mean of every cell), then the dropped cells' image tokens are left
+out. The encoder reads the kept ones at their own positions (BART's learned positions, with gaps:
+the prompt still starts at position 1 + cells), so the prefix, the encoder's work and the cross
+K/V it leaves are as long as the kept tokens.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +36,14 @@ from .config import GenerationSettings
 from .decoding import History
 from .model import Florence2Model
 from .preprocess import PreparedImage
+
+
+@dataclass
+class ImageFeatures:
+    """One image's encoder input: its image tokens, the pooled one first."""
+
+    tokens_TC: torch.Tensor  # [1 + kept cells, C]
+    positions_T: torch.Tensor | None  # pruned: each token's place among all 1 + cells (long); None: 0, 1, ...
 
 
 class Florence2EngineModel(EngineModelBase):
@@ -50,24 +66,38 @@ class Florence2EngineModel(EngineModelBase):
                 CrossKV("cross", t.decoder_layers, t.decoder_heads, t.decoder_head_dim, self.dtype, shares="self")]
 
     def prefix_layout(self, image: PreparedImage, prompt: tuple[int, ...]) -> tuple[int, int]:
-        return self.image_tokens + len(prompt), 0  # decoder positions start at 0
+        return image.prefix_len + len(prompt), image.next_pos
 
-    def encode(self, images: list[PreparedImage]) -> list[torch.Tensor]:
+    def encode(self, images: list[PreparedImage]) -> list[ImageFeatures]:
         pixels = self._upload([im.pixels[None] for im in images])  # uint8 [B, H, W, 3]
         m = self.model
-        return list(m.image_tokens(m.pixel_values(pixels)).unbind(0))
+        tokens_BTC = m.image_tokens(m.pixel_values(pixels))
+        out = []
+        for im, tokens_TC in zip(images, tokens_BTC.unbind(0)):
+            if im.keep is None:
+                out.append(ImageFeatures(tokens_TC, None))
+            else:
+                rows = torch.cat([im.keep.new_zeros(1), im.keep + 1]).to(self.device)  # the pooled token, kept cells
+                out.append(ImageFeatures(tokens_TC[rows], rows))
+        return out
 
     def largest_vision_batch(self) -> list[PreparedImage]:
         w, h = self.image_size
-        im = PreparedImage(torch.zeros(h, w, 3, dtype=torch.uint8))
+        im = PreparedImage(torch.zeros(h, w, 3, dtype=torch.uint8), self.image_tokens - 1)
         return [im] * max(1, 128 // im.cost)
 
-    def prefix_inputs(self, features: list[torch.Tensor], prompts: list[torch.Tensor]) -> PrefixInputs:
+    def prefix_inputs(self, features: list[ImageFeatures], prompts: list[torch.Tensor]) -> PrefixInputs:
+        """Encoder positions: without pruning the encoder takes its own (0, 1, ... over each
+        prefix: these, unread); `extras` True where an image was pruned, and the encoder reads these."""
         text = self.model.text
-        embeds = [torch.cat([f, text.embed(p)]) for f, p in zip(features, prompts)]
-        # Encoder positions (the encoder adds its own from the padded layout; these are the same)
-        positions = torch.cat([torch.arange(e.shape[0], device=self.device) for e in embeds])
-        return PrefixInputs(torch.cat(embeds), positions)
+        embeds, positions = [], []
+        for f, p in zip(features, prompts):
+            embeds.append(torch.cat([f.tokens_TC, text.embed(p)]))
+            n = f.tokens_TC.shape[0]
+            image_pos = torch.arange(n, device=self.device) if f.positions_T is None else f.positions_T
+            positions += [image_pos, self.image_tokens + torch.arange(p.shape[0], device=self.device)]
+        pruned = any(f.positions_T is not None for f in features)
+        return PrefixInputs(torch.cat(embeds), torch.cat(positions), pruned)
 
     def embed_tokens(self, ids_N: torch.Tensor) -> torch.Tensor:
         return self.model.text.embed(ids_N)
@@ -75,8 +105,9 @@ class Florence2EngineModel(EngineModelBase):
     def embed_inputs(self, kind_N: torch.Tensor, token_N: torch.Tensor, value_N2: torch.Tensor) -> torch.Tensor:
         return self.model.text.embed(token_N)  # every input is a token
 
-    def _encoder(self, embeds_PC: torch.Tensor, group: PrefixGroup) -> torch.Tensor:
-        """The step's prefix rows [P, C] -> encoder output [P, C], each prefix on its own."""
+    def _encoder(self, embeds_PC: torch.Tensor, group: PrefixGroup, positions_P: torch.Tensor | None) -> torch.Tensor:
+        """The step's prefix rows [P, C] -> encoder output [P, C], each prefix on its own, at
+        `positions_P` (None: 0, 1, ... within each prefix)."""
         P = embeds_PC.shape[0]
         rows_IL = group.q_rows.clamp(max=P)  # padding -> a zero row P (the flat batch's pad is N)
         x_ILC = torch.cat([embeds_PC, embeds_PC.new_zeros(1, embeds_PC.shape[1])])[rows_IL]
@@ -84,8 +115,9 @@ class Florence2EngineModel(EngineModelBase):
         if not group.all_full:
             j = torch.arange(rows_IL.shape[1], device=rows_IL.device)
             valid = j[None, :] < group.lens[:, None]
+        pos_IL = None if positions_P is None else torch.cat([positions_P, positions_P.new_zeros(1)])[rows_IL]
         out = embeds_PC.new_zeros(P + 1, embeds_PC.shape[1])
-        out[rows_IL] = self.model.text.encoder(x_ILC, valid)  # padding lands on row P
+        out[rows_IL] = self.model.text.encoder(x_ILC, valid, pos_IL)  # padding lands on row P
         return out[:P]
 
     def forward(self, embeds_NC: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, cache: EngineCache,
@@ -100,7 +132,8 @@ class Florence2EngineModel(EngineModelBase):
         H, D = text.config.decoder_heads, text.config.decoder_head_dim
         if P:
             group = next(g for g in batch.groups if isinstance(g, PrefixGroup))
-            enc_PC = self._encoder(embeds_NC[:P], group)
+            pruned = prefix is not None and prefix.extras  # positions with gaps: the encoder reads them
+            enc_PC = self._encoder(embeds_NC[:P], group, positions[:P] if pruned else None)
             cross_kv = text.decoder.cross_kv(enc_PC)  # per layer [P, H, D] each
         else:
             empty = embeds_NC.new_zeros(0, H, D)

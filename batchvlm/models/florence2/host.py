@@ -36,7 +36,7 @@ from .config import Florence2Config, GenerationSettings
 from .device import Florence2EngineModel
 from .labels import task_values
 from .model import Florence2Model
-from .preprocess import PixelSettings, Preprocessor
+from .preprocess import Footprint, PixelSettings, Preprocessor
 from .prompts import KINDS, instruction, task_text
 from .weights import build_model, load_weights, read_config
 
@@ -79,27 +79,15 @@ class Tokenizer:
         return text
 
 
-def _side(n: int, kernel: int, stride: int, pad: int) -> int:
-    return (n + 2 * pad - kernel) // stride + 1
-
-
-def image_token_count(config: Florence2Config, settings: PixelSettings) -> int:
-    """1 pooled token + the cells of the last DaViT stage."""
-    h, w = settings.height, settings.width
-    v = config.vision
-    for k, s, p in zip(v.patch_size, v.patch_stride, v.patch_padding):
-        h, w = _side(h, k, s, p), _side(w, k, s, p)
-    return 1 + h * w
-
-
 class Florence2(FamilyBase):
     name = "florence2"
 
     def __init__(self, config: Florence2Config, settings: PixelSettings, generation: GenerationSettings,
-                 tokenizer: Tokenizer, folder: Path, model_name: str, revision: str | None):
+                 tokenizer: Tokenizer, folder: Path, model_name: str, revision: str | None, prune: float | None = None):
         self.config, self.settings, self.generation, self.tokenizer = config, settings, generation, tokenizer
         self.folder, self.model_name, self.revision = folder, model_name, revision
-        self.image_tokens = image_token_count(config, settings)
+        self.pre = Preprocessor(settings, Footprint.of(config.vision, settings.height, settings.width), prune)
+        self.image_tokens = 1 + self.pre.footprint.cells  # the pooled token, then the last stage's cells
         # json answers: the logits are config.text.vocab_size wide; the end token ends them
         self.grammars = Grammars(tokenizer.raw, config.text.vocab_size, [generation.eos])
         if self.image_tokens != settings.image_tokens:
@@ -113,15 +101,20 @@ class Florence2(FamilyBase):
         try:
             text = read_json(folder / "config.json").get("text_config") or {}
             return cls(read_config(folder), PixelSettings.read(folder), GenerationSettings.read(folder, text),
-                       Tokenizer(load_tokenizer(folder), folder), folder, spec.name, revision)
+                       Tokenizer(load_tokenizer(folder), folder), folder, spec.name, revision, spec.prune_duplicates)
         except ConfigError as e:
             raise ModelLoadError(str(e)) from e
 
     def preprocessor(self) -> Preprocessor:
-        return Preprocessor(self.settings)
+        return self.pre
 
     def max_prefix_len(self) -> int:
         return self.image_tokens
+
+    def can_prune(self) -> bool:
+        """After DaViT (its convs and window attention need the full grid): the encoder and the
+        decoder's cross-attention read the kept image tokens only."""
+        return True
 
     def prompt(self, text: str) -> tuple[int, ...]:
         """The encoder's prompt tokens for a task text, as the processor writes them."""

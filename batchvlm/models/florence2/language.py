@@ -66,10 +66,13 @@ class Encoder(nn.Module):
         self.layernorm_embedding = nn.LayerNorm(c.dim)
         self.layers = nn.ModuleList(EncoderLayer(c) for _ in range(c.encoder_layers))
 
-    def forward(self, embeds_BTC: torch.Tensor, valid_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """`valid_BT`: False for padding, which no token attends to (None: no padding)."""
-        T = embeds_BTC.shape[1]
-        pos = self.embed_positions(torch.arange(T, device=embeds_BTC.device) + POSITION_OFFSET)
+    def forward(self, embeds_BTC: torch.Tensor, valid_BT: torch.Tensor | None = None,
+                positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """`valid_BT`: False for padding, which no token attends to (None: no padding).
+        `positions_BT`: each token's position (duplicate pruning leaves gaps); None: 0, 1, ..."""
+        if positions_BT is None:
+            positions_BT = torch.arange(embeds_BTC.shape[1], device=embeds_BTC.device)
+        pos = self.embed_positions(positions_BT + POSITION_OFFSET)
         x = self.layernorm_embedding(embeds_BTC + pos)
         mask = None if valid_BT is None else valid_BT[:, None, None, :]
         for layer in self.layers:

@@ -4,7 +4,7 @@ for one image).
 A sequence is [head text (s tokens)][image: gh x gw merged tokens][vision_end, task text, ...].
 Head text token i has position (i, i, i). Image token k at merged cell (r, c) = divmod(k, gw)
 has (t, h, w) = (s, s + r, s + c). Text after the image resumes at s + max(gh, gw), one
-position per token, all three axes equal. With duplicate pruning (prune.py) only the kept
+position per token, all three axes equal. With duplicate pruning (base/prune.py) only the kept
 cells' tokens are in the prefix, each with its position above; vision_end and the text after it
 keep theirs.
 

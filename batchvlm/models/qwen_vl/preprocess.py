@@ -23,7 +23,7 @@ from ..base.errors import ConfigError
 from ..base.pixels import level_table
 from .config import VisionConfig
 from .positions import next_position
-from .prune import kept_groups
+from ..base.prune import kept_groups
 
 MAX_ASPECT = 200
 
@@ -86,7 +86,7 @@ class PreparedImage:
     pixels: torch.Tensor  # uint8 [H, W, 3]; H, W multiples of patch * merge
     grid: tuple[int, int]  # merged grid (rows, cols): one text token per cell
     head_len: int  # template tokens before the image tokens
-    # model.prune_duplicates: the cells kept (long, raster order; prune.py); None: every cell
+    # model.prune_duplicates: the cells kept (long, raster order; base/prune.py); None: every cell
     keep: torch.Tensor | None = None
 
     @property
@@ -121,7 +121,7 @@ class Preprocessor:
     factor: int  # patch * merge: one text token per factor x factor pixels
     merge: int
     head_len: int
-    prune: float | None = None  # model.prune_duplicates (prune.py)
+    prune: float | None = None  # model.prune_duplicates (base/prune.py)
 
     @classmethod
     def create(cls, vision: VisionConfig, settings: PixelSettings, head_len: int = 0, min_pixels: int | None = None,

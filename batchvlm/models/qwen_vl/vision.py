@@ -202,7 +202,7 @@ class VisionTower(nn.Module):
 
     def forward(self, images: list[torch.Tensor], keeps: list[torch.Tensor | None] | None = None) -> VisionOutput:
         """uint8 images [H, W, 3] on the device -> their text-width features. `keeps[i]`
-        (duplicate pruning, prune.py): image i's kept merge groups (long, on the device); only
+        (duplicate pruning, base/prune.py): image i's kept merge groups (long, on the device); only
         their patches are encoded, each with its own position embedding and rotary position on
         the full grid, and attention runs among them alone."""
         c = self.config

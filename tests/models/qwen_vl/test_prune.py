@@ -21,7 +21,7 @@ from batchvlm.engine.engine import Engine
 from batchvlm.job import EngineSpec, ModelSpec, parse_job
 from batchvlm.models.base.errors import ModelLoadError
 from batchvlm.models.qwen_vl.positions import prefix_positions
-from batchvlm.models.qwen_vl.prune import kept_groups
+from batchvlm.models.base.prune import kept_groups
 from batchvlm.models.registry import open_family
 
 transformers = pytest.importorskip("transformers")
