@@ -60,7 +60,7 @@ def check_apart_from_inputs(out_dir: Path | StorePath, inp: InputSpec, shard_url
     if not isinstance(out_dir, Path):
         return
     out = Path(os.path.abspath(out_dir))
-    if inp.folder:
+    if inp.folder and not is_url(inp.folder):
         root = Path(os.path.abspath(inp.folder))
         if out == root or root in out.parents:
             raise OutputConflict(f"output.dir: {out} is inside input.folder {root}; files written there would "

@@ -16,37 +16,9 @@ import pyarrow as pa
 import pytest
 from support.cli import cli_app
 from support.inputs import write_job
-from support.s3server import serving
+from support.s3server import SECRET, bucket, s3  # noqa: F401 - the fixtures
 
 from batchvlm.shapes.shards import write_shards
-
-SECRET = "s3cr3t-that-no-line-may-show"
-_buckets = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with serving() as (server, proxy):
-        yield server, proxy
-
-
-@pytest.fixture
-def bucket(s3, monkeypatch):
-    """A fresh bucket; the environment a user's run would have (through the proxy)."""
-    import boto3
-
-    server, proxy = s3
-    proxy.fail_503, proxy.unconditional, proxy.kill, proxy.fail_from = 0, False, None, None
-    env = {"AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "AKIATESTKEY", "AWS_SECRET_ACCESS_KEY": SECRET,
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "3"}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(k, raising=False)
-    name = f"t{next(_buckets)}-{os.getpid()}"
-    client = boto3.client("s3")
-    client.create_bucket(Bucket=name)
-    return name, client
 
 
 def _objects(client, bucket: str, prefix: str = "labels/") -> dict[str, dict]:
@@ -294,6 +266,35 @@ def test_a_missing_bucket_and_a_wrong_credential_are_one_line(tmp_path, s3, buck
     finally:
         server.set_auth(False)
     assert "refused the credentials" in line and "InvalidAccessKeyId" in line
+
+
+def test_credentials_that_may_only_read_are_refused_before_any_model_load(tmp_path, s3, bucket, monkeypatch):
+    """moto with its authentication on, and an IAM user whose policy allows reads only: validate and
+    run refuse the output in one line naming its URL and the permissions it needs, exit 2."""
+    import boto3
+
+    server, _ = s3
+    name, client = bucket
+    iam, user = boto3.client("iam"), f"reader-{name}"
+    iam.create_user(UserName=user)
+    read_only = {"Effect": "Allow", "Action": ["s3:Get*", "s3:List*"], "Resource": "*"}  # AmazonS3ReadOnlyAccess
+    iam.put_user_policy(UserName=user, PolicyName="read-only",
+                        PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [read_only]}))
+    key = iam.create_access_key(UserName=user)["AccessKey"]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+    write_shards(tmp_path / "data", 1, 2, seed=1)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", out=f"s3://{name}/labels")
+    server.set_auth(True)
+    try:
+        lines = [_refusal(tmp_path, cmd, job) for cmd in ("validate", "run")]
+        r = cli_app(tmp_path, "run", job)
+    finally:
+        server.set_auth(False)
+    assert lines == [f"batchvlm: error: output.dir: no permission to write s3://{name}/labels (AccessDenied); the "
+                     "credentials need s3:GetObject, s3:PutObject, s3:DeleteObject and s3:ListBucket on the prefix"] * 2
+    assert "loaded" not in r.stdout and key["SecretAccessKey"] not in r.stdout
+    assert _objects(client, name) == {}
 
 
 def test_a_store_that_fails_for_a_while_is_retried_then_the_run_stops_cleanly(tmp_path, s3, bucket, monkeypatch):

@@ -8,6 +8,7 @@ Runs see them through AWS_ENDPOINT_URL, as a user's run sees any other store.
 from __future__ import annotations
 
 import http.client
+import itertools
 import logging
 import os
 import signal
@@ -15,6 +16,11 @@ import threading
 import urllib.request
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+SECRET = "s3cr3t-that-no-line-may-show"
+_buckets = itertools.count()
 
 
 class MotoServer:
@@ -55,6 +61,7 @@ class Proxy:
         self.kill: tuple | None = None  # (pgid, test[, signal]): SIGKILL unless a signal is given
         self.fail_from = None  # a test of (method, path): from the first request it matches, all get 503
         self.killed: list[str] = []
+        self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in order
         proxy = self
 
         def kill_point(method: str, path: str, when: str) -> bool:
@@ -74,6 +81,7 @@ class Proxy:
 
             def _any(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                proxy.requests.append((self.command, self.path))
                 if kill_point(self.command, self.path, "before"):
                     self.close_connection = True
                     return
@@ -131,3 +139,31 @@ def serving():
     finally:
         proxy.stop()
         server.stop()
+
+
+# Fixtures for the test modules that use the server (imported there by name):
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with serving() as (server, proxy):
+        yield server, proxy
+
+
+@pytest.fixture
+def bucket(s3, monkeypatch):
+    """A fresh bucket; the environment a user's run would have (through the proxy)."""
+    import boto3
+
+    server, proxy = s3
+    proxy.fail_503, proxy.unconditional, proxy.kill, proxy.fail_from = 0, False, None, None
+    env = {"AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "AKIATESTKEY", "AWS_SECRET_ACCESS_KEY": SECRET,
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "3"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    name = f"t{next(_buckets)}-{os.getpid()}"
+    client = boto3.client("s3")
+    client.create_bucket(Bucket=name)
+    return name, client
