@@ -151,8 +151,10 @@ class S3Store:
                 return None
             raise self.fail(e, key, "read") from None
 
-    def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str | None:
-        """-> the new ETag; None where the condition failed (the object exists / has another ETag / is gone)."""
+    def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None,
+            about: str | None = None) -> str | None:
+        """-> the new ETag; None where the condition failed (the object exists / has another ETag / is gone).
+        `about`: the key a failure names (the output's, for a probe), `key` if None."""
         kw = {"IfNoneMatch": "*"} if if_none_match else {"IfMatch": if_match} if if_match else {}
         try:
             return self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **kw)["ETag"]
@@ -160,7 +162,7 @@ class S3Store:
             # 412 failed, 409 a concurrent conditional write won, 404 If-Match on a deleted object
             if kw and self._code(e) in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey", "404"):
                 return None
-            raise self.fail(e, key, "write") from None
+            raise self.fail(e, about or key, "write") from None
 
     def upload(self, key: str, path: Path) -> None:
         """A local file up to `key`: one PUT, or multipart (parts of PART_BYTES, CONCURRENCY at a
@@ -197,7 +199,7 @@ class S3Store:
         would then not keep ranks apart)."""
         key = f"{prefix}/__batchvlm__/probe-{os.getpid()}-{os.urandom(4).hex()}".lstrip("/")
         self.exists_below(prefix + "/" if prefix else "")
-        if self.put(key, b"probe", if_none_match=True) is None:
+        if self.put(key, b"probe", if_none_match=True, about=prefix) is None:
             raise StoreError(f"output.dir: cannot create a probe object at {self.url(key)}")
         try:
             if self.put(key, b"again", if_none_match=True) is not None:
