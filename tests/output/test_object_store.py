@@ -216,6 +216,37 @@ def test_an_expired_claim_is_taken_over_once_and_its_old_holder_commits_nothing(
         commit_to_store(layout, "t", table, "zstd", stats | {"shard": "t"}, c.confirm)
 
 
+HOLD = """import sys
+from batchvlm.output.claims_store import StoreClaims
+from batchvlm.output.layout import Layout
+claims = StoreClaims(Layout.at(sys.argv[1]).meta)
+print(claims.take("s"), claims.take("t"), flush=True)
+sys.stdin.read()"""
+
+
+def test_a_dead_holder_on_this_host_is_taken_over_at_once(bucket):
+    """A claim names its holder's host and pid: where the host is this one and the process is gone
+    (kill -9), its shard is taken at once (If-Match on its ETag, by one taker), not after the lease."""
+    from batchvlm.output.claims_store import StoreClaims
+    from batchvlm.output.layout import Layout
+
+    name, client = bucket
+    url = f"s3://{name}/labels"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().split() == ["True", "True"]
+        mine, other = StoreClaims(Layout.at(url).meta), StoreClaims(Layout.at(url).meta)  # a lease of 300 s
+        assert not mine.take("s") and not mine.is_free("s")  # its holder lives
+    finally:
+        holder.kill()
+        holder.wait()
+    assert mine.is_free("t") and mine.take("s")
+    assert not other.take("s") and not other.is_free("s")  # taken once: now held by a live process
+    claim = json.loads(client.get_object(Bucket=name, Key="labels/__batchvlm__/s.claim")["Body"].read())
+    assert claim["pid"] == os.getpid()
+
+
 def test_a_large_shard_goes_up_in_parts(tmp_path, bucket, monkeypatch):
     """Above the multipart threshold (made 5 MiB here, S3's smallest part) the upload is
     multipart; the object appears whole, with a multipart ETag (`<md5>-<parts>`)."""
