@@ -141,6 +141,29 @@ def serving():
         server.stop()
 
 
+def store_env(proxy: Proxy) -> dict[str, str]:
+    """The environment a user's run would have for the test store (through the proxy)."""
+    return {"AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "AKIATESTKEY", "AWS_SECRET_ACCESS_KEY": SECRET,
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "3"}
+
+
+def written(client, bucket: str, prefix: str) -> dict[str, list[str]]:
+    """What an output in the store holds: its top-level objects, done markers and claims (names
+    under `prefix/`), and the image keys of all its Parquet objects, sorted."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/")
+    keys = sorted(o["Key"].removeprefix(f"{prefix}/") for page in pages for o in page.get("Contents", []))
+    top = [k for k in keys if "/" not in k]
+    images = []
+    for k in top:
+        body = client.get_object(Bucket=bucket, Key=f"{prefix}/{k}")["Body"].read()
+        images += pq.read_table(pa.BufferReader(body), columns=["key"]).column("key").to_pylist()
+    return {"top": top, "markers": [k for k in keys if k.endswith(".stats.json")],
+            "claims": [k for k in keys if k.endswith(".claim")], "images": sorted(images)}
+
+
 # Fixtures for the test modules that use the server (imported there by name):
 
 
@@ -157,9 +180,7 @@ def bucket(s3, monkeypatch):
 
     server, proxy = s3
     proxy.fail_503, proxy.unconditional, proxy.kill, proxy.fail_from = 0, False, None, None
-    env = {"AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "AKIATESTKEY", "AWS_SECRET_ACCESS_KEY": SECRET,
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "3"}
-    for k, v in env.items():
+    for k, v in store_env(proxy).items():
         monkeypatch.setenv(k, v)
     for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(k, raising=False)
