@@ -114,10 +114,9 @@ def missing(urls: list[str], field: str) -> list[str]:
             fs.invalidate_cache()
             there = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
         except FileNotFoundError as e:
-            err = failure(e, field, folder, fs)
-            if "bucket" in str(err):
-                raise err from None
-            there = set()
+            if not _bucket_exists(fs, folder):
+                raise failure(e, field, folder, fs) from None
+            there = set()  # an empty "folder": every URL named in it is missing
         except Exception as e:  # noqa: BLE001
             raise failure(e, field, folder, fs) from None
         gone += [u for u in named if u.rsplit("/", 1)[-1] not in there]

@@ -98,7 +98,7 @@ def inputs_gone(layout: Layout, ref: ShardRef) -> str | None:
     mount point: relabelling it would replace its labels by "file not found" rows), else None. A
     folder shard that lost some of its images is relabelled (they become error rows). For run,
     status and validate."""
-    if prior_output(layout, ref.stem) is None or not (gone := missing_inputs(ref)):
+    if not (gone := missing_inputs(ref)) or prior_output(layout, ref.stem) is None:  # the cheap test first
         return None
     if ref.kind == "folder" and ref.files is not None and len(gone) < len(ref.files):
         return None

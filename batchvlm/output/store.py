@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import io
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from pathlib import Path
+
+from .store_listing import MARKER, Snapshot
 
 MAX_ATTEMPTS = 10
 # A pending shard's upload holds at most CONCURRENCY parts of PART_BYTES in memory (64 MiB); below
@@ -69,6 +74,7 @@ class S3Store:
     def __init__(self, bucket: str):
         self.bucket = bucket
         self._client, self._pid = None, None
+        self._listing = threading.local()  # .snapshot: a Snapshot while `listed` is in force
 
     @property
     def client(self):
@@ -126,7 +132,32 @@ class S3Store:
         response = getattr(e, "response", None)
         return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
 
+    @contextmanager
+    def listed(self, prefixes: list[str], suffixes: tuple[str, ...]) -> Iterator[None]:
+        """Within, in this thread of this process only: HEADs and GETs of the keys directly under
+        `prefixes` (each ends in `/`) whose names end in one of `suffixes` are answered from one
+        listing of each prefix (store_listing.py): one not listed does not exist, with no request
+        made; a listed one's HEAD is its listing, a listed marker is read ahead. For the reads of a
+        plan or a status (which shards are done), never for claims or commits, which must see the
+        store as it is at that moment: they run in other threads and processes, or outside it."""
+        objects: dict[str, ObjectInfo] = {}
+        for prefix in prefixes:
+            objects |= {o.key: o for o in self.list(prefix)[0]}
+        before = getattr(self._listing, "snapshot", None)
+        self._listing.snapshot = Snapshot(os.getpid(), set(prefixes), suffixes, objects)
+        try:
+            yield
+        finally:
+            self._listing.snapshot = before
+
+    def _snapshot(self, key: str) -> Snapshot | None:
+        """The listing in force that answers for `key`, if any."""
+        snap = getattr(self._listing, "snapshot", None)
+        return snap if snap is not None and snap.answers(key) else None
+
     def head(self, key: str) -> ObjectInfo | None:
+        if snap := self._snapshot(key):
+            return snap.objects.get(key)
         try:
             r = self.client.head_object(Bucket=self.bucket, Key=key)
         except Exception as e:  # noqa: BLE001
@@ -143,6 +174,11 @@ class S3Store:
 
     def fetch(self, key: str) -> tuple[bytes, str] | None:
         """-> (the object's bytes, their ETag), read in one request; None where there is none."""
+        if snap := self._snapshot(key):
+            if key not in snap.objects:
+                return None
+            if key.endswith(MARKER):
+                return snap.body(key, self.fetch)
         try:
             r = self.client.get_object(Bucket=self.bucket, Key=key)
             return r["Body"].read(), r["ETag"]

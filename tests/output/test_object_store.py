@@ -49,7 +49,7 @@ def _top_level(client, bucket: str) -> set[str]:
     return {k.split("/")[0] if "/" in k else k for k in _objects(client, bucket)}
 
 
-def test_run_limit_resume_status_preview_export_and_readers(tmp_path, bucket):
+def test_run_limit_resume_status_preview_export_and_readers(tmp_path, s3, bucket):
     import pyarrow.dataset as ds
     from pyarrow import fs
 
@@ -63,8 +63,22 @@ def test_run_limit_resume_status_preview_export_and_readers(tmp_path, bucket):
     assert (report["done"], report["partial"], report["pending"]) == (1, 1, 1)
     assert "__batchvlm__/partial/shapes-000001.parquet.partial" in _objects(client, name)
     cli_app(tmp_path, "run", job, check=True)
+    proxy = s3[1]
+    proxy.requests.clear()
     r = cli_app(tmp_path, "status", f"s3://{name}/labels", check=True)
     assert "3/3 shards done, 0 partial" in r.stdout
+    # which shards are done comes from one listing of each level: a marker read per done shard, no
+    # HEAD of a Parquet object, no request for a marker that is not there
+    asked = [(m, path.split("?")[0].rsplit("/", 1)[-1]) for m, path in proxy.requests]
+    assert sorted(n for m, n in asked if m == "GET" and n.endswith(".stats.json")) == [
+        f"shapes-{s:06d}.stats.json" for s in range(3)]
+    assert not [n for m, n in asked if m == "HEAD" and n.endswith(".parquet")], asked
+    proxy.requests.clear()
+    r = cli_app(tmp_path, "run", job, check=True)  # nothing to do: the same
+    assert "0 shard(s) written, 3 already done" in r.stdout, r.stdout
+    asked = [(m, path.split("?")[0].rsplit("/", 1)[-1]) for m, path in proxy.requests]
+    assert len([n for m, n in asked if n.endswith(".stats.json")]) == 3, asked
+    assert not [n for m, n in asked if m == "HEAD" and n.endswith(".parquet")], asked
     objs = _objects(client, name)
     assert _top_level(client, name) == {"shapes-000000.parquet", "shapes-000001.parquet", "shapes-000002.parquet",
                                         "__batchvlm__"}
@@ -245,6 +259,29 @@ def test_a_dead_holder_on_this_host_is_taken_over_at_once(bucket):
     assert not other.take("s") and not other.is_free("s")  # taken once: now held by a live process
     claim = json.loads(client.get_object(Bucket=name, Key="labels/__batchvlm__/s.claim")["Body"].read())
     assert claim["pid"] == os.getpid()
+
+
+def test_a_listing_answers_for_keys_it_lacks_and_reads_markers_ahead(s3, bucket):
+    """store.listed (store_listing.py): within it, a key the listing lacks costs no request, and the
+    markers are read READ_AHEAD at a time, each once; outside it every request goes to the store."""
+    from batchvlm.output.store import S3Store
+
+    _, proxy = s3
+    name, client = bucket
+    meta = "labels/__batchvlm__/"
+    for i in range(70):
+        client.put_object(Bucket=name, Key=f"{meta}s{i:03d}.stats.json", Body=str(i).encode())
+    store = S3Store(name)
+    proxy.requests.clear()
+    with store.listed(["labels/", meta], (".parquet", ".stats.json")):
+        assert store.head("labels/s000.parquet") is None and store.get(f"{meta}nope.stats.json") is None
+        assert store.head(f"{meta}s001.stats.json").size == 1
+        got = [store.get(f"{meta}s{i:03d}.stats.json") for i in [5, *range(70)]]
+    assert got == [b"5", *(str(i).encode() for i in range(70))]
+    gets = [path for m, path in proxy.requests if m == "GET" and "list-type" not in path]
+    assert len(gets) == 64 + 6 + 1, gets  # s005 and the 63 after it; s000-s005; s069
+    assert [m for m, path in proxy.requests if m != "GET"] == []
+    assert store.head("labels/s000.parquet") is None and proxy.requests[-1][0] == "HEAD"
 
 
 def test_a_large_shard_goes_up_in_parts(tmp_path, bucket, monkeypatch):
