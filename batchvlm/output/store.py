@@ -212,6 +212,17 @@ class S3Store:
     def delete(self, key: str) -> None:
         self._call("delete", key, self.client.delete_object, Bucket=self.bucket, Key=key)
 
+    def delete_many(self, keys: list[str]) -> None:
+        """Delete `keys`, 1000 a request (S3's DeleteObjects ceiling)."""
+        for i in range(0, len(keys), 1000):
+            batch = keys[i : i + 1000]
+            r = self._call("delete", batch[0], self.client.delete_objects, Bucket=self.bucket,
+                           Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+            if errors := r.get("Errors"):
+                code = errors[0].get("Code", "?")
+                raise StoreError(f"output.dir: cannot delete {self.url(errors[0].get('Key', ''))} ({code}) and "
+                                 f"{len(errors) - 1} more; the credentials need s3:DeleteObject")
+
     def list(self, prefix: str, recursive: bool = False) -> tuple[list[ObjectInfo], list[str]]:
         """-> (objects, sub-prefixes) directly under `prefix` (which ends in `/`); all objects below
         it with `recursive`. One request per 1000 keys."""
