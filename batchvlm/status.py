@@ -73,6 +73,13 @@ class _Tally:
 
 
 def collect(job: Job) -> dict[str, Any]:
+    """What `status` reports (_collect)."""
+    layout = Layout.at(job.output.dir)
+    with layout.listed():  # a store: which markers and objects exist, from one listing of each level
+        return _collect(job, layout)
+
+
+def _collect(job: Job, layout: Layout) -> dict[str, Any]:
     """Shards done / partial (cut short by --limit or a stop) / failed (unreadable) / pending, and
     which of the done ones are damaged (a tar that broke: the samples before the break were kept)
     or hold no image (an empty tar, one of text members only; `no_images`: every shard is such).
@@ -82,38 +89,36 @@ def collect(job: Job) -> dict[str, Any]:
     are gone (an unmounted mount point) is `kept`: its rows count, a run does not relabel it. Where the inputs
     cannot be found (moved, deleted), the shards are those with stats and `pending` is unknown.
     Skipped files: a folder's (listed now), and the members of the done tars (from their stats)."""
-    layout = Layout.at(job.output.dir)
     layout.check()
     try:
         shards, inputs_missing = plan(job.input, layout), None
     except SourceError as e:
         shards, inputs_missing = None, str(e)
     t = _Tally(Counter(shards.skipped if shards is not None else {}))
-    with layout.listed():  # a store: which markers and objects exist, from one listing of each level
-        if shards is not None:
-            stems = [s.stem for s in shards]
-            held = running(layout, shards)
-            for s in shards:
-                if (stats := done_stats(layout, s)) is not None:
-                    t.count(s.stem, stats)
-                elif note := inputs_gone(layout, s):
-                    t.count(s.stem, read_stats(layout, s.stem) or {}, t.kept)
-                    t.kept[-1] = note
-                elif s.stem in held:
-                    t.running.append(s.stem)
-                elif (stats := prior_output(layout, s.stem)) is not None:
-                    t.count(s.stem, stats, t.changed)
-                elif (stats := read_stats(layout, s.stem)) is not None and (stats.get("failed") or has_output(layout, stats)):
-                    t.unfinished(s.stem, stats)
-        else:
-            stems = sorted(p.name.removesuffix(".stats.json") for p in layout.meta.glob("*.stats.json")
-                           if is_our_stats(p))
-            for stem in stems:
-                stats = read_stats(layout, stem) or {}
-                if not stats.get("failed") and stats.get("complete") and has_output(layout, stats):
-                    t.count(stem, stats)
-                elif stats.get("failed") or has_output(layout, stats):
-                    t.unfinished(stem, stats)
+    if shards is not None:
+        stems = [s.stem for s in shards]
+        held = running(layout, shards)
+        for s in shards:
+            if (stats := done_stats(layout, s)) is not None:
+                t.count(s.stem, stats)
+            elif note := inputs_gone(layout, s):
+                t.count(s.stem, read_stats(layout, s.stem) or {}, t.kept)
+                t.kept[-1] = note
+            elif s.stem in held:
+                t.running.append(s.stem)
+            elif (stats := prior_output(layout, s.stem)) is not None:
+                t.count(s.stem, stats, t.changed)
+            elif (stats := read_stats(layout, s.stem)) is not None and (stats.get("failed") or has_output(layout, stats)):
+                t.unfinished(s.stem, stats)
+    else:
+        stems = sorted(p.name.removesuffix(".stats.json") for p in layout.meta.glob("*.stats.json")
+                       if is_our_stats(p))
+        for stem in stems:
+            stats = read_stats(layout, stem) or {}
+            if not stats.get("failed") and stats.get("complete") and has_output(layout, stats):
+                t.count(stem, stats)
+            elif stats.get("failed") or has_output(layout, stats):
+                t.unfinished(stem, stats)
     pending = None if inputs_missing else (len(stems) - len(t.done) - len(t.kept) - len(t.partial) - len(t.failed)
                                            - len(t.running) - len(t.changed))
     return {"job": job.name, "output": str(layout.dir), "shards": None if inputs_missing else len(stems),
