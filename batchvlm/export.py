@@ -44,6 +44,7 @@ from PIL import Image
 
 from .data.decode import decode
 from .data.sources import FOLDER_EXTS, Encoded
+from .job import is_url
 from .output.reader import Output, OutputError
 
 EXTENSION = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tif", "MPO": "jpg"}
@@ -87,7 +88,8 @@ def _check_dest(dest: Path, output: Output, overwrite: bool) -> None:
     """DEST apart from the output folder and the inputs, and empty (or cleared: `overwrite`)."""
     real = Path(os.path.realpath(dest))
     inputs = ([("the output folder", output.dir)] if not output.layout.in_store else []) + (
-        [("input.folder", Path(output.job.input.folder))] if output.job.input.folder else [])
+        [("input.folder", Path(output.job.input.folder))] if output.job.input.folder
+        and not is_url(output.job.input.folder) else [])  # a folder in a store holds no local DEST
     for what, folder in inputs:
         inside = Path(os.path.realpath(folder))
         if real == inside or inside in real.parents:

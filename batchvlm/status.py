@@ -73,6 +73,13 @@ class _Tally:
 
 
 def collect(job: Job) -> dict[str, Any]:
+    """What `status` reports (_collect)."""
+    layout = Layout.at(job.output.dir)
+    with layout.listed():  # a store: which markers and objects exist, from one listing of each level
+        return _collect(job, layout)
+
+
+def _collect(job: Job, layout: Layout) -> dict[str, Any]:
     """Shards done / partial (cut short by --limit or a stop) / failed (unreadable) / pending, and
     which of the done ones are damaged (a tar that broke: the samples before the break were kept)
     or hold no image (an empty tar, one of text members only; `no_images`: every shard is such).
@@ -82,7 +89,6 @@ def collect(job: Job) -> dict[str, Any]:
     are gone (an unmounted mount point) is `kept`: its rows count, a run does not relabel it. Where the inputs
     cannot be found (moved, deleted), the shards are those with stats and `pending` is unknown.
     Skipped files: a folder's (listed now), and the members of the done tars (from their stats)."""
-    layout = Layout.at(job.output.dir)
     layout.check()
     try:
         shards, inputs_missing = plan(job.input, layout), None

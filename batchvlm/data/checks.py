@@ -5,11 +5,13 @@ run would otherwise find only shard by shard, after labelling (issue 40).
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import fsspec
 import pyarrow as pa
 
 from ..job import InputSpec, is_url
+from . import remote
 from .sources import ShardRef, SourceError, check_backend, check_parquet_columns
 
 
@@ -55,9 +57,10 @@ def check_sidecars(inp: InputSpec, shards: list[ShardRef]) -> None:
         return
     for url in dict.fromkeys(s.url for s in shards):
         try:
-            with os.scandir(url) as it:
+            with os.scandir(url) if not is_url(url) else nullcontext(remote.names_in(url)) as it:
                 for e in it:
-                    wanted -= {ext for ext in wanted if e.name.endswith(f".{ext}")}
+                    name = e if isinstance(e, str) else e.name
+                    wanted -= {ext for ext in wanted if name.endswith(f".{ext}")}
         except OSError:
             continue  # an unreadable directory fails its own shards
         if not wanted:

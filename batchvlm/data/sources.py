@@ -31,6 +31,7 @@ from braceexpand import braceexpand
 from PIL import features
 
 from ..job import InputSpec, is_url
+from . import remote
 
 AVIF = features.check("avif")  # Pillow >= 11.2 wheels read AVIF
 FOLDER_EXTS = {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff",
@@ -115,15 +116,19 @@ def shown(name: str) -> str:
     return raw.decode("utf-8", "backslashreplace")
 
 
-def _expand(patterns: list[str]) -> list[str]:
+def _expand(patterns: list[str], field: str) -> list[str]:
     out: list[str] = []
     for pattern in patterns:
         for p in braceexpand(pattern):
             if any(c in p for c in "*?["):
                 if is_url(p):
-                    fs, _, _ = fsspec.get_fs_token_paths(p)
-                    protocol = p.split("://", 1)[0]
-                    out += sorted(f"{protocol}://{m}" for m in fs.glob(p))
+                    try:
+                        matched = remote.glob(p, field)
+                    except remote.RemoteError as e:
+                        raise SourceError(str(e)) from None
+                    if not matched:  # a store has no folders: a wrong prefix is an empty match
+                        raise SourceError(f"{field}: no file matches {p}; fix the URL")
+                    out += matched
                 else:
                     out += sorted(globlib.glob(p))
             else:
@@ -161,8 +166,12 @@ def list_files(inp: InputSpec) -> list[str]:
     patterns = getattr(inp, field)
     for pattern in [patterns] if isinstance(patterns, str) else patterns:
         check_backend(pattern, f"input.{field}")
-    urls = _expand([patterns] if isinstance(patterns, str) else patterns)
+    urls = _expand([patterns] if isinstance(patterns, str) else patterns, f"input.{field}")
     missing = [u for u in urls if not is_url(u) and not os.path.exists(u)]
+    try:  # URLs in a store: against one listing of each folder they name
+        missing += remote.missing([u for u in urls if is_url(u) and remote.listable(u)], f"input.{field}")
+    except remote.RemoteError as e:
+        raise SourceError(str(e)) from None
     if missing:
         raise SourceError(f"input.{field}: not found: {missing[0]}"
                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
@@ -192,42 +201,70 @@ class FolderScan:
 _READABLE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*")
 
 
-def _readable_content(path: str) -> bool:
+def _head(path: str) -> bytes:
     try:
+        if is_url(path):
+            return remote.read_or_none(path, 16) or b""
         with open(path, "rb") as f:
-            head = f.read(16)
+            return f.read(16)
     except OSError:
-        return False
+        return b""
+
+
+def _readable_content(path: str) -> bool:
+    head = _head(path)
     return head.startswith(_READABLE_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
 
 
 def _skip_reason(entry: os.DirEntry) -> str | None:
     """Why a file of the folder is no image to label; None if it is one. A broken link is
     taken: reading it gives an error row."""
-    suffix = Path(entry.name).suffix.lower()
     if not (entry.is_file() or entry.is_symlink()):
         return "not a regular file"
-    if entry.name.startswith("._"):
+    return _name_reason(entry.name, entry.path)
+
+
+def _name_reason(name: str, path: str) -> str | None:
+    """Why a file named `name` (at `path`) is no image to label, by its name (and, for a name of an
+    unreadable format, its first bytes); None if it is one."""
+    suffix = Path(name).suffix.lower()
+    if name.startswith("._"):
         return "macOS ._ metadata"
     if suffix in FOLDER_EXTS:
         return None
     if suffix in UNREADABLE_EXTS:
-        if _readable_content(entry.path):  # e.g. a JPEG an export named .heic
+        if _readable_content(path):  # e.g. a JPEG an export named .heic
             return None
         return f"{UNREADABLE_EXTS[suffix]} (unreadable: convert to JPEG or PNG)"
     return "not an image"
 
 
-def sidecar_paths(image: Path, ext: str) -> tuple[Path, Path]:
-    """Where a folder image's `ext` sidecar may be, in the order read: its own (`img.jpg.txt`, as
-    gallery-dl and many export tools write), then the one beside its stem (`img.txt`)."""
-    return image.with_name(f"{image.name}.{ext}"), image.with_suffix(f".{ext}")
+def sidecar_names(image: str, ext: str) -> tuple[str, str]:
+    """The names a folder image's `ext` sidecar may have, in the order read: its own (`img.jpg.txt`,
+    as gallery-dl and many export tools write), then the one beside its stem (`img.txt`)."""
+    return f"{image}.{ext}", Path(image).with_suffix(f".{ext}").name
+
+
+def in_folder(folder: str, rel: str) -> str:
+    """`rel` (a posix path; "." the folder itself) in a local folder or one in a store (a URL, whose
+    `//` no Path may fold)."""
+    if is_url(folder):
+        return folder.rstrip("/") if rel == "." else f"{folder.rstrip('/')}/{rel}"
+    return str(Path(folder) / rel)
+
+
+def folder_rel(path: str, folder: str) -> str:
+    """The posix path of `path` relative to `folder` ("." for the folder itself): in_folder's inverse."""
+    if is_url(folder):
+        root = folder.rstrip("/")
+        return "." if path.rstrip("/") == root else path.removeprefix(root + "/")
+    return Path(path).relative_to(folder).as_posix()
 
 
 def _sidecars(images: list[str], keep: tuple[str, ...]) -> set[str]:
     """The names of every sidecar of `keep` that the images of one directory may have."""
     exts = [ext for ext in keep if ext != "path"]
-    return {p.name for name in images for ext in exts for p in sidecar_paths(Path(name), ext)}
+    return {side for name in images for ext in exts for side in sidecar_names(name, ext)}
 
 
 def _stat(path: Path) -> tuple[int, int]:
@@ -238,10 +275,14 @@ def _stat(path: Path) -> tuple[int, int]:
     return st.st_size, st.st_mtime_ns
 
 
-def scan_folder(root: Path, keep: tuple[str, ...] = ()) -> FolderScan:
+def scan_folder(root: str, keep: tuple[str, ...] = ()) -> FolderScan:
     """Every directory under `root` that holds images, walked in sorted order (hidden ones too).
     Symlinked directories are followed, each real directory once (a link back up is a loop).
-    The sidecars of `keep` (input.keep) beside the images are read, so not counted as skipped."""
+    The sidecars of `keep` (input.keep) beside the images are read, so not counted as skipped.
+    A folder in a store (a URL) is listed once, whole."""
+    if is_url(root):
+        return _scan_store(root, keep)
+    root = Path(root)
     if not root.is_dir():
         raise SourceError(f"input.folder: {root} is not a directory")
     scan = FolderScan({}, {}, {}, Counter())
@@ -275,6 +316,33 @@ def scan_folder(root: Path, keep: tuple[str, ...] = ()) -> FolderScan:
         if names:
             scan.images[rel.as_posix()] = names
         todo += reversed(subdirs)
+    return scan
+
+
+def _scan_store(root: str, keep: tuple[str, ...]) -> FolderScan:
+    """scan_folder of a folder in a store: its directories are key prefixes, in the order a local
+    walk takes them (a directory before its subdirectories, each level sorted)."""
+    try:
+        files = remote.list_tree(root, "input.folder")
+    except remote.RemoteError as e:
+        raise SourceError(str(e)) from None
+    by_dir: dict[str, list[remote.RemoteFile]] = {}
+    for f in files:
+        by_dir.setdefault(f.path.rpartition("/")[0] or ".", []).append(f)
+    scan = FolderScan({}, {}, {}, Counter())
+    for rel in sorted(by_dir, key=lambda r: () if r == "." else tuple(r.split("/"))):
+        names, others = [], []
+        for f in sorted(by_dir[rel], key=lambda f: f.path):
+            name = f.path.rpartition("/")[2]
+            if (why := _name_reason(name, in_folder(root, f.path))) is None:
+                names.append(name)
+                scan.stat[f.path] = (f.size, f.mtime_ns)
+            else:
+                others.append((name, why))
+        sidecars = _sidecars(names, keep) if keep else set()
+        scan.skipped.update(why for name, why in others if name not in sidecars)
+        if names:
+            scan.images[rel] = names
     return scan
 
 
@@ -484,37 +552,40 @@ def _read_tar(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded | TarSkipped 
             yield damaged
 
 
-def _read_or_none(path: Path) -> bytes | None:
+def _read_or_none(path: str) -> bytes | None:
     """The file's bytes; None if it does not exist. Other I/O errors (permissions, a flaky disk)
     raise: the shard is left unfinished and retried, not marked done with error rows."""
+    if is_url(path):
+        return remote.read_or_none(path)
     try:
-        return path.read_bytes()
+        return Path(path).read_bytes()
     except FileNotFoundError:
         return None
 
 
-def _sidecar(image: Path, ext: str) -> bytes | None:
-    for path in sidecar_paths(image, ext):
-        if (data := _read_or_none(path)) is not None:
+def _sidecar(folder: str, image: str, ext: str) -> bytes | None:
+    for name in sidecar_names(image, ext):
+        if (data := _read_or_none(in_folder(folder, name))) is not None:
             return data
     return None
 
 
 def _read_folder(shard: ShardRef, inp: InputSpec) -> Iterator[Encoded]:
-    root = Path(shard.url)
+    root = shard.url
     if shard.files is None:  # a directory that could not be listed when the shards were planned
         os.listdir(root)  # raises again if it still cannot
         raise SourceError(f"{root} became readable after the shards were planned; the next run labels it")
     for name in shard.files:
-        path = root / name
+        path = in_folder(root, name)
         meta: dict[str, Any] | None = None
         if inp.keep:
-            meta = {ext: _text(_sidecar(path, ext)) for ext in inp.keep if ext != "path"}
+            meta = {ext: _text(_sidecar(root, name, ext)) for ext in inp.keep if ext != "path"}
             if "path" in inp.keep:
-                meta["path"] = shown(os.path.relpath(path, inp.folder))
+                rel = folder_rel(path, inp.folder) if is_url(root) else os.path.relpath(path, inp.folder)
+                meta["path"] = shown(rel)
         data = _read_or_none(path)
         key = shown(name)
-        yield Encoded(key, data, None if data is not None else "read: file not found", meta, str(path), key)
+        yield Encoded(key, data, None if data is not None else "read: file not found", meta, path, key)
 
 
 def _row_groups(pf, start: int, end: int) -> tuple[list[int], int]:

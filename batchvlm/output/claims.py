@@ -25,10 +25,31 @@ from .writer import tmp_path
 LAUNCH_ENV = "BATCHVLM_LAUNCH"
 
 
+def _pid_namespace() -> int | None:
+    """This process's pid namespace: containers that share a host name (host networking) do not
+    share it, so a pid of another one is not looked up here."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def holder_died(holder: object) -> bool:
+    """A claim's holder (its JSON) is a process of this host, and of this pid namespace, that is
+    gone (kill -9): its lease need not be waited out. Claims written before the namespace was
+    recorded are judged by the host alone."""
+    if not isinstance(holder, dict) or holder.get("host") != socket.gethostname():
+        return False
+    if holder.get("pidns", _pid_namespace()) != _pid_namespace():
+        return False
+    pid = holder.get("pid")
+    return isinstance(pid, int) and pid != os.getpid() and not pid_alive(pid)
+
+
 class Claims:
     def __init__(self, folder: Path, lease_s: float = 300.0, heartbeat_s: float = 30.0):
         self.folder, self.lease_s, self.heartbeat_s = folder, lease_s, heartbeat_s
-        me = {"host": socket.gethostname(), "pid": os.getpid()}
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "pidns": _pid_namespace()}
         self.me = json.dumps(me | ({"launch": os.environ[LAUNCH_ENV]} if os.environ.get(LAUNCH_ENV) else {})).encode()
 
     def path(self, stem: str) -> Path:
@@ -62,11 +83,9 @@ class Claims:
     def _holder_died(self, path: Path) -> bool:
         """A holder on this host whose process is gone (kill -9): no need to wait for its lease."""
         try:
-            holder = json.loads(path.read_bytes())
+            return holder_died(json.loads(path.read_bytes()))
         except (OSError, ValueError):
             return False
-        return (holder.get("host") == socket.gethostname() and holder.get("pid") != os.getpid()
-                and not pid_alive(int(holder.get("pid", 0))))
 
     def _take_over(self, stem: str, mtime_ns: int) -> bool:
         """Take a dead holder's lease. Ranks that saw the same stale claim race for a token

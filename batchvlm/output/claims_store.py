@@ -5,7 +5,8 @@ own ETag). A rank takes a shard by creating it with If-None-Match: *; its heartb
 `heartbeat_s` with If-Match on the ETag it last wrote. A claim not rewritten for `lease_s`, judged
 on the store's own clock (its Last-Modified against the Date of the HEAD that read it, so the
 ranks' clocks do not matter), belongs to a dead rank: another rank takes it over with If-Match on
-the ETag it saw, so of several that saw it expire, one wins. A holder whose rewrite fails has lost
+the ETag it saw, so of several that saw it expire, one wins; a claim whose holder is a dead process
+of this host (claims.holder_died) is taken over so at once. A holder whose rewrite fails has lost
 the shard and commits nothing of it (store_commit.py asks `confirm` before the done marker).
 """
 
@@ -16,7 +17,7 @@ import os
 import threading
 import time
 
-from .claims import Claims
+from .claims import Claims, holder_died
 from .layout import Layout
 from .store import StoreError
 from .store_commit import Held
@@ -58,7 +59,7 @@ class StoreClaims(Claims):
         etag = self.store.put(self._key(stem), body, if_none_match=True)
         if etag is None:
             seen, expired = self._expired(stem)
-            if not expired:
+            if not expired and (seen := self._dead_holder(stem)) is None:
                 return False
             # gone meanwhile (released): create it; else take the expired one over, one taker wins
             etag = self.store.put(self._key(stem), body, if_none_match=seen is None, if_match=seen)
@@ -68,8 +69,18 @@ class StoreClaims(Claims):
             self.held[stem] = Held(etag, marker.etag if marker else None)
         return True
 
+    def _dead_holder(self, stem: str) -> str | None:
+        """The ETag of the claim of `stem` where its holder is a dead process of this host (kill -9):
+        taken over at once, with If-Match on that ETag, not after its lease."""
+        got = self.store.fetch(self._key(stem))
+        try:
+            return got[1] if got and holder_died(json.loads(got[0])) else None
+        except ValueError:
+            return None
+
     def is_free(self, stem: str) -> bool:
-        return self._expired(stem)[1]
+        seen, expired = self._expired(stem)
+        return expired or self._dead_holder(stem) is not None
 
     def _held(self, stem: str) -> Held | None:
         """This rank's claim of `stem`. One taken in a loader worker (another process) is this

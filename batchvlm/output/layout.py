@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +75,15 @@ class Layout:
     @property
     def in_store(self) -> bool:
         return not isinstance(self.dir, Path)
+
+    def listed(self) -> AbstractContextManager[None]:
+        """Within (this thread): an output in a store answers which Parquet objects, done markers and
+        partial objects exist from one listing of each level (S3Store.listed), not a request per
+        shard; a folder is read as ever. For the reads that find which shards are done."""
+        if not self.in_store:
+            return nullcontext()
+        below = [f"{p.key}/" if p.key else "" for p in (self.dir, self.meta, self.partial_dir)]
+        return self.dir.store.listed(below, (".parquet", ".stats.json", PARTIAL_SUFFIX))
 
     @property
     def meta(self) -> Path:

@@ -98,7 +98,7 @@ def inputs_gone(layout: Layout, ref: ShardRef) -> str | None:
     mount point: relabelling it would replace its labels by "file not found" rows), else None. A
     folder shard that lost some of its images is relabelled (they become error rows). For run,
     status and validate."""
-    if prior_output(layout, ref.stem) is None or not (gone := missing_inputs(ref)):
+    if not (gone := missing_inputs(ref)) or prior_output(layout, ref.stem) is None:  # the cheap test first
         return None
     if ref.kind == "folder" and ref.files is not None and len(gone) < len(ref.files):
         return None
@@ -185,6 +185,8 @@ def clear_outputs(layout: Layout) -> None:
     Parquet files of its own shards, not others that batchvlm wrote for other jobs. The run
     locks in the metadata folder stay: this run holds its own (unlinking a held lock would let a
     second run take a fresh one)."""
+    if layout.in_store:
+        return _clear_store(layout)
     for stem in own_stems(layout):
         if written_by_us(p := layout.parquet(stem)):
             p.unlink(missing_ok=True)
@@ -202,6 +204,19 @@ def clear_outputs(layout: Layout) -> None:
     for pattern in ("*.parquet.tmp-*", "*.stats.json.tmp-*", "*.claim", "*.claim.takeover-*", OLD_JOB_FILE):
         for p in layout.dir.glob(pattern):
             p.unlink(missing_ok=True)
+
+
+def _clear_store(layout: Layout) -> None:
+    """clear_outputs of an output in a store, in requests of 1000 keys: its own shards' Parquet
+    objects (a shard of its list or with a marker: a foreign object there was refused by the
+    preflight, so each is ours, and none is read to tell) and everything below `__batchvlm__/`
+    (a store holds no run lock). Which exist comes from listings, not a request per shard."""
+    with layout.listed():
+        stems = own_stems(layout)
+        ours = [layout.parquet(stem).key for stem in stems if layout.parquet(stem).is_file()]
+    store = layout.dir.store
+    below = store.list(f"{layout.meta.key}/", recursive=True)[0]
+    store.delete_many(ours + [o.key for o in below])
 
 
 def check_not_input(layout: Layout, parquet_inputs: list[str]) -> None:

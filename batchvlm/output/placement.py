@@ -60,7 +60,7 @@ def check_apart_from_inputs(out_dir: Path | StorePath, inp: InputSpec, shard_url
     if not isinstance(out_dir, Path):
         return
     out = Path(os.path.abspath(out_dir))
-    if inp.folder:
+    if inp.folder and not is_url(inp.folder):
         root = Path(os.path.abspath(inp.folder))
         if out == root or root in out.parents:
             raise OutputConflict(f"output.dir: {out} is inside input.folder {root}; files written there would "
@@ -72,6 +72,17 @@ def check_apart_from_inputs(out_dir: Path | StorePath, inp: InputSpec, shard_url
                                  "Choose another output folder")
 
 
+def _there(path: Path | StorePath) -> bool:
+    """Anything at `path` (in a store: an object, asked of the listing, never a prefix below it)."""
+    return path.is_file() if isinstance(path, StorePath) else path.exists()
+
+
+def _has_record(layout: Layout, stem: str) -> bool:
+    """A stats file of `stem` (read, in a folder; in a store, where only the commit protocol writes
+    markers, that one is listed is enough: no request per shard)."""
+    return layout.stats(stem).is_file() if layout.in_store else read_stats(layout, stem) is not None
+
+
 def check_no_foreign_files(layout: Layout, stems: list[str], clear: bool) -> None:
     """Every shard's Parquet file that exists was written by this output: its shard has a record
     in the metadata folder (the stats file is written before the Parquet file is renamed up, so
@@ -79,10 +90,10 @@ def check_no_foreign_files(layout: Layout, stems: list[str], clear: bool) -> Non
     layout beside it. Anything else would be replaced by labels: refused, naming it."""
     if not layout.dir.is_dir():
         return
-    for stem in stems:
+    with layout.listed():  # a store: one listing of each level, not requests per shard
+        foreign = [stem for stem in stems if _there(layout.parquet(stem)) and not _has_record(layout, stem)]
+    for stem in foreign:
         path = layout.parquet(stem)
-        if not path.exists() or read_stats(layout, stem) is not None:
-            continue
         if clear and is_old_stats(layout.dir / f"{stem}.stats.json"):
             continue
         raise OutputConflict(f"output.dir: {path} was not written by this output (no record of shard {stem} "

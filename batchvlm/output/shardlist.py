@@ -26,11 +26,10 @@ import fcntl
 import hashlib
 import json
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Any
 
-from ..data.sources import (FolderScan, ShardRef, SourceError, file_stat, file_stem, list_files, parquet_rows,
-                            scan_folder, shown)
+from ..data.sources import (FolderScan, ShardRef, SourceError, file_stat, file_stem, folder_rel, in_folder,
+                            list_files, parquet_rows, scan_folder, shown)
 from ..job import InputSpec
 from .layout import Layout
 from .writer import atomic_write_bytes
@@ -88,20 +87,20 @@ def _load(inp: InputSpec, layout: Layout) -> list[ShardRef]:
             from None
     if (d.get("version"), d.get("input"), d.get("shard_size")) != (VERSION, inp.kind, inp.shard_size):
         return []  # planned for other settings: the fingerprint check refused any labels made with them
-    root = Path(inp.folder) if inp.folder else None
-    return [ShardRef(**(s | {"url": str(root / s["url"]) if root else s["url"],
+    root = inp.folder
+    return [ShardRef(**(s | {"url": in_folder(root, s["url"]) if root else s["url"],
                              "files": tuple(s["files"]) if s.get("files") is not None else None,
                              "rows": tuple(s["rows"]) if s.get("rows") is not None else None}))
             for s in d["shards"]]
 
 
 def _encode(inp: InputSpec, shards: list[ShardRef]) -> bytes:
-    root = Path(inp.folder) if inp.folder else None
+    root = inp.folder
 
     def entry(s: ShardRef) -> dict[str, Any]:
         e = {k: v for k, v in asdict(s).items() if v is not None and k != "signature"}
         if root:  # relative: the folder may move
-            e["url"] = Path(s.url).relative_to(root).as_posix()
+            e["url"] = folder_rel(s.url, root)
         return e
 
     data = {"version": VERSION, "input": inp.kind, "shard_size": inp.shard_size, "shards": [entry(s) for s in shards]}
@@ -163,11 +162,11 @@ def _signature(scan: FolderScan, rel: str, files: tuple[str, ...]) -> str:
 
 
 def _merge_folder(inp: InputSpec, prior: list[ShardRef]) -> ShardList:
-    root = Path(inp.folder)
+    root = inp.folder
     scan = scan_folder(root, tuple(inp.keep))
     by_dir: dict[str, list[ShardRef]] = {}
     for s in prior:
-        by_dir.setdefault(Path(s.url).relative_to(root).as_posix(), []).append(s)
+        by_dir.setdefault(folder_rel(s.url, root), []).append(s)
     names = {rel: shards[0].stem.rsplit("-", 1)[0] for rel, shards in by_dir.items()}
     used = set(names.values())
     shards = list(prior)
@@ -179,15 +178,16 @@ def _merge_folder(inp: InputSpec, prior: list[ShardRef]) -> ShardList:
             continue
         name = names.get(rel) or _dir_name(rel, used)
         for k, i in enumerate(range(0, len(new), inp.shard_size), start=len(frozen)):
-            shards.append(ShardRef(f"{name}-{k:05d}", str(root / rel), "folder", tuple(new[i : i + inp.shard_size])))
+            shards.append(ShardRef(f"{name}-{k:05d}", in_folder(root, rel), "folder",
+                                   tuple(new[i : i + inp.shard_size])))
     # A directory that cannot be listed: a placeholder shard (not frozen) that fails when read, so
     # the run reports it and the next one, once it is readable, freezes its images.
     for rel in scan.unreadable:
         if rel not in by_dir:
-            shards.append(ShardRef(f"{_dir_name(rel, used)}-00000", str(root / rel), "folder", None))
+            shards.append(ShardRef(f"{_dir_name(rel, used)}-00000", in_folder(root, rel), "folder", None))
     if not shards:
         raise SourceError(f"input.folder: no images found in {root}")
-    signed = [replace(s, signature=_signature(scan, Path(s.url).relative_to(root).as_posix(), s.files))
+    signed = [replace(s, signature=_signature(scan, folder_rel(s.url, root), s.files))
               if s.files is not None else s for s in shards]
     return ShardList(signed, dict(scan.skipped))
 

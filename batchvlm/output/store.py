@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import io
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from pathlib import Path
+
+from .store_listing import MARKER, Snapshot
 
 MAX_ATTEMPTS = 10
 # A pending shard's upload holds at most CONCURRENCY parts of PART_BYTES in memory (64 MiB); below
@@ -69,6 +74,7 @@ class S3Store:
     def __init__(self, bucket: str):
         self.bucket = bucket
         self._client, self._pid = None, None
+        self._listing = threading.local()  # .snapshot: a Snapshot while `listed` is in force
 
     @property
     def client(self):
@@ -126,7 +132,32 @@ class S3Store:
         response = getattr(e, "response", None)
         return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
 
+    @contextmanager
+    def listed(self, prefixes: list[str], suffixes: tuple[str, ...]) -> Iterator[None]:
+        """Within, in this thread of this process only: HEADs and GETs of the keys directly under
+        `prefixes` (each ends in `/`) whose names end in one of `suffixes` are answered from one
+        listing of each prefix (store_listing.py): one not listed does not exist, with no request
+        made; a listed one's HEAD is its listing, a listed marker is read ahead. For the reads of a
+        plan or a status (which shards are done), never for claims or commits, which must see the
+        store as it is at that moment: they run in other threads and processes, or outside it."""
+        objects: dict[str, ObjectInfo] = {}
+        for prefix in prefixes:
+            objects |= {o.key: o for o in self.list(prefix)[0]}
+        before = getattr(self._listing, "snapshot", None)
+        self._listing.snapshot = Snapshot(os.getpid(), set(prefixes), suffixes, objects)
+        try:
+            yield
+        finally:
+            self._listing.snapshot = before
+
+    def _snapshot(self, key: str) -> Snapshot | None:
+        """The listing in force that answers for `key`, if any."""
+        snap = getattr(self._listing, "snapshot", None)
+        return snap if snap is not None and snap.answers(key) else None
+
     def head(self, key: str) -> ObjectInfo | None:
+        if snap := self._snapshot(key):
+            return snap.objects.get(key)
         try:
             r = self.client.head_object(Bucket=self.bucket, Key=key)
         except Exception as e:  # noqa: BLE001
@@ -143,6 +174,11 @@ class S3Store:
 
     def fetch(self, key: str) -> tuple[bytes, str] | None:
         """-> (the object's bytes, their ETag), read in one request; None where there is none."""
+        if snap := self._snapshot(key):
+            if key not in snap.objects:
+                return None
+            if key.endswith(MARKER):
+                return snap.body(key, self.fetch)
         try:
             r = self.client.get_object(Bucket=self.bucket, Key=key)
             return r["Body"].read(), r["ETag"]
@@ -151,8 +187,10 @@ class S3Store:
                 return None
             raise self.fail(e, key, "read") from None
 
-    def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str | None:
-        """-> the new ETag; None where the condition failed (the object exists / has another ETag / is gone)."""
+    def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None,
+            about: str | None = None) -> str | None:
+        """-> the new ETag; None where the condition failed (the object exists / has another ETag / is gone).
+        `about`: the key a failure names (the output's, for a probe), `key` if None."""
         kw = {"IfNoneMatch": "*"} if if_none_match else {"IfMatch": if_match} if if_match else {}
         try:
             return self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **kw)["ETag"]
@@ -160,7 +198,7 @@ class S3Store:
             # 412 failed, 409 a concurrent conditional write won, 404 If-Match on a deleted object
             if kw and self._code(e) in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey", "404"):
                 return None
-            raise self.fail(e, key, "write") from None
+            raise self.fail(e, about or key, "write") from None
 
     def upload(self, key: str, path: Path) -> None:
         """A local file up to `key`: one PUT, or multipart (parts of PART_BYTES, CONCURRENCY at a
@@ -173,6 +211,17 @@ class S3Store:
 
     def delete(self, key: str) -> None:
         self._call("delete", key, self.client.delete_object, Bucket=self.bucket, Key=key)
+
+    def delete_many(self, keys: list[str]) -> None:
+        """Delete `keys`, 1000 a request (S3's DeleteObjects ceiling)."""
+        for i in range(0, len(keys), 1000):
+            batch = keys[i : i + 1000]
+            r = self._call("delete", batch[0], self.client.delete_objects, Bucket=self.bucket,
+                           Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+            if errors := r.get("Errors"):
+                code = errors[0].get("Code", "?")
+                raise StoreError(f"output.dir: cannot delete {self.url(errors[0].get('Key', ''))} ({code}) and "
+                                 f"{len(errors) - 1} more; the credentials need s3:DeleteObject")
 
     def list(self, prefix: str, recursive: bool = False) -> tuple[list[ObjectInfo], list[str]]:
         """-> (objects, sub-prefixes) directly under `prefix` (which ends in `/`); all objects below
@@ -197,7 +246,7 @@ class S3Store:
         would then not keep ranks apart)."""
         key = f"{prefix}/__batchvlm__/probe-{os.getpid()}-{os.urandom(4).hex()}".lstrip("/")
         self.exists_below(prefix + "/" if prefix else "")
-        if self.put(key, b"probe", if_none_match=True) is None:
+        if self.put(key, b"probe", if_none_match=True, about=prefix) is None:
             raise StoreError(f"output.dir: cannot create a probe object at {self.url(key)}")
         try:
             if self.put(key, b"again", if_none_match=True) is not None:

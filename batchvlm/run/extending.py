@@ -29,6 +29,8 @@ from .summary import RunSummary
 def to_extend(layout: Layout, done: list[ShardRef], job: Job) -> dict[tuple[int, ...], list[ShardRef]]:
     """Done shards whose files lack some task's columns, grouped by the tasks they lack."""
     groups: dict[tuple[int, ...], list[ShardRef]] = defaultdict(list)
+    if layout.in_store:  # an output in a store gains no tasks (preflight refuses it): no schema to read
+        return {}
     for s in done:
         if missing := missing_tasks(layout, s.stem, job.tasks, job.output.raw_text):
             groups[tuple(missing)].append(s)

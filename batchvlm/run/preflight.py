@@ -41,12 +41,18 @@ class Preflight:
 
     def done(self) -> list:
         """The shards a run would skip."""
-        return [] if self.clear else [s for s in self.shards if manifest.is_done(self.layout, s)]
+        if self.clear:
+            return []
+        with self.layout.listed():
+            return [s for s in self.shards if manifest.is_done(self.layout, s)]
 
     def kept(self) -> list[str]:
         """A line for each shard done before whose input files are all gone now (an unmounted mount
         point): a run keeps its labels, says so and exits 1; validate and --dry-run warn."""
-        return [] if self.clear else [note for s in self.shards if (note := manifest.inputs_gone(self.layout, s))]
+        if self.clear:
+            return []
+        with self.layout.listed():
+            return [note for s in self.shards if (note := manifest.inputs_gone(self.layout, s))]
 
     def images(self) -> int | None:
         """Images in all shards; None where a container does not say (tar)."""

@@ -110,7 +110,8 @@ class RankWorker:
         ended; its claims are freed first."""
         layout = Layout.at(self.job.output.dir)
         freed = release_launch(layout.meta, ended) if ended and layout.meta.is_dir() else []
-        done = {s.stem: manifest.is_done(layout, s) for s in plan(self.job.input, layout)}
+        with layout.listed():
+            done = {s.stem: manifest.is_done(layout, s) for s in plan(self.job.input, layout)}
         return freed, [s for s, d in done.items() if not d], [s for s, d in done.items() if d]
 
 

@@ -102,9 +102,10 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
     claims = _claims(job, layout)
     mine = shards if claims else my_shards(shards, rank)  # with claims every rank may take any shard
     summary = RunSummary(len(shards), 0, skipped=Counter(shards.skipped))
-    pending, done = _skip_done(layout, mine, summary)
+    with layout.listed():  # a store: one listing says which markers exist, not a request per shard
+        pending, done = _skip_done(layout, mine, summary)
+        replacing = {s.stem for s in pending if manifest.prior_output(layout, s.stem)}
     meter.shards_total, meter.shards_done = len(mine), summary.shards_done_before
-    replacing = {s.stem for s in pending if manifest.prior_output(layout, s.stem)}
     # done shards whose files lack the columns of tasks the job gained (not under --limit; with
     # work stealing rank 0 adds them; not in an object store, where preflight refuses new tasks)
     extending = limit is None and not layout.in_store and (not claims or rank.rank == 0)
@@ -279,6 +280,7 @@ def _await_held(layout: Layout, pending: list[ShardRef], handled: set[str], clai
     are done, or on a stop request (the run then exits as stopped)."""
     said = False
     while not stop.event.is_set():
+        # key by key, not a listing: few shards are held, and the output may be large
         held = [s for s in pending if s.stem not in handled and not manifest.is_done(layout, s)]
         if not held:
             return []

@@ -16,37 +16,9 @@ import pyarrow as pa
 import pytest
 from support.cli import cli_app
 from support.inputs import write_job
-from support.s3server import serving
+from support.s3server import SECRET, bucket, s3  # noqa: F401 - the fixtures
 
 from batchvlm.shapes.shards import write_shards
-
-SECRET = "s3cr3t-that-no-line-may-show"
-_buckets = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with serving() as (server, proxy):
-        yield server, proxy
-
-
-@pytest.fixture
-def bucket(s3, monkeypatch):
-    """A fresh bucket; the environment a user's run would have (through the proxy)."""
-    import boto3
-
-    server, proxy = s3
-    proxy.fail_503, proxy.unconditional, proxy.kill, proxy.fail_from = 0, False, None, None
-    env = {"AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "AKIATESTKEY", "AWS_SECRET_ACCESS_KEY": SECRET,
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "3"}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(k, raising=False)
-    name = f"t{next(_buckets)}-{os.getpid()}"
-    client = boto3.client("s3")
-    client.create_bucket(Bucket=name)
-    return name, client
 
 
 def _objects(client, bucket: str, prefix: str = "labels/") -> dict[str, dict]:
@@ -77,7 +49,7 @@ def _top_level(client, bucket: str) -> set[str]:
     return {k.split("/")[0] if "/" in k else k for k in _objects(client, bucket)}
 
 
-def test_run_limit_resume_status_preview_export_and_readers(tmp_path, bucket):
+def test_run_limit_resume_status_preview_export_and_readers(tmp_path, s3, bucket):
     import pyarrow.dataset as ds
     from pyarrow import fs
 
@@ -91,8 +63,22 @@ def test_run_limit_resume_status_preview_export_and_readers(tmp_path, bucket):
     assert (report["done"], report["partial"], report["pending"]) == (1, 1, 1)
     assert "__batchvlm__/partial/shapes-000001.parquet.partial" in _objects(client, name)
     cli_app(tmp_path, "run", job, check=True)
+    proxy = s3[1]
+    proxy.requests.clear()
     r = cli_app(tmp_path, "status", f"s3://{name}/labels", check=True)
     assert "3/3 shards done, 0 partial" in r.stdout
+    # which shards are done comes from one listing of each level: a marker read per done shard, no
+    # HEAD of a Parquet object, no request for a marker that is not there
+    asked = [(m, path.split("?")[0].rsplit("/", 1)[-1]) for m, path in proxy.requests]
+    assert sorted(n for m, n in asked if m == "GET" and n.endswith(".stats.json")) == [
+        f"shapes-{s:06d}.stats.json" for s in range(3)]
+    assert not [n for m, n in asked if m == "HEAD" and n.endswith(".parquet")], asked
+    proxy.requests.clear()
+    r = cli_app(tmp_path, "run", job, check=True)  # nothing to do: the same
+    assert "0 shard(s) written, 3 already done" in r.stdout, r.stdout
+    asked = [(m, path.split("?")[0].rsplit("/", 1)[-1]) for m, path in proxy.requests]
+    assert len([n for m, n in asked if n.endswith(".stats.json")]) == 3, asked
+    assert not [n for m, n in asked if m == "HEAD" and n.endswith(".parquet")], asked
     objs = _objects(client, name)
     assert _top_level(client, name) == {"shapes-000000.parquet", "shapes-000001.parquet", "shapes-000002.parquet",
                                         "__batchvlm__"}
@@ -244,6 +230,60 @@ def test_an_expired_claim_is_taken_over_once_and_its_old_holder_commits_nothing(
         commit_to_store(layout, "t", table, "zstd", stats | {"shard": "t"}, c.confirm)
 
 
+HOLD = """import sys
+from batchvlm.output.claims_store import StoreClaims
+from batchvlm.output.layout import Layout
+claims = StoreClaims(Layout.at(sys.argv[1]).meta)
+print(claims.take("s"), claims.take("t"), flush=True)
+sys.stdin.read()"""
+
+
+def test_a_dead_holder_on_this_host_is_taken_over_at_once(bucket):
+    """A claim names its holder's host and pid: where the host is this one and the process is gone
+    (kill -9), its shard is taken at once (If-Match on its ETag, by one taker), not after the lease."""
+    from batchvlm.output.claims_store import StoreClaims
+    from batchvlm.output.layout import Layout
+
+    name, client = bucket
+    url = f"s3://{name}/labels"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().split() == ["True", "True"]
+        mine, other = StoreClaims(Layout.at(url).meta), StoreClaims(Layout.at(url).meta)  # a lease of 300 s
+        assert not mine.take("s") and not mine.is_free("s")  # its holder lives
+    finally:
+        holder.kill()
+        holder.wait()
+    assert mine.is_free("t") and mine.take("s")
+    assert not other.take("s") and not other.is_free("s")  # taken once: now held by a live process
+    claim = json.loads(client.get_object(Bucket=name, Key="labels/__batchvlm__/s.claim")["Body"].read())
+    assert claim["pid"] == os.getpid()
+
+
+def test_a_listing_answers_for_keys_it_lacks_and_reads_markers_ahead(s3, bucket):
+    """store.listed (store_listing.py): within it, a key the listing lacks costs no request, and the
+    markers are read READ_AHEAD at a time, each once; outside it every request goes to the store."""
+    from batchvlm.output.store import S3Store
+
+    _, proxy = s3
+    name, client = bucket
+    meta = "labels/__batchvlm__/"
+    for i in range(70):
+        client.put_object(Bucket=name, Key=f"{meta}s{i:03d}.stats.json", Body=str(i).encode())
+    store = S3Store(name)
+    proxy.requests.clear()
+    with store.listed(["labels/", meta], (".parquet", ".stats.json")):
+        assert store.head("labels/s000.parquet") is None and store.get(f"{meta}nope.stats.json") is None
+        assert store.head(f"{meta}s001.stats.json").size == 1
+        got = [store.get(f"{meta}s{i:03d}.stats.json") for i in [5, *range(70)]]
+    assert got == [b"5", *(str(i).encode() for i in range(70))]
+    gets = [path for m, path in proxy.requests if m == "GET" and "list-type" not in path]
+    assert len(gets) == 64 + 6 + 1, gets  # s005 and the 63 after it; s000-s005; s069
+    assert [m for m, path in proxy.requests if m != "GET"] == []
+    assert store.head("labels/s000.parquet") is None and proxy.requests[-1][0] == "HEAD"
+
+
 def test_a_large_shard_goes_up_in_parts(tmp_path, bucket, monkeypatch):
     """Above the multipart threshold (made 5 MiB here, S3's smallest part) the upload is
     multipart; the object appears whole, with a multipart ETag (`<md5>-<parts>`)."""
@@ -294,6 +334,35 @@ def test_a_missing_bucket_and_a_wrong_credential_are_one_line(tmp_path, s3, buck
     finally:
         server.set_auth(False)
     assert "refused the credentials" in line and "InvalidAccessKeyId" in line
+
+
+def test_credentials_that_may_only_read_are_refused_before_any_model_load(tmp_path, s3, bucket, monkeypatch):
+    """moto with its authentication on, and an IAM user whose policy allows reads only: validate and
+    run refuse the output in one line naming its URL and the permissions it needs, exit 2."""
+    import boto3
+
+    server, _ = s3
+    name, client = bucket
+    iam, user = boto3.client("iam"), f"reader-{name}"
+    iam.create_user(UserName=user)
+    read_only = {"Effect": "Allow", "Action": ["s3:Get*", "s3:List*"], "Resource": "*"}  # AmazonS3ReadOnlyAccess
+    iam.put_user_policy(UserName=user, PolicyName="read-only",
+                        PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [read_only]}))
+    key = iam.create_access_key(UserName=user)["AccessKey"]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+    write_shards(tmp_path / "data", 1, 2, seed=1)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", out=f"s3://{name}/labels")
+    server.set_auth(True)
+    try:
+        lines = [_refusal(tmp_path, cmd, job) for cmd in ("validate", "run")]
+        r = cli_app(tmp_path, "run", job)
+    finally:
+        server.set_auth(False)
+    assert lines == [f"batchvlm: error: output.dir: no permission to write s3://{name}/labels (AccessDenied); the "
+                     "credentials need s3:GetObject, s3:PutObject, s3:DeleteObject and s3:ListBucket on the prefix"] * 2
+    assert "loaded" not in r.stdout and key["SecretAccessKey"] not in r.stdout
+    assert _objects(client, name) == {}
 
 
 def test_a_store_that_fails_for_a_while_is_retried_then_the_run_stops_cleanly(tmp_path, s3, bucket, monkeypatch):

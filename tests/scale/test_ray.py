@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from support.inputs import write_job
+from support.s3server import bucket, s3, store_env, written  # noqa: F401 - the fixtures
 
 from batchvlm.shapes.shards import write_shards
 
@@ -23,14 +24,18 @@ ACTORS = 2
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(s3):
     """One local cluster for the module (start-up is slow); its workers inherit this environment
-    (PYTHONPATH, HF_HUB_OFFLINE)."""
-    ray.init(address="local", num_cpus=ACTORS, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
+    (PYTHONPATH, HF_HUB_OFFLINE, and the test store's: AWS_ENDPOINT_URL and a key, for as long as
+    the cluster lives)."""
+    with pytest.MonkeyPatch.context() as env:
+        for k, v in store_env(s3[1]).items():
+            env.setenv(k, v)
+        ray.init(address="local", num_cpus=ACTORS, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        try:
+            yield ray.get_runtime_context().gcs_address
+        finally:
+            ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +123,19 @@ def test_labeler_in_map_batches_gives_the_labels_of_batchvlm_run(labelled, tmp_p
     for name, r in got.items():
         r.pop("image")
         assert r == want[name], name
+
+
+def test_ray_ranks_write_every_shard_once_into_a_store(cluster, bucket, tmp_path):
+    """`--ray` with output.dir in an object store (moto): the actors claim and commit through it."""
+    name, client = bucket
+    write_shards(tmp_path / "data", 4, 1, seed=23)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", out=f"s3://{name}/labels",
+                    tasks=[{"caption": {}}], engine={"max_new_tokens": 4})
+    r = subprocess.run([sys.executable, "-m", "batchvlm.cli", "run", str(job), "--ray", cluster],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"ray: {ACTORS} rank(s)" in r.stderr and "4 shard(s) written" in r.stderr, r.stderr
+    stems = [f"shapes-{s:06d}" for s in range(4)]
+    assert written(client, name, "labels") == {
+        "top": [f"{s}.parquet" for s in stems], "markers": [f"__batchvlm__/{s}.stats.json" for s in stems],
+        "claims": [], "images": [f"{s:06d}_0000" for s in range(4)]}

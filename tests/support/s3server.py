@@ -8,6 +8,7 @@ Runs see them through AWS_ENDPOINT_URL, as a user's run sees any other store.
 from __future__ import annotations
 
 import http.client
+import itertools
 import logging
 import os
 import signal
@@ -15,6 +16,11 @@ import threading
 import urllib.request
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+SECRET = "s3cr3t-that-no-line-may-show"
+_buckets = itertools.count()
 
 
 class MotoServer:
@@ -55,6 +61,7 @@ class Proxy:
         self.kill: tuple | None = None  # (pgid, test[, signal]): SIGKILL unless a signal is given
         self.fail_from = None  # a test of (method, path): from the first request it matches, all get 503
         self.killed: list[str] = []
+        self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in order
         proxy = self
 
         def kill_point(method: str, path: str, when: str) -> bool:
@@ -74,6 +81,7 @@ class Proxy:
 
             def _any(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                proxy.requests.append((self.command, self.path))
                 if kill_point(self.command, self.path, "before"):
                     self.close_connection = True
                     return
@@ -131,3 +139,52 @@ def serving():
     finally:
         proxy.stop()
         server.stop()
+
+
+def store_env(proxy: Proxy) -> dict[str, str]:
+    """The environment a user's run would have for the test store (through the proxy)."""
+    return {"AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "AKIATESTKEY", "AWS_SECRET_ACCESS_KEY": SECRET,
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "3"}
+
+
+def written(client, bucket: str, prefix: str) -> dict[str, list[str]]:
+    """What an output in the store holds: its top-level objects, done markers and claims (names
+    under `prefix/`), and the image keys of all its Parquet objects, sorted."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/")
+    keys = sorted(o["Key"].removeprefix(f"{prefix}/") for page in pages for o in page.get("Contents", []))
+    top = [k for k in keys if "/" not in k]
+    images = []
+    for k in top:
+        body = client.get_object(Bucket=bucket, Key=f"{prefix}/{k}")["Body"].read()
+        images += pq.read_table(pa.BufferReader(body), columns=["key"]).column("key").to_pylist()
+    return {"top": top, "markers": [k for k in keys if k.endswith(".stats.json")],
+            "claims": [k for k in keys if k.endswith(".claim")], "images": sorted(images)}
+
+
+# Fixtures for the test modules that use the server (imported there by name):
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with serving() as (server, proxy):
+        yield server, proxy
+
+
+@pytest.fixture
+def bucket(s3, monkeypatch):
+    """A fresh bucket; the environment a user's run would have (through the proxy)."""
+    import boto3
+
+    server, proxy = s3
+    proxy.fail_503, proxy.unconditional, proxy.kill, proxy.fail_from = 0, False, None, None
+    for k, v in store_env(proxy).items():
+        monkeypatch.setenv(k, v)
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    name = f"t{next(_buckets)}-{os.getpid()}"
+    client = boto3.client("s3")
+    client.create_bucket(Bucket=name)
+    return name, client
