@@ -3,8 +3,9 @@
 Invariants (the pipelined engine depends on them):
   * One compute stream runs every step in plan order, so a step always sees the KV writes and
     the next-input buffers of the steps before it.
-  * Inputs and emissions go through two ping-pong pinned slots (staging.py); the copy stream
-    waits on each step's own event only.
+  * Inputs and emissions go through two ping-pong pinned slots (staging.py): the host writes a
+    step's inputs in place there and they go up in one copy per buffer; the copy stream waits on
+    each step's own event only.
   * Next-step inputs (token id, coordinate or size) stay in row-indexed device buffers written
     by the family's `decide`; the host never needs a token to launch the next step.
   * Vision batches (vision.py) run on their own stream, each with its own event; a step waits
@@ -194,7 +195,7 @@ class Runner:
 
     def _eager(self, plan: StepPlan, slot: Staging) -> Decision:
         m, bs = self.model, self.bs
-        x, layout = step_inputs(plan, self.recurrent, self.cache.snapshot_index)
+        x, layout = slot.write(lambda w: step_inputs(plan, self.recurrent, self.cache.snapshot_index, w))
         x = slot.upload(x, self.device, self.compute)
         I, S, D = len(plan.prefix_features), len(plan.new_rows), len(plan.decode_rows)
         view = self._prefix_view(plan)
