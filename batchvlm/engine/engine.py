@@ -73,13 +73,14 @@ class Engine:
                                    admit_rows=max(1, n_rows // 8) if graphs is not None else 1,
                                    snapshots=SnapshotSlots(shape.snapshots) if shape.snapshots else None,
                                    emit=model.emit, fill_masks=model.fill_masks if shape.mask_words else None,
-                                   mask_words=shape.mask_words, pipelined=self.pipelined)
+                                   mask_words=shape.mask_words, pipelined=self.pipelined,
+                                   prefill_tokens=sizing.prefill_tokens)
         self.inflight: deque[InFlight] = deque()
         self._held: SampleLike | None = None  # the next sample, when it did not fit in the last vision batch
         self.step = self._step_pipelined if self.pipelined else self._step_sync
         self.stats = {"steps": 0, "graph_steps": 0, "vision_images": 0, "kv_blocks": sizing.kv_blocks,
                       "kv_mib": round(sizing.kv_bytes / 2**20, 1), "kv_sized_by": "job" if sizing.by_job else "memory",
-                      "rows": n_rows, "prefix_view_bytes": sizing.view_bytes,
+                      "rows": n_rows, "prefix_view_bytes": sizing.view_bytes, "prefill_tokens": sizing.prefill_tokens,
                       "graph_capture_s": round(graphs.capture_s, 2) if graphs is not None else 0.0}
         self._count_compiles()
 
