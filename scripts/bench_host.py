@@ -15,8 +15,9 @@ Qwen3-VL / Qwen3.5 at 1024x768: 768 image tokens, Florence-2: 577), so block tab
 their real widths.
 
 Decode-only steps take the CUDA-graph path (padding, staging, the static copies) with the graph
-body run eagerly, as tests run it on CPU; the engine is pipelined, as on CUDA (json rows take
-turns, scheduler.py). Timed per step, in microseconds of host time:
+body run eagerly, as tests run it on CPU, and so do the decode rows of admission steps, beside
+the eager part (runner.py `_split`, as on CUDA; --mixed-admission: one mixed eager step); the
+engine is pipelined, as on CUDA (json rows take turns, scheduler.py). Timed per step, in microseconds of host time:
 
   plan     Scheduler.schedule (admission, the StepPlan), less its masks
   masks    the json masks (fill_masks: xgrammar) of the step's constrained rows
