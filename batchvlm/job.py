@@ -163,6 +163,10 @@ class EngineSpec(Strict):
     kv_memory_fraction: float = Field(0.85, gt=0.0, le=0.98, allow_inf_nan=False,
                                       description="Share of free accelerator memory for the KV cache.")
     max_images_in_flight: int = Field(64, ge=1, le=MAX_BATCH_SIZE, description="Images encoded but not yet fully labelled.")
+    prefill_tokens_per_step: int | None = Field(
+        None, ge=1, le=1 << 20,
+        description="Image-prefix tokens a step prefills at most, at least one image (default: 4096 on CPU; on "
+                    "CUDA sized so a step's prefill lasts about 8 decode steps: docs/engine.md).")
 
     def batch_size_for(self, device_type: str) -> int:
         n = self.max_batch_size or DEFAULT_MAX_BATCH_SIZE.get(device_type, DEFAULT_MAX_BATCH_SIZE["cuda"])

@@ -167,13 +167,17 @@ class FixedSizer(Sizer):
         return self.blocks or sized, n_rows, view_bytes, by_job
 
 
-def engine_runner(md, prepared, seqs, batch, pipelined, cuda_graphs, kv_blocks: int = 0) -> tuple[Engine, object]:
-    """Build the engine now (KV sizing, warm-up, graph capture); -> (engine, its timed run)."""
+def engine_runner(md, prepared, seqs, batch, pipelined, cuda_graphs, kv_blocks: int = 0,
+                  prefill_tokens: int | None = None, split_admission: bool = True) -> tuple[Engine, object]:
+    """Build the engine now (KV sizing, warm-up, graph capture); -> (engine, its timed run).
+    prefill_tokens: engine.prefill_tokens_per_step; split_admission False: admission steps run as
+    one mixed eager forward (runner.py `_split`)."""
     spec = EngineSpec(max_batch_size=batch, pipelined=pipelined, cuda_graphs=cuda_graphs,
-                      max_images_in_flight=max(8, 2 * batch // len(seqs)))
+                      max_images_in_flight=max(8, 2 * batch // len(seqs)), prefill_tokens_per_step=prefill_tokens)
     FixedSizer.blocks = kv_blocks
     with mock.patch.object(engine_module, "Sizer", FixedSizer):
         engine = Engine(md.engine, seqs, spec, md.family.max_prefix_len(), log=lambda m: print(m, file=sys.stderr))
+    engine.runner.split_admission = split_admission
 
     def run():
         items = [Sample(0, i, str(i), p) for i, p in enumerate(prepared)]
@@ -229,11 +233,16 @@ def main() -> int:
     ap.add_argument("--kv-blocks", type=int, default=0,
                     help="one KV cache size (blocks) for every engine: at least what each row needs")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here (after every runner)")
+    ap.add_argument("--prefill-sweep", type=int, nargs="+", default=[], metavar="TOKENS",
+                    help="also run the engine in its default mode at these engine.prefill_tokens_per_step")
+    ap.add_argument("--mixed-admission", action="store_true",
+                    help="also run the engine in its default mode with admission steps as one mixed eager forward")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="start no new (workload, batch) row after this many seconds; print what is done")
     args = ap.parse_args()
     profiled = set(ENGINE_RUNNERS if args.profile == [] else args.profile or ())
     runners = [r for r in args.runners if not (args.skip_one_at_a_time and r == "one-at-a-time")]
+    runners += [label for label, _, _ in variants(args)]
 
     md = load_model(args.model, args.device, args.fixed_lengths)
     dev = md.model.device
@@ -273,6 +282,9 @@ def main() -> int:
         for label, pipelined in ENGINE_RUNNERS.items():
             setups[label] = lambda p=pipelined: engine_runner(md, prepared, seqs, batch, p,
                                                               not args.no_cuda_graphs, args.kv_blocks)
+        for label, prefill, split in variants(args):  # the default mode: pipelined on CUDA
+            setups[label] = lambda t=prefill, s=split: engine_runner(md, prepared, seqs, batch, dev.type == "cuda",
+                                                                     not args.no_cuda_graphs, args.kv_blocks, t, s)
         results.append(row)
         reference = None
         for label in runners:
@@ -319,6 +331,12 @@ def main() -> int:
     return 0
 
 
+def variants(args) -> list[tuple[str, int | None, bool]]:
+    """The extra engine runners: (label, engine.prefill_tokens_per_step, split admission)."""
+    out = [(f"engine prefill {t}", t, True) for t in args.prefill_sweep]
+    return out + [("engine mixed admission", None, False)] if args.mixed_admission else out
+
+
 def table(results: list[dict], device: torch.device) -> str:
     """Ratios of the engine in its default mode on this device (engine.pipelined: auto)."""
     auto = "engine pipelined" if device.type == "cuda" else "engine sync"
@@ -350,6 +368,12 @@ def notes(results: list[dict]) -> list[str]:
                              f"in {st['compile_s']:.1f} s")
             if f"{label} gpu_busy" in r:
                 parts.append(f"{label}: GPU busy {r[f'{label} gpu_busy']:.0%}")
+        extra = [k for k, v in r.items() if isinstance(v, dict) and "images_per_s" in v
+                 and (k.startswith("engine prefill") or k == "engine mixed admission")]
+        for label in ["engine pipelined"] * bool(extra) + extra:
+            st = r.get(f"{label} stats", {})
+            parts.append(f"{label}: {r[label]['images_per_s']} img/s ({st.get('prefill_tokens')} prefill tokens, "
+                         f"{st.get('split_steps')} split admission steps of {st.get('steps')})")
         same = {k: v["identical_share"] for k, v in r.items() if isinstance(v, dict) and "identical_share" in v}
         if same:
             parts.append("identical sequences: " + ", ".join(f"{k} {v:.1%}" for k, v in same.items()))

@@ -15,8 +15,9 @@ Qwen3-VL / Qwen3.5 at 1024x768: 768 image tokens, Florence-2: 577), so block tab
 their real widths.
 
 Decode-only steps take the CUDA-graph path (padding, staging, the static copies) with the graph
-body run eagerly, as tests run it on CPU; the engine is pipelined, as on CUDA (json rows take
-turns, scheduler.py). Timed per step, in microseconds of host time:
+body run eagerly, as tests run it on CPU, and so do the decode rows of admission steps, beside
+the eager part (runner.py `_split`, as on CUDA; --mixed-admission: one mixed eager step); the
+engine is pipelined, as on CUDA (json rows take turns, scheduler.py). Timed per step, in microseconds of host time:
 
   plan     Scheduler.schedule (admission, the StepPlan), less its masks
   masks    the json masks (fill_masks: xgrammar) of the step's constrained rows
@@ -37,6 +38,12 @@ Moondream (the demo model) and Florence-2 run json at their fixtures' vocabulari
   python scripts/bench_host.py                              # 64 and 256 rows, every family and mix
   python scripts/bench_host.py --rows 256 --families moondream --mixes caption --steps 50
   python scripts/bench_host.py --json out.json              # the table as JSON as well
+  python scripts/bench_host.py --against /path/to/old/checkout --repeat 3   # old and this tree side by side
+
+--against runs every row in fresh processes, this tree's and the other checkout's alternately
+(--repeat pairs), and prints each part's p50 for both and the ratio this / other (the median of
+the pairs' ratios): on a shared machine a ratio of runs taken side by side says more than two
+tables taken minutes apart.
 """
 
 from __future__ import annotations
@@ -59,7 +66,8 @@ from pydantic import TypeAdapter
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the tiny checkpoints the tests build (tests/support)
-sys.path.insert(0, str(ROOT))
+# --against runs this script on another checkout's batchvlm (the tree in BENCH_HOST_TREE)
+sys.path.insert(0, os.environ.get("BENCH_HOST_TREE", str(ROOT)))
 
 from batchvlm.cache.specs import PagedKV  # noqa: E402
 from batchvlm.engine import runner as runner_mod  # noqa: E402
@@ -231,8 +239,9 @@ class Clock:
         self.now = dict.fromkeys(PARTS + ("body",), 0.0)
 
 
-def instrument(engine: Engine, clock: Clock) -> None:
+def instrument(engine: Engine, clock: Clock, split_admission: bool = True) -> None:
     sched, runner = engine.scheduler, engine.runner
+    runner.split_admission = split_admission  # as on CUDA (runner.py `_split`); an --against tree may ignore it
     if sched.fill_masks is not None:
         sched.fill_masks = clock.wrap("masks", sched.fill_masks)
     sched.schedule = clock.wrap("plan", sched.schedule, less=("masks",))
@@ -243,6 +252,8 @@ def instrument(engine: Engine, clock: Clock) -> None:
     for slot in runner.staging:
         slot.upload = clock.wrap("staging", slot.upload)
         slot.upload_masks = clock.wrap("staging", slot.upload_masks)
+        if hasattr(slot, "write"):  # step_inputs inside it: counted once (an --against tree may lack it)
+            slot.write = clock.wrap("staging", slot.write, less=("staging",))
     runner_mod.step_inputs = clock.wrap("staging", runner_mod.step_inputs)
     # Decode-only steps: the graph path, its body (the replay on CUDA) run eagerly and not counted.
     graphs = runner.decode_graphs(capture=False)
@@ -266,7 +277,7 @@ def images(prefix: tuple[int, int]):
 
 
 def run_one(family: str, mix: str, rows: int, steps: int, skip: int, workdir: Path, json_vocab: int,
-            cpu_clock: bool = False) -> dict:
+            cpu_clock: bool = False, split_admission: bool = True) -> dict:
     folder = checkpoint(family, workdir, json_vocab if mix == "json" and family.startswith("qwen") else None)
     fam = open_family(ModelSpec(name=folder))
     settings = EngineSpec(max_batch_size=rows, max_new_tokens=64 if mix != "json" else 96, max_objects=8,
@@ -275,7 +286,7 @@ def run_one(family: str, mix: str, rows: int, steps: int, skip: int, workdir: Pa
     model = StandIn(fam.load("float32", "cpu"), PREFIX[family])
     engine = Engine(model, seqs, settings, PREFIX[family][0] + 64, log=lambda m: None)
     clock = Clock(time.thread_time if cpu_clock else time.perf_counter)
-    instrument(engine, clock)
+    instrument(engine, clock, split_admission)
     step = engine.step
     engine.step = lambda: (step(), clock.close_step())[0]
     t0 = time.perf_counter()
@@ -306,6 +317,47 @@ def row_line(r: dict) -> str:
             f"{r['steps']} |")
 
 
+def against(args) -> None:
+    """Each row in --repeat pairs of fresh processes, the other tree's and this one's alternately."""
+    import subprocess
+    import tempfile
+
+    print(f"# this tree / {args.against}, p50 us per step, {args.repeat} pair(s) per row, {args.clock} clock, "
+          f"load {os.getloadavg()[0]:.2f}")
+    print("| family | mix | rows | staging other → this | host other → this | staging ratio | host ratio |")
+    print("|---|---|---|---|---|---|---|")
+    results = []
+    for family in args.families:
+        for mix in args.mixes:
+            for rows in args.rows:
+                runs: dict[str, list[dict]] = {"other": [], "this": []}
+                for _ in range(args.repeat):
+                    for name, tree in (("other", str(args.against)), ("this", str(ROOT))):
+                        with tempfile.TemporaryDirectory() as tmp:
+                            out = Path(tmp) / "r.json"
+                            cmd = [sys.executable, __file__, "--families", family, "--mixes", mix, "--rows", str(rows),
+                                   "--steps", str(args.steps), "--skip", str(args.skip), "--workdir", str(args.workdir),
+                                   "--json-vocab", str(args.json_vocab), "--clock", args.clock, "--json", str(out)]
+                            cmd += ["--mixed-admission"] * args.mixed_admission
+                            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL,
+                                           env=os.environ | {"BENCH_HOST_TREE": tree})
+                            runs[name].append(json.loads(out.read_text())[0])
+                row = {"family": family, "mix": mix, "rows": rows}
+                cells = []
+                for part in ("staging", "host"):
+                    old = [r[part]["p50"] for r in runs["other"]]
+                    new = [r[part]["p50"] for r in runs["this"]]
+                    row[part] = {"other": old, "this": new,
+                                 "ratio": round(statistics.median(n / o for n, o in zip(new, old)), 3)}
+                    cells.append(f"{statistics.median(old):.0f} → {statistics.median(new):.0f}")
+                results.append(row)
+                print(f"| {family} | {mix} | {rows} | {cells[0]} | {cells[1]} | {row['staging']['ratio']:.2f} | "
+                      f"{row['host']['ratio']:.2f} |", flush=True)
+    print(f"# load after: {os.getloadavg()[0]:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[64, 256])
@@ -321,7 +373,13 @@ def main() -> None:
                          "on more than one thread are then undercounted)")
     ap.add_argument("--mask-threads", type=int, default=1,
                     help="xgrammar's threads filling json masks (batchvlm ships 1: models/base/grammar.py)")
+    ap.add_argument("--mixed-admission", action="store_true",
+                    help="admission steps as one mixed eager forward (on CUDA they split: the decode rows by their graph)")
+    ap.add_argument("--against", type=Path, help="another checkout (its root): run both side by side")
+    ap.add_argument("--repeat", type=int, default=3, help="--against: pairs of runs per row")
     args = ap.parse_args()
+    if args.against:
+        return against(args)
     if args.mask_threads != 1 and "json" in args.mixes:
         import xgrammar
 
@@ -338,7 +396,7 @@ def main() -> None:
         for mix in args.mixes:
             for rows in args.rows:
                 r = run_one(family, mix, rows, args.steps, args.skip, args.workdir, args.json_vocab,
-                           args.clock == "cpu")
+                           args.clock == "cpu", not args.mixed_admission)
                 results.append(r)
                 print(row_line(r), flush=True)
     print(f"# load after: {os.getloadavg()[0]:.2f}")

@@ -50,7 +50,7 @@ CALL_BUDGETS=([1]=380 [2]=220)
 KV_BLOCKS=16384
 # The GPU tests (tests/gpu/ after issue 36's move; tests/ before it) and the new CUDA paths among them.
 GPU_TESTS=tests/gpu/test_gpu.py
-NEW_PATHS="json_masks or newer_model_paths or moe_grouped_gemm"
+NEW_PATHS="json_masks or newer_model_paths or moe_grouped_gemm or split_admission"
 
 # The steps, in order: name, call, budget (GPU seconds), minimum worth starting with (a step whose
 # first result needs that long), log file, what it is. Call 1 is set-up 15 + 365 = 380 s.
@@ -58,8 +58,9 @@ STEPS=(
     "environment        1  10  10 env.txt                nvidia-smi, python / torch / CUDA / Triton versions; torch sees the GPU"
     "bench_engine       1 200 120 bench.log              the headline: Moondream 2 shapes, random bf16 weights, 256 images, ${KV_BLOCKS} KV blocks: caption@1024x768/256 (13 crops: the goal row), then mixed/256; engine pipelined, engine sync (+ GPU busy), static batch, one-at-a-time on 2 images; one repeat; \$OUT/bench.json after every runner"
     "flex_smoke_cut     1  60  40 flex_smoke_cut.log     compiled flex at Moondream 2 and Qwen3.5-2B (head dim 256) shapes, bf16, 1 and 128 queries per row, vs the reference, replayed in a CUDA graph"
-    "gpu_tests_new      1  95  80 gpu_tests_new.log      the GPU tests of the new CUDA paths: json masks, Qwen3.5, Qwen3-VL-MoE, Florence-2 graphs vs eager vs CPU, MoE grouped GEMM; a skipped test fails"
+    "gpu_tests_new      1  95  80 gpu_tests_new.log      the GPU tests of the new CUDA paths: json masks, Qwen3.5, Qwen3-VL-MoE, Florence-2 graphs vs eager vs CPU, MoE grouped GEMM, split admission steps; a skipped test fails"
     "gpu_tests          2 150 120 gpu_tests.log          the other GPU tests: graphs vs eager, upstream parity, bf16, KV sizing, pinned staging, compiled flex, classify"
+    "prefill_sweep      2  90  60 prefill_sweep.log      engine pipelined on mixed/256 (Moondream 2 shapes as bench_engine): the prefill budget the H200 gets (engine/prefill.py), 2048 and 8192 tokens, and admission steps as one mixed eager forward instead of split (prefill eager + decode graph)"
     "flex_smoke_rest    2  90  60 flex_smoke_rest.log    flex_smoke's other checks: Qwen3-VL-2B / 8B-GQA, Moondream 2 fp32, 8 and 64 queries per row"
     "bench_qwen35       2 120  90 bench_qwen35.log       Qwen3.5-2B-like shapes, random bf16 weights, 128 images: engine vs transformers' batched generate"
     "bench_qwen3vl      2 120  90 bench_qwen3vl.log      Qwen3-VL-2B shapes, random bf16 weights, 64 images: engine (built untimed) vs transformers' batched generate"
@@ -237,6 +238,12 @@ bench_engine_more() {
         --one-at-a-time-images $(( DRY ? 1 : 8 )) --profile
 }
 
+# engine.prefill_tokens_per_step swept around the per-device default, and split vs mixed admission steps.
+prefill_sweep() {
+    moondream_bench "$LOG_DIR/prefill_sweep.json" mixed/256 -- --runners "engine pipelined" \
+        --prefill-sweep 2048 8192 --mixed-admission
+}
+
 flex_smoke_cut() { $PY scripts/flex_smoke.py --part first $( (( DRY )) && echo --small ); }
 flex_smoke_rest() { $PY scripts/flex_smoke.py --part rest $( (( DRY )) && echo --small ); }
 
@@ -304,7 +311,7 @@ bench_prune() {
     $PY scripts/bench_prune.py "${args[@]}" && $PY scripts/bench_prune.py "${f2[@]}"
 }
 
-export -f bench_embed environment moondream_bench bench_engine bench_engine_more flex_smoke_cut flex_smoke_rest gpu_tests_of \
+export -f bench_embed environment moondream_bench bench_engine bench_engine_more prefill_sweep flex_smoke_cut flex_smoke_rest gpu_tests_of \
     gpu_tests_new gpu_tests bench_qwen3vl bench_moe bench_qwen35 bench_florence2 classify_bench bench_attention \
     bench_prune
 export DRY PY LOG_DIR OUT SCALE KV_BLOCKS GPU_TESTS NEW_PATHS

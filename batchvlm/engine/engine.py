@@ -73,13 +73,14 @@ class Engine:
                                    admit_rows=max(1, n_rows // 8) if graphs is not None else 1,
                                    snapshots=SnapshotSlots(shape.snapshots) if shape.snapshots else None,
                                    emit=model.emit, fill_masks=model.fill_masks if shape.mask_words else None,
-                                   mask_words=shape.mask_words, pipelined=self.pipelined)
+                                   mask_words=shape.mask_words, pipelined=self.pipelined,
+                                   prefill_tokens=sizing.prefill_tokens)
         self.inflight: deque[InFlight] = deque()
         self._held: SampleLike | None = None  # the next sample, when it did not fit in the last vision batch
         self.step = self._step_pipelined if self.pipelined else self._step_sync
-        self.stats = {"steps": 0, "graph_steps": 0, "vision_images": 0, "kv_blocks": sizing.kv_blocks,
+        self.stats = {"steps": 0, "graph_steps": 0, "split_steps": 0, "vision_images": 0, "kv_blocks": sizing.kv_blocks,
                       "kv_mib": round(sizing.kv_bytes / 2**20, 1), "kv_sized_by": "job" if sizing.by_job else "memory",
-                      "rows": n_rows, "prefix_view_bytes": sizing.view_bytes,
+                      "rows": n_rows, "prefix_view_bytes": sizing.view_bytes, "prefill_tokens": sizing.prefill_tokens,
                       "graph_capture_s": round(graphs.capture_s, 2) if graphs is not None else 0.0}
         self._count_compiles()
 
@@ -125,6 +126,7 @@ class Engine:
         stats = self.stats
         stats["steps"] += 1
         stats["graph_steps"] = self.runner.graph_steps
+        stats["split_steps"] = self.runner.split_steps
         self._count_compiles()
         if inflight.oom_rows:  # the step still ran whole, in parts; later steps get half its rows
             cap = self.scheduler.shrink(inflight.oom_rows // 2)
@@ -136,7 +138,8 @@ class Engine:
     def summary(self) -> str:
         s = self.stats
         share = s["graph_steps"] / s["steps"] if s["steps"] else 0.0
-        return (f"{s['steps']} steps, {share:.0%} replayed a CUDA graph ({s['graph_capture_s']:.1f} s to capture), "
+        return (f"{s['steps']} steps, {share:.0%} replayed a CUDA graph ({s['graph_capture_s']:.1f} s to capture; "
+                f"{s['split_steps']} admission steps decoded by one), "
                 f"{s['rows']} rows, {s['kv_blocks']} KV blocks, flex_attention compiled {s['compiled_shapes']} shapes "
                 f"in {s['compile_s']:.1f} s")
 

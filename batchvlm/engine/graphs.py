@@ -17,17 +17,19 @@ outputs into the same fixed buffers each step.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from ..attention import bucket
 from ..models.base.decoding import Decision
-from .inputs import NO_DECODE, DecodeInputs, decode_inputs, pad_decode
+from .inputs import DecodeInputs, decode_shapes, pad_decode
 from .plan import StepPlan
-from .staging import Staging
+from .staging import Staging, carve
 
 # The fixed-shape decode body a graph records: one decode-only forward and decision over the
 # static input buffers (engine/runner.py `fixed_decode`). It must not sync the host or branch on
@@ -63,6 +65,11 @@ class DecodeGraphs:
         self.device, self.compute = device, compute
         self.capture = capture  # False: run the same fixed-shape body eagerly (tests it on CPU)
         self.graphs: dict[tuple[int, int], tuple] = {}  # (graph | None, static inputs, outputs)
+        # Each bucket's static inputs are views of one flat device buffer, in DecodeInputs field
+        # order: a step's padded inputs, written in that layout in its pinned slot, go up in one copy.
+        self.flat: dict[tuple[int, int], torch.Tensor] = {}
+        self.shapes: dict[tuple[int, int], list[tuple[int, ...]]] = {}  # of each bucket's fields
+        self._widths = (padding.seqs_per_image, padding.own_blocks, padding.prefix_blocks)
         self.pool = None
         t0 = time.perf_counter()
         # Under inference_mode, as the steps that replay them: flex_attention's compiled entries
@@ -72,15 +79,14 @@ class DecodeGraphs:
                 self._capture(*key)
         self.capture_s = time.perf_counter() - t0
 
-    def _pad(self, d: DecodeInputs, n_rows: int, n_images: int) -> DecodeInputs:
-        p = self.padding
-        return pad_decode(d, n_rows, n_images, p.seqs_per_image, p.own_blocks, p.prefix_blocks, p.rows)
-
     def _capture(self, n_rows: int, n_images: int):
         dev = self.device
         # The inputs of an all-padding step, as device buffers the graph reads (run() fills them).
-        pad = self._pad(NO_DECODE, n_rows, n_images)
-        static = DecodeInputs(*(torch.from_numpy(getattr(pad, f.name)).to(dev) for f in fields(DecodeInputs)))
+        shapes = self.shapes[(n_rows, n_images)] = decode_shapes(n_rows, n_images, *self._widths)
+        host = np.empty(sum(math.prod(s) for s in shapes), dtype=np.int64)
+        pad_decode(None, DecodeInputs(*carve(host, shapes)), self.padding.rows)
+        flat = self.flat[(n_rows, n_images)] = torch.from_numpy(host).to(dev)
+        static = DecodeInputs(*carve(flat, shapes))
 
         def body() -> Decision:
             return self.step(static)
@@ -104,9 +110,8 @@ class DecodeGraphs:
     def run(self, plan: StepPlan, slot: Staging) -> Decision:
         key = key_of(len(plan.decode_rows), len(plan.decode_image_tables), self.padding.rows)
         graph, static, out = self.graphs[key]  # captured at start-up
-        d = slot.upload(self._pad(decode_inputs(plan, 0, key[0]), *key), self.device, self.compute)
-        for f in fields(DecodeInputs):
-            getattr(static, f.name).copy_(getattr(d, f.name))
+        pad_decode(plan, DecodeInputs(*slot.views(self.shapes[key])), self.padding.rows)
+        slot.send(self.flat[key], self.compute)  # into the static inputs, in place
         if graph is None:  # the uncaptured body, its outputs written where a replay writes them
             fresh = self.step(static)
             for f in fields(Decision):

@@ -1,7 +1,9 @@
-"""StepInputs: one step's device inputs as named fields, built once on the host from a StepPlan
-and uploaded in one copy per dtype (staging.py `Staging.upload`). The eager path reads all of
-them; the CUDA-graph path reads `DecodeInputs` only, padded to the captured bucket. Fields
-are numpy arrays on the host and device tensors (same shapes) after the upload.
+"""StepInputs: one step's device inputs as named fields, written once by the host from a StepPlan
+straight into the step's pinned staging slot and uploaded in one copy per dtype (staging.py
+`Staging.write` / `upload`). The eager path reads all of them; the CUDA-graph path reads
+`DecodeInputs` only, padded to the captured bucket and written into the slot's fixed views
+(`pad_decode`, `Staging.views` / `send`). Fields are numpy arrays (views of the slot) on the
+host and device tensors (same shapes) after the upload.
 
 Flat token layout of one step: [prefixes (ragged) | prompts (ragged) | decode tokens]; a query
 row that pads a group points at flat row N (a zero scratch row the backends append).
@@ -17,7 +19,7 @@ from ..cache.spans import ZERO
 from ..attention import PAD
 from ..models.base.decoding import MODE_SCORE, N_HEADS, SCORE_END
 from .plan import StepPlan
-from .staging import rows_by_image
+from .staging import SlotWriter, image_ranks, rows_by_image
 
 Array = np.ndarray  # on the host; torch.Tensor of the same shape on the device after upload
 
@@ -90,40 +92,44 @@ class StepLayout:
     span_write: list[int]
 
 
-def _ints(values) -> Array:
-    return np.asarray(values, dtype=np.int64)
-
-
-def decode_inputs(plan: StepPlan, first_row: int, pad_row: int) -> DecodeInputs:
+def decode_inputs(plan: StepPlan, first_row: int, pad_row: int, w: SlotWriter) -> DecodeInputs:
     """The decode rows' inputs, unpadded: queries at flat rows first_row ..."""
+    put = w.put
     q = (first_row + np.arange(len(plan.decode_rows), dtype=np.int64))[:, None]
-    by_image, slot = rows_by_image(plan.decode_image, q, len(plan.decode_image_tables), pad_row)
-    return DecodeInputs(plan.decode_rows, plan.decode_own, plan.decode_pos, plan.decode_tables,
-                        plan.decode_image_tables, plan.decode_image_lens, by_image, slot)
+    by_image, slot = rows_by_image(plan.decode_image, q, len(plan.decode_image_tables), pad_row, w)
+    return DecodeInputs(put(plan.decode_rows), put(plan.decode_own), put(plan.decode_pos), put(plan.decode_tables),
+                        put(plan.decode_image_tables), put(plan.decode_image_lens), by_image, slot)
 
 
-NO_DECODE = DecodeInputs(*(np.zeros(shape, dtype=np.int64) for shape in
-                           ((0,), (0,), (0,), (0, 0), (0, 0), (0,), (0, 0), (0, 1))))
+def decode_shapes(n_rows: int, n_images: int, per_image: int, own_blocks: int, prefix_blocks: int
+                  ) -> list[tuple[int, ...]]:
+    """The shape of each DecodeInputs field (in field order) in a CUDA graph's fixed shapes (graphs.py)."""
+    return [(n_rows,), (n_rows,), (n_rows,), (n_rows, own_blocks), (n_images, prefix_blocks), (n_images,),
+            (n_images, per_image), (n_rows, 1)]
 
 
-def pad_decode(d: DecodeInputs, n_rows: int, n_images: int, per_image: int, own_blocks: int,
-               prefix_blocks: int, scratch_row: int) -> DecodeInputs:
-    """Decode inputs made with `decode_inputs(plan, 0, n_rows)`, in a CUDA graph's fixed shapes
-    (graphs.py): n_rows queries at flat rows 0..n_rows-1, padding rows on the scratch state row
-    and the null block, padding images with a one-slot prefix in the null block and no queries."""
-    D = len(d.rows)
-
-    def pad(a: Array, shape: tuple[int, ...], fill: int) -> Array:
-        out = np.full(shape, fill, dtype=np.int64)
-        out[tuple(slice(0, n) for n in a.shape)] = a
-        return out
-
-    M = max(d.by_image.shape[1], 1)
-    slot = np.full((n_rows, 1), n_images * per_image, dtype=np.int64)
-    slot[:D, 0] = d.slot[:, 0] // M * per_image + d.slot[:, 0] % M  # [I, M] -> the graph's [n_images, per_image]
-    return DecodeInputs(pad(d.rows, (n_rows,), scratch_row), pad(d.own, (n_rows,), 0), pad(d.pos, (n_rows,), 0),
-                        pad(d.tables, (n_rows, own_blocks), 0), pad(d.image_tables, (n_images, prefix_blocks), 0),
-                        pad(d.image_lens, (n_images,), 1), pad(d.by_image, (n_images, per_image), n_rows), slot)
+def pad_decode(plan: StepPlan | None, d: DecodeInputs, scratch_row: int) -> None:
+    """Write a plan's decode inputs into `d`, host arrays in a CUDA graph's fixed shapes
+    (`decode_shapes`; plan None: all padding): n_rows queries at flat rows 0..n_rows-1, padding
+    rows on the scratch state row and the null block, padding images with a one-slot prefix in
+    the null block and no queries (their `by_image` entries point at flat row n_rows)."""
+    n_rows, (n_images, per_image) = len(d.rows), d.by_image.shape
+    D = 0 if plan is None else len(plan.decode_rows)
+    I = 0 if plan is None else len(plan.decode_image_tables)
+    d.rows[D:], d.own[D:], d.pos[D:], d.image_lens[I:] = scratch_row, 0, 0, 1
+    d.tables.fill(0)
+    d.image_tables.fill(0)
+    d.by_image.fill(n_rows)
+    d.slot.fill(n_images * per_image)
+    if plan is None:
+        return
+    d.rows[:D], d.own[:D], d.pos[:D], d.image_lens[:I] = (plan.decode_rows, plan.decode_own, plan.decode_pos,
+                                                          plan.decode_image_lens)
+    d.tables[:D, : plan.decode_tables.shape[1]] = plan.decode_tables
+    d.image_tables[:I, : plan.decode_image_tables.shape[1]] = plan.decode_image_tables
+    rank, _ = image_ranks(plan.decode_image, I)
+    d.by_image[plan.decode_image, rank] = np.arange(D)
+    d.slot[:, 0][:D] = plan.decode_image * per_image + rank
 
 
 def score_contexts(plan: StepPlan, flat_seq: Array, flat_own: Array, scored: Array) -> tuple[Array, Array]:
@@ -159,27 +165,37 @@ def score_contexts(plan: StepPlan, flat_seq: Array, flat_own: Array, scored: Arr
     return scored[first], pick.reshape(-1).astype(np.int64)
 
 
-def step_inputs(plan: StepPlan, recurrent: bool, snapshot_index) -> tuple[StepInputs, StepLayout]:
+def step_inputs(plan: StepPlan, recurrent: bool, snapshot_index, w: SlotWriter) -> tuple[StepInputs, StepLayout]:
+    """The step's inputs, every array written in place in the slot writer's buffers."""
+    put = w.put
     I, S, D = len(plan.prefix_features), len(plan.new_rows), len(plan.decode_rows)
     n_pre, n_prompt = int(plan.prefix_lens.sum()), int(plan.prompt_lens.sum())
     L = int(plan.prefix_lens.max()) if I else 0
     T = int(plan.prompt_lens.max()) if S else 0
     N = n_pre + n_prompt + D
     pre_start = np.cumsum(plan.prefix_lens) - plan.prefix_lens
-    pre_img = np.repeat(np.arange(I), plan.prefix_lens)
-    pre_j = np.arange(n_pre) - pre_start[pre_img]
-    q_pre = np.full((I, L), N, dtype=np.int64)
+    pre_img = put(np.repeat(np.arange(I), plan.prefix_lens))
+    pre_j = w.empty(n_pre)
+    np.subtract(np.arange(n_pre), pre_start[pre_img], out=pre_j)
+    q_pre = w.full((I, L), N)
     q_pre[pre_img, pre_j] = np.arange(n_pre)
+    prefix_bidir = w.empty(I)
+    np.subtract(plan.prefix_lens, plan.prefix_prompt_lens, out=prefix_bidir)
     prompt_start = np.cumsum(plan.prompt_lens) - plan.prompt_lens
-    flat_seq = np.repeat(np.arange(S), plan.prompt_lens)
-    flat_own = np.arange(n_prompt) - prompt_start[flat_seq]
-    q_prompt = np.full((S, T), N, dtype=np.int64)
+    flat_seq = put(np.repeat(np.arange(S), plan.prompt_lens))
+    flat_own = w.empty(n_prompt)
+    np.subtract(np.arange(n_prompt), prompt_start[flat_seq], out=flat_own)
+    flat_pos = w.empty(n_prompt)
+    np.add(plan.prompt_pos0[flat_seq], flat_own, out=flat_pos)
+    q_prompt = w.full((S, T), N)
     q_prompt[flat_seq, flat_own] = n_pre + np.arange(n_prompt)
-    own_prompt = np.full((S, T), PAD, dtype=np.int64)
+    own_prompt = w.full((S, T), PAD)
     own_prompt[flat_seq, flat_own] = flat_own
-    prompt_by_image, prompt_slot = rows_by_image(plan.prompt_image, q_prompt, len(plan.prompt_image_tables), N)
-    decode = decode_inputs(plan, n_pre + n_prompt, N)
-    last = np.concatenate([q_prompt[np.arange(S), plan.prompt_lens - 1], n_pre + n_prompt + np.arange(D)])
+    prompt_by_image, prompt_slot = rows_by_image(plan.prompt_image, q_prompt, len(plan.prompt_image_tables), N, w)
+    decode = decode_inputs(plan, n_pre + n_prompt, N, w)
+    last = w.empty(S + D)
+    last[:S] = q_prompt[np.arange(S), plan.prompt_lens - 1]
+    last[S:] = n_pre + n_prompt + np.arange(D)
     seq_len, seq_limit = plan.prompt_lens[flat_seq], plan.new_int[flat_seq, 1]
     scored = np.flatnonzero((plan.new_int[flat_seq, 0] == MODE_SCORE) & (flat_own >= seq_len - seq_limit))
     following = plan.prompt_tokens[np.minimum(scored + 1, max(n_prompt - 1, 0))]
@@ -191,13 +207,16 @@ def step_inputs(plan: StepPlan, recurrent: bool, snapshot_index) -> tuple[StepIn
         layout.span_len = plan.prefix_lens.tolist() + plan.prompt_lens.tolist()
         layout.span_read = [ZERO] * I + [snapshot_index(f) for f in plan.prompt_fork.tolist()]
         layout.span_write = [snapshot_index(s) for s in plan.prefix_snapshot.tolist()] + plan.new_rows.tolist()
+    cu_seqlens = w.empty(len(layout.span_len) + 1)
+    cu_seqlens[0] = 0
+    np.cumsum(layout.span_len, out=cu_seqlens[1:])
     inputs = StepInputs(
-        plan.prefix_tokens, plan.prefix_lens, plan.prefix_lens - plan.prefix_prompt_lens, plan.prefix_tables, q_pre,
-        pre_img, pre_j,
-        plan.new_rows, plan.new_int, plan.new_float, plan.prompt_tokens, plan.prompt_lens, plan.prompt_tables,
-        plan.prompt_image_tables, plan.prompt_image_lens, q_prompt, own_prompt, prompt_by_image, prompt_slot,
-        flat_seq, flat_own, plan.prompt_pos0[flat_seq] + flat_own, decode, _ints(last),
-        n_pre + score_rows, score_pick, _ints(score_target), flat_seq[scored],
-        tuple(np.flatnonzero(plan.needs & (1 << b)) for b in range(N_HEADS)),
-        _ints(layout.span_read), _ints(layout.span_write), _ints(np.concatenate([[0], np.cumsum(layout.span_len)])))
+        put(plan.prefix_tokens), put(plan.prefix_lens), prefix_bidir, put(plan.prefix_tables), q_pre, pre_img, pre_j,
+        put(plan.new_rows), put(plan.new_int), put(plan.new_float), put(plan.prompt_tokens), put(plan.prompt_lens),
+        put(plan.prompt_tables), put(plan.prompt_image_tables), put(plan.prompt_image_lens), q_prompt, own_prompt,
+        prompt_by_image, prompt_slot, flat_seq, flat_own, flat_pos, decode, last,
+        put(n_pre + score_rows), put(score_pick), put(score_target), put(flat_seq[scored]),
+        tuple(put(np.flatnonzero(plan.needs & (1 << b))) for b in range(N_HEADS)),
+        put(np.asarray(layout.span_read, dtype=np.int64)), put(np.asarray(layout.span_write, dtype=np.int64)),
+        cu_seqlens)
     return inputs, layout

@@ -15,7 +15,7 @@ import numpy as np
 
 from .sequence import Sequence
 
-PREFILL_TOKENS_PER_STEP = 4096  # image-prefix tokens prefilled per step (at least one image)
+PREFILL_TOKENS_PER_STEP = 4096  # image-prefix tokens prefilled per step (at least one image): CPU and unknown GPUs (prefill.py)
 
 
 @dataclass

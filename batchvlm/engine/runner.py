@@ -3,8 +3,9 @@
 Invariants (the pipelined engine depends on them):
   * One compute stream runs every step in plan order, so a step always sees the KV writes and
     the next-input buffers of the steps before it.
-  * Inputs and emissions go through two ping-pong pinned slots (staging.py); the copy stream
-    waits on each step's own event only.
+  * Inputs and emissions go through two ping-pong pinned slots (staging.py): the host writes a
+    step's inputs in place there and they go up in one copy per buffer; the copy stream waits on
+    each step's own event only.
   * Next-step inputs (token id, coordinate or size) stay in row-indexed device buffers written
     by the family's `decide`; the host never needs a token to launch the next step.
   * Vision batches (vision.py) run on their own stream, each with its own event; a step waits
@@ -40,7 +41,7 @@ from .graphs import DecodeGraphs, DecodePadding
 from .inputs import DecodeInputs, step_inputs
 from .plan import Emissions, StepPlan
 from .shape import JobShape
-from .split import split_plan, units
+from .split import admission_parts, split_plan, units
 from .staging import InFlight, Staging
 from .vision import VisionStage
 
@@ -93,6 +94,10 @@ class Runner:
         self.compute = torch.cuda.current_stream(dev) if cuda else None
         self.copy_stream = torch.cuda.Stream(dev) if cuda else None
         self.graph_steps = 0  # steps that replayed a graph (or ran its fixed-shape body)
+        # Admission steps with decode rows: those rows by their graph, beside an eager forward of
+        # the prefixes and prompts (`_split`), where graphs exist; False: one mixed eager forward.
+        self.split_admission = True
+        self.split_steps = 0
         # The decode group's PrefixView and the (tables, lengths) of the prefixes it copies.
         self._view: PrefixView | None = None
         self._view_of: tuple[tuple[int, ...], bytes, bytes] | None = None
@@ -126,10 +131,12 @@ class Runner:
                 self.mask_RW[rows] = words
             if plan.is_decode_only and self.graphs is not None:
                 self.graph_steps += 1
-                decision = self.graphs.run(plan, slot)
+                packed = emitted(self.graphs.run(plan, slot), plan.n_out)
+            elif self.split_admission and self.graphs is not None and len(plan.decode_rows):
+                packed = self._split(plan, slot, oom)
             else:
-                decision = self._eager_fitting(plan, slot, oom)
-            self._download(decision, plan.n_out, slot)
+                packed = emitted(self._eager_fitting(plan, slot, oom), plan.n_out)
+            self._download(*packed, slot)
         return InFlight(plan, slot, oom[0] if oom else 0)
 
     @torch.inference_mode()
@@ -165,6 +172,18 @@ class Runner:
                 torch.cuda.synchronize(self.device)
         return Decision(*(torch.cat([getattr(d, f.name) for d in parts]) for f in fields(Decision)))
 
+    def _split(self, plan: StepPlan, slot: Staging, oom: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """An admission step as two forwards on the compute stream: its prefixes and prompts
+        eagerly, then its decode rows by their graph; emissions in the plan's order (new rows,
+        then decode rows). The same as the one mixed forward: the two write disjoint cache blocks,
+        state rows and snapshot slots, and the decode rows read only prefixes prefilled by earlier
+        steps (the same argument as split.py's halves). What it buys and costs: docs/engine.md."""
+        self.split_steps += 1
+        admit, decode = admission_parts(plan)
+        new_i, new_f = emitted(self._eager_fitting(admit, slot, oom), admit.n_out)
+        dec_i, dec_f = emitted(self.graphs.run(decode, slot), decode.n_out)
+        return torch.cat([new_i, dec_i], dim=1), torch.cat([new_f, dec_f])
+
     def collect(self, inflight: InFlight) -> Emissions:
         slot = inflight.slot
         if slot.done is not None:
@@ -174,9 +193,8 @@ class Runner:
         ints, floats = (t.numpy() for t in slot.out_views(n))
         return Emissions(ints[0].copy(), ints[1].copy(), ints[2].astype(bool), floats.copy())
 
-    def _download(self, d: Decision, n: int, slot: Staging) -> None:
-        packed_i, packed_f = emitted(d, n)
-        out_i, out_f = slot.out_views(n)
+    def _download(self, packed_i: torch.Tensor, packed_f: torch.Tensor, slot: Staging) -> None:
+        out_i, out_f = slot.out_views(packed_f.shape[0])
         if self.copy_stream is None:
             out_i.copy_(packed_i)
             out_f.copy_(packed_f)
@@ -194,7 +212,7 @@ class Runner:
 
     def _eager(self, plan: StepPlan, slot: Staging) -> Decision:
         m, bs = self.model, self.bs
-        x, layout = step_inputs(plan, self.recurrent, self.cache.snapshot_index)
+        x, layout = slot.write(lambda w: step_inputs(plan, self.recurrent, self.cache.snapshot_index, w))
         x = slot.upload(x, self.device, self.compute)
         I, S, D = len(plan.prefix_features), len(plan.new_rows), len(plan.decode_rows)
         view = self._prefix_view(plan)

@@ -79,8 +79,10 @@ def _by_prefix(seqs: list[Sequence]) -> tuple[list[Prefix], np.ndarray]:
 class Scheduler:
     def __init__(self, blocks: BlockManager, n_rows: int, n_feature_slots: int, admit_rows: int = 1,
                  snapshots: SnapshotSlots | None = None, emit: Emit = emit_text,
-                 fill_masks: FillMasks | None = None, mask_words: int = 0, pipelined: bool = False):
+                 fill_masks: FillMasks | None = None, mask_words: int = 0, pipelined: bool = False,
+                 prefill_tokens: int = PREFILL_TOKENS_PER_STEP):
         self.blocks = blocks
+        self.prefill_tokens = prefill_tokens  # prefix tokens admitted per step (at least one image)
         self.emit = emit  # the family's host half of its grammar
         self.fill_masks, self.mask_words = fill_masks, mask_words  # constrained sequences' masks
         self.pipelined = pipelined  # constrained sequences take turns (module docstring)
@@ -259,7 +261,7 @@ class Scheduler:
     def _admit(self, new: list[Sequence], prefilled: list[Request]) -> None:
         while self.admitted and self._start_waiting(self.admitted[0], new):
             self._forked.append(self.admitted.popleft())
-        budget = PREFILL_TOKENS_PER_STEP
+        budget = self.prefill_tokens
         while (not self.admitted and self.encoded
                and (not prefilled or budget >= sum(p.length for p in self.encoded[0].prefixes))
                and self._request_fits(self.encoded[0])):

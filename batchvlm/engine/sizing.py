@@ -32,6 +32,7 @@ from ..models.base.decoding import Decision
 from ..models.base.contract import EngineModel
 from .memory import available_bytes
 from .plan import PREFILL_TOKENS_PER_STEP
+from .prefill import prefill_budget
 from .runner import Runner
 from .shape import JobShape
 from .warmup import largest_step
@@ -46,20 +47,37 @@ class Sizing:
     view_bytes: int  # the largest PrefixView, reserved beside the cache (reference attention only)
     kv_bytes: int  # the paged cache's tensors
     by_job: bool  # True: kv_blocks is what the job can use at once; False: what memory allows
+    prefill_tokens: int  # image-prefix tokens an admission step prefills at most (at least one image)
 
 
 class Sizer:
     def __init__(self, model: EngineModel, shape: JobShape, settings: EngineSpec, log: Callable[[str], None]):
         self.model, self.shape, self.settings, self.log = model, shape, settings, log
         self.specs = model.state_specs()
+        self.prefill_tokens = PREFILL_TOKENS_PER_STEP  # decided first in size(): the warm-up runs it
 
     def size(self) -> Sizing:
         shape = self.shape
+        self.prefill_tokens = self.prefill_budget(self.settings.max_batch_size)
         n_prefix = shape.prefix_blocks * shape.prefixes_per_image
         n_blocks, n_rows, view_bytes, by_job = self._kv_blocks(self.settings.max_batch_size, n_prefix)
         # Rows beyond what the blocks can hold at once would never run: their staging is waste.
         n_rows = max(1, min(n_rows, (n_blocks - 1 - n_prefix) // min(shape.own_blocks)))
-        return Sizing(n_rows, n_blocks, view_bytes, n_blocks * self.per_block, by_job)
+        return Sizing(n_rows, n_blocks, view_bytes, n_blocks * self.per_block, by_job, self.prefill_tokens)
+
+    def prefill_budget(self, n_rows: int) -> int:
+        """engine.prefill_tokens_per_step, else the device's budget (prefill.py): on CUDA from the
+        weights on the device (all that is allocated before the cache) and what a decode step of
+        n_rows rows reads besides them (the prefixes of the images they hold, their own K/V at
+        its longest, their recurrent state)."""
+        if self.settings.prefill_tokens_per_step is not None:
+            return self.settings.prefill_tokens_per_step
+        dev, shape = self.model.device, self.shape
+        if dev.type != "cuda":
+            return PREFILL_TOKENS_PER_STEP
+        read = (bytes_per_slot(self.specs) * (shape.images_for(n_rows) * shape.max_prefix_len + n_rows * shape.max_own_len)
+                + bytes_per_state(self.specs) * n_rows)
+        return prefill_budget(torch.cuda.get_device_name(dev), self.model.dtype, torch.cuda.memory_allocated(dev), read)
 
     @property
     def per_block(self) -> int:
@@ -137,9 +155,11 @@ class Sizer:
             return int(peak * 1.2), n_rows
 
     @torch.inference_mode()
-    def run_largest_step(self, n_rows: int, prefill_tokens: int = PREFILL_TOKENS_PER_STEP) -> Decision:
-        """A maximal vision batch, then the largest step (warmup.py) on a scratch cache and runner."""
+    def run_largest_step(self, n_rows: int, prefill_tokens: int | None = None) -> Decision:
+        """A maximal vision batch, then the largest step (warmup.py) on a scratch cache and runner
+        (prefill_tokens: the engine's budget unless given)."""
         model, shape, bs = self.model, self.shape, self.shape.block_size
+        prefill_tokens = self.prefill_tokens if prefill_tokens is None else prefill_tokens
         feats = model.encode(model.largest_vision_batch())
         plan = largest_step(n_rows, shape.seqs_per_prefix, shape.max_prefix_len, shape.max_prompt,
                             shape.max_own_len, bs, prefill_tokens, shape.max_prefix_prompt, bool(shape.snapshots),

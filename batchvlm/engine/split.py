@@ -1,4 +1,5 @@
-"""Splitting a StepPlan in two, in order: how a step that ran out of memory is still run whole.
+"""Splitting a StepPlan in two, in order: how a step that ran out of memory is still run whole,
+and how an admission step runs its decode rows by a CUDA graph (`admission_parts`).
 
 A plan's work is a sequence of units: its image prefixes, then its new sequences (prompts),
 then its decode rows. Running the two halves of that sequence one after the other computes the
@@ -34,6 +35,13 @@ def split_plan(plan: StepPlan) -> tuple[StepPlan, StepPlan]:
 
     return (_part(plan, cut(0, mid, I), cut(-I, mid - I, S), cut(-I - S, mid - I - S, D)),
             _part(plan, cut(mid, I + S + D, I), cut(mid - I, S + D, S), cut(mid - I - S, D, D)))
+
+
+def admission_parts(plan: StepPlan) -> tuple[StepPlan, StepPlan]:
+    """-> (its prefixes and new sequences, its decode rows): an admission step's two forwards
+    (runner.py `_split`), the same units in the same order as `split_plan`'s halves."""
+    I, S, D = len(plan.prefix_features), len(plan.new_rows), len(plan.decode_rows)
+    return _part(plan, slice(0, I), slice(0, S), slice(0, 0)), _part(plan, slice(0, 0), slice(0, 0), slice(0, D))
 
 
 def _part(plan: StepPlan, im: slice, new: slice, dec: slice) -> StepPlan:

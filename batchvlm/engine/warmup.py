@@ -1,7 +1,7 @@
 """The largest step the engine can plan, as a real StepPlan: what KV sizing warms up on.
 
-The scheduler prefills at most PREFILL_TOKENS_PER_STEP prefix tokens (at least one image) per
-step, starts every sequence of those images, and decodes every other row. So the worst step
+The scheduler prefills at most the engine's prefill budget of prefix tokens (sizing.py, prefill.py;
+at least one image) per step, starts every sequence of those images, and decodes every other row. So the worst step
 is: as many maximal prefixes as the budget allows, their prompts (the longest prompt for every
 sequence), and the remaining rows decoding at their longest own length, spread over as many
 images as they can be (each image's prefix is read once per step), with every output head.

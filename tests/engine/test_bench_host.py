@@ -29,3 +29,17 @@ def test_every_family_and_mix_has_host_times_per_step(tmp_path):
             assert 0 < r[part]["p50"] <= r[part]["p90"], (r["family"], r["mix"], part, r[part])
         # only json rows have masks (the Qwens' at the --json-vocab vocabulary)
         assert (r["masks"]["p50"] > 0) == (r["mix"] == "json"), (r["family"], r["mix"], r["masks"])
+
+
+def test_against_another_checkout_prints_both_and_their_ratio(tmp_path):
+    out = tmp_path / "against.json"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_host.py"), "--against", str(REPO), "--repeat", "1",
+         "--families", "moondream", "--mixes", "caption", "--rows", "8", "--steps", "3", "--skip", "1",
+         "--workdir", str(tmp_path / "models"), "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "| moondream | caption | 8 |" in run.stdout
+    (r,) = json.loads(out.read_text())
+    for part in ("staging", "host"):
+        assert len(r[part]["other"]) == len(r[part]["this"]) == 1 and r[part]["ratio"] > 0, r

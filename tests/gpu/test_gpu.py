@@ -44,6 +44,28 @@ def test_graphs_pipelining_and_eager_agree_on_cuda(tiny_cuda):
                 assert got == reference, (graphs, pipelined, batch)
 
 
+def test_split_admission_steps_agree_with_the_mixed_step_on_cuda(tiny_cuda):
+    """Admission steps as an eager prefill beside a graph replay of the decode rows (runner.py
+    `_split`, the CUDA default) against one mixed eager forward: the same labels in float32."""
+    from batchvlm.data.loader import Sample
+    from batchvlm.engine.engine import Engine
+    from batchvlm.job import EngineSpec
+
+    md, prepared = tiny_cuda
+    seqs = md.sequences(TASKS, max_new_tokens=9, max_objects=3)
+    for pipelined in (False, True):
+        for batch in (7, 64):
+            got = {}
+            for split in (False, True):
+                engine = Engine(md.engine, seqs, EngineSpec(max_batch_size=batch, pipelined=pipelined), md.P)
+                engine.runner.split_admission = split
+                out = {im.sample.index: [(s.output.tokens, s.output.objects) for s in im.seqs]
+                       for im in engine.run(Sample(0, i, f"key{i}", p) for i, p in enumerate(prepared))}
+                got[split] = [out[i] for i in range(len(prepared))]
+                assert (engine.stats["split_steps"] > 0) == split, engine.stats
+            assert got[True] == got[False], (pipelined, batch)
+
+
 def test_upstream_parity_on_cuda_float32(fixtures_dir, tmp_path):
     from support.moondream import upstream_tasks
 
