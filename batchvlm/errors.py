@@ -14,18 +14,25 @@ from pathlib import Path
 from .exits import EXIT_FAILED, EXIT_JOB_ERROR, EXIT_STOPPED
 
 
+class UsageError(ValueError):
+    """A command line that cannot run as given: a flag's value, or a package that a flag needs and
+    this install lacks. One line naming the flag, exit 2 as for a job error: the same command
+    fails the same way."""
+
+
 def error_line(message: str) -> str:
     return f"batchvlm: error: {message}"
 
 
 def user_errors() -> tuple[type[Exception], ...]:
-    """A job that cannot run as written: the job file, its inputs, the model, the output folder."""
+    """A job that cannot run as written: the job file, its inputs, the model, the output folder;
+    or a command line that cannot run as given (UsageError)."""
     from .data.sources import SourceError
     from .job import JobError
     from .models.base.errors import FamilyError, ModelLoadError
     from .output.layout import OutputConflict
 
-    return JobError, SourceError, ModelLoadError, FamilyError, OutputConflict
+    return JobError, SourceError, ModelLoadError, FamilyError, OutputConflict, UsageError
 
 
 def run_failure(e: Exception, out_dir: str) -> tuple[int, str] | None:

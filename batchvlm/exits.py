@@ -4,7 +4,8 @@ Kubernetes podFailurePolicy, Ray's driver):
     0   every shard this launch owns is done
     1   the run failed (a shard failed or is damaged, a write failed, a bug): retrying may help,
         and counts against the scheduler's retry budget (Kubernetes backoffLimitPerIndex)
-    2   the job cannot run as written (job file, inputs, model name, output folder settings):
+    2   the job cannot run as written (job file, inputs, model name, output folder settings), or
+        the command line cannot run as given (errors.UsageError):
         the same launch fails the same way, so do not retry (podFailurePolicy FailIndex)
     75  stopped before the end and nothing is wrong (SIGTERM / SIGUSR1: preemption, a drain,
         a time limit; or another live run holds this rank): run again to continue (EX_TEMPFAIL)

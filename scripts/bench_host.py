@@ -124,14 +124,15 @@ def corpus(budget: int) -> str:
     return "\n".join(parts)
 
 
-def checkpoint(family: str, workdir: Path, vocab: int | None) -> str:
-    """A model folder of the family (built once into workdir): the demo model for Moondream."""
+def checkpoint(family: str, workdir: Path, vocab: int | None, corpus_chars: int = 40_000_000) -> str:
+    """A model folder of the family (built once into workdir): the demo model for Moondream; a
+    `vocab`-token tokenizer is trained on about `corpus_chars` characters (corpus)."""
     if family == "moondream":
         return "demo"
     dest = workdir / (family + (f"-{vocab}" if vocab else ""))
     if (dest / "config.json").exists():
         return str(dest)
-    extra = {"vocab": vocab, "corpus": corpus(40_000_000), "shard_size": "2GB"} if vocab else {}
+    extra = {"vocab": vocab, "corpus": corpus(corpus_chars), "shard_size": "2GB"} if vocab else {}
     t0 = time.perf_counter()
     if family == "qwen3_vl":
         from support.qwen3vl_fixture import write_checkpoint
@@ -277,8 +278,9 @@ def images(prefix: tuple[int, int]):
 
 
 def run_one(family: str, mix: str, rows: int, steps: int, skip: int, workdir: Path, json_vocab: int,
-            cpu_clock: bool = False, split_admission: bool = True) -> dict:
-    folder = checkpoint(family, workdir, json_vocab if mix == "json" and family.startswith("qwen") else None)
+            cpu_clock: bool = False, split_admission: bool = True, corpus_chars: int = 40_000_000) -> dict:
+    folder = checkpoint(family, workdir, json_vocab if mix == "json" and family.startswith("qwen") else None,
+                        corpus_chars)
     fam = open_family(ModelSpec(name=folder))
     settings = EngineSpec(max_batch_size=rows, max_new_tokens=64 if mix != "json" else 96, max_objects=8,
                           pipelined=True, max_images_in_flight=min(rows, 256))
@@ -368,6 +370,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench_host"), help="tiny checkpoints, built once")
     ap.add_argument("--json-vocab", type=int, default=QWEN_VOCAB, help="the Qwen families' vocabulary in the json mix")
     ap.add_argument("--json", type=Path, help="write the results here as well")
+    ap.add_argument("--corpus-chars", type=int, default=40_000_000,
+                    help="the text the json mix's tokenizer is trained on, in characters (smaller: a quicker build)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: this thread's CPU time (a loaded machine's preemptions left out; json masks "
                          "on more than one thread are then undercounted)")
@@ -396,7 +400,7 @@ def main() -> None:
         for mix in args.mixes:
             for rows in args.rows:
                 r = run_one(family, mix, rows, args.steps, args.skip, args.workdir, args.json_vocab,
-                           args.clock == "cpu", not args.mixed_admission)
+                           args.clock == "cpu", not args.mixed_admission, args.corpus_chars)
                 results.append(r)
                 print(row_line(r), flush=True)
     print(f"# load after: {os.getloadavg()[0]:.2f}")

@@ -71,6 +71,10 @@ QWEN35 = {
     "mid": dict(text_dim=512, heads=8, kv_heads=2, head_dim=128, layers=8, partial_rotary=0.25, section=(6, 5, 5),
                 lin_k_heads=4, lin_v_heads=8, lin_k_dim=64, lin_v_dim=64, vision_dim=384, vision_heads=6, depth=6,
                 pos_embeddings=256, vocab=4096, shard_size="200MB"),
+    # for scripts/gpu_check.sh --dry-run: the script itself, in seconds (one full layer in four, as mid)
+    "tiny": dict(text_dim=64, heads=4, kv_heads=2, head_dim=16, layers=4, partial_rotary=0.5, section=(2, 1, 1),
+                 lin_k_heads=2, lin_v_heads=4, lin_k_dim=16, lin_v_dim=16, vision_dim=64, vision_heads=2, depth=2,
+                 pos_embeddings=256, vocab=1024, shard_size="50MB"),
     # Qwen3.5-2B-like shapes (random weights): 24 layers (6 full), head_dim 256, rotary on a quarter
     "2b": dict(text_dim=2048, heads=8, kv_heads=2, head_dim=256, layers=24, partial_rotary=0.25, section=(11, 11, 10),
                ff=6144, lin_k_heads=16, lin_v_heads=16, lin_k_dim=128, lin_v_dim=128, vision_dim=1024,
@@ -186,7 +190,7 @@ def delta_rule_kernels(dev: torch.device) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", choices=list(FAMILIES), default="qwen3_vl")
-    ap.add_argument("--config", choices=["mid", "2b", "tiny"], default="mid", help="tiny: Qwen3-VL only (the dry run)")
+    ap.add_argument("--config", choices=["mid", "2b", "tiny"], default="mid", help="tiny: the dry run's")
     ap.add_argument("--moe", action="store_true", help="the config's MoE variant (qwen3_vl_moe / qwen3_5_moe)")
     ap.add_argument("--seed", type=int, default=0, help="of the random checkpoint's weights")
     ap.add_argument("--device", default="auto")

@@ -20,7 +20,7 @@
 #   scripts/gpu_check.sh --dry-run [--call N | STEP...]   on CPU: the plan, then both calls (or the one
 #                                     named, or the steps named) at tiny sizes, each with its own set-up as
 #                                     on a fresh machine (checks the script and every step's arguments;
-#                                     budgets x4 for a shared CPU). tests/gpu/test_gpu_check.py runs it.
+#                                     budgets x4 for a shared CPU). tests/gpu/test_gpu_check_dry_run.py runs it.
 #
 # The procedure (prepare and dry-run here, the two calls, what to record from $OUT): CONTRIBUTING.md,
 # "The GPU check"; docs/benchmarks.md's GPU numbers come from what it records.
@@ -277,7 +277,7 @@ bench_moe() {
 
 bench_qwen35() {  # Gated DeltaNet on flash-linear-attention's kernels on both sides when the carried fla imports (the log says which)
     local args=(--config 2b --dtype bfloat16 --images 128 --batch 256 --hf-batch 64 --max-new-tokens 32)
-    (( DRY )) && args=(--config mid --device cpu --images 2 --batch 16 --hf-batch 8 --max-new-tokens 3)
+    (( DRY )) && args=(--config tiny --device cpu --images 2 --batch 16 --hf-batch 8 --max-new-tokens 3)
     $PY scripts/bench_qwen3vl.py --family qwen3_5 "${args[@]}" --skip-one-at-a-time --json "$LOG_DIR/bench_qwen35.json"
 }
 

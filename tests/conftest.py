@@ -12,8 +12,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # small-op CPU work slows many times over.
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-else:
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+else:  # one process: two threads, unless OMP_NUM_THREADS says (a shared machine's runs set 1)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1)))
 
 # The shared fixtures live beside the checkout (../shared), inside it (shared/), or where
 # BATCHVLM_SHARED points.

@@ -20,7 +20,6 @@ Provenance: each file's `batchvlm` metadata maps every label column to the run t
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +28,7 @@ import pyarrow.parquet as pq
 
 from ..tasks import Task, label_columns
 from .layout import Layout
-from .writer import _fsync_dir, _removing_on_error, atomic_write_bytes, output_stat, tmp_path
+from .writer import replace_shard_file
 
 
 def missing_tasks(layout: Layout, stem: str, tasks: list[Task], raw_text: bool) -> list[int]:
@@ -76,15 +75,6 @@ class ShardExtender:
             "shard": stem, "finished": old_meta.get("finished"),
             "columns_by_run": columns_by_run(old_meta, self.tasks, self.raw_text, self.started, set(added))}
         table = pa.Table.from_arrays(columns, schema=sch.with_metadata({"batchvlm": json.dumps(meta)}))
-        tmp = tmp_path(final, layout.meta)
-        with _removing_on_error(tmp):
-            pq.write_table(table, tmp, compression=None if compression == "none" else compression)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            # the marker first: until the rename it names a file that is not there (the shard is
-            # not done, and a run redoes it whole)
-            marker = json.loads(layout.stats(stem).read_text())
-            marker |= {"output": output_stat(tmp), "columns_extended": marker.get("columns_extended", []) + added}
-            atomic_write_bytes(layout.stats(stem), json.dumps(marker, indent=1).encode())
-            os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        marker = json.loads(layout.stats(stem).read_text())
+        marker |= {"columns_extended": marker.get("columns_extended", []) + added}
+        replace_shard_file(layout, stem, final, table, compression, marker)

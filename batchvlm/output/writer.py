@@ -139,6 +139,23 @@ def output_stat(path: Path) -> dict[str, int] | None:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
+def replace_shard_file(layout: Layout, stem: str, final: Path, table: pa.Table, compression: str,
+                       marker: dict[str, Any]) -> None:
+    """`table` becomes the file `final` of shard `stem`: written whole under a temporary name in
+    `__batchvlm__/` and fsynced, then its done marker (`marker` and the file's `output` stat), then
+    the rename. Until the rename the marker names a file that is not there: the shard is not done,
+    and a run redoes it whole."""
+    tmp = tmp_path(final, layout.meta)  # same filesystem: the rename is atomic
+    with _removing_on_error(tmp):
+        pq.write_table(table, tmp, compression=None if compression == "none" else compression)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        marker = marker | {"output": output_stat(tmp)}
+        atomic_write_bytes(layout.stats(stem), json.dumps(marker, indent=1).encode())
+        os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
 def write_shard(layout: Layout, stem: str, rows: list[dict[str, Any]], sch: pa.Schema, compression: str,
                 stats: dict[str, Any], confirm: Callable[[str], Any] | None = None) -> None:
     """`confirm(stem)`: this rank's claim of the shard in an object store, refreshed just before
@@ -151,16 +168,7 @@ def write_shard(layout: Layout, stem: str, rows: list[dict[str, Any]], sch: pa.S
     done = bool(stats.get("complete"))
     final = layout.parquet(stem) if done else layout.partial(stem)
     final.parent.mkdir(exist_ok=True)
-    tmp = tmp_path(final, layout.meta)  # same filesystem: the rename is atomic
-    with _removing_on_error(tmp):
-        pq.write_table(table, tmp, compression=None if compression == "none" else compression)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        # the marker first: until the rename it names a file that is not there (not done)
-        stats = stats | {"output": output_stat(tmp)}
-        atomic_write_bytes(layout.stats(stem), json.dumps(stats, indent=1).encode())
-        os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    replace_shard_file(layout, stem, final, table, compression, stats)
     if done:
         for path in layout.partials(stem):
             path.unlink(missing_ok=True)

@@ -9,10 +9,9 @@ from pathlib import Path
 
 from ..device import for_device
 from ..dist import resolve_rank
+from ..errors import UsageError
 from ..job import Job
-from ..models.base.errors import ModelLoadError
 from ..models.registry import open_family
-from ..output.layout import OutputConflict
 from ..output.shardlist import plan
 from ..run.log import log
 from .measure import check_settings, measure
@@ -34,7 +33,7 @@ class TuneArgs:
 def _outside(path: Path, job: Job) -> None:
     out = Path(job.output.dir).resolve()
     if path.resolve().is_relative_to(out):
-        raise OutputConflict(f"{path}: inside the job's output folder {job.output.dir}; tune writes nothing there")
+        raise UsageError(f"{path}: inside the job's output folder {job.output.dir}; tune writes nothing there")
 
 
 def tune(job: Job, args: TuneArgs) -> str:
@@ -44,7 +43,7 @@ def tune(job: Job, args: TuneArgs) -> str:
         if p is not None:
             _outside(p, job)
     if args.plot_asked and not has_matplotlib():
-        raise ModelLoadError("--plot: matplotlib is not installed; pip install 'batchvlm[tune]'")
+        raise UsageError("--plot: matplotlib is not installed; pip install 'batchvlm[tune]'")
     shards = plan(job.input)
     if args.sample is not None:
         check_size(shards, args.sample)

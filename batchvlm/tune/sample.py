@@ -14,6 +14,7 @@ import heapq
 from dataclasses import dataclass
 
 from ..data.sources import Encoded, ShardRef, SourceError, count_samples, read_shard
+from ..errors import UsageError
 from ..job import InputSpec
 
 DEFAULT_SAMPLE = 200
@@ -34,7 +35,7 @@ def check_size(shards: list[ShardRef], n: int) -> None:
     none: `draw` refuses then, still before the model loads)."""
     sizes = [count_samples(s) for s in shards]
     if None not in sizes and n > (total := sum(sizes)):
-        raise SourceError(f"--sample: {n} is more than the {total} image(s) of the job's inputs; lower it")
+        raise UsageError(f"--sample: {n} is more than the {total} image(s) of the job's inputs; lower it")
 
 
 def draw(shards: list[ShardRef], inp: InputSpec, n: int, seed: int, exact: bool = True) -> Drawn:
@@ -56,6 +57,6 @@ def draw(shards: list[ShardRef], inp: InputSpec, n: int, seed: int, exact: bool 
     if population == 0:
         raise SourceError("tune: the job's inputs hold no readable image")
     if exact and population < n:
-        raise SourceError(f"--sample: {n} is more than the {population} readable image(s) of the job's inputs; "
-                          "lower it")
+        raise UsageError(f"--sample: {n} is more than the {population} readable image(s) of the job's inputs; "
+                         "lower it")
     return Drawn([e[2] for e in sorted(heap, reverse=True)], population)

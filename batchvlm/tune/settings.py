@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..job import ModelSpec
+from ..errors import UsageError
+from ..job import JobError, ModelSpec
 from ..models.base.budget import Budget
-from ..models.base.errors import ModelLoadError
 
 
 @dataclass(frozen=True)
@@ -37,14 +37,14 @@ def _prune(item: str) -> Setting:
     try:
         value = float(tol)
     except ValueError:
-        raise ModelLoadError(f"--budgets: {item!r}: the tolerance must be a number in [0, 1]") from None
+        raise UsageError(f"--budgets: {item!r}: the tolerance must be a number in [0, 1]") from None
     if not 0.0 <= value <= 1.0:
-        raise ModelLoadError(f"--budgets: {item!r}: the tolerance must be in [0, 1]")
+        raise UsageError(f"--budgets: {item!r}: the tolerance must be in [0, 1]")
     return Setting(f"prune={value:g}", None, value)
 
 
 def settings_for(family_name: str, budget: Budget | None, can_prune: bool, asked: str | None) -> list[Setting]:
-    """-> the full setting then the others, each once; refuses (ModelLoadError naming --budgets)
+    """-> the full setting then the others, each once; refuses (UsageError naming --budgets)
     a value outside the knob's range, a knob or pruning the family does not have, and a family
     with nothing to vary."""
     if asked is None:
@@ -55,19 +55,19 @@ def settings_for(family_name: str, budget: Budget | None, can_prune: bool, asked
         if setting not in out:
             out.append(setting)
     if len(out) == 1:
-        raise ModelLoadError("--budgets: only the full budget; name a smaller setting or prune[:TOL]")
+        raise UsageError("--budgets: only the full budget; name a smaller setting or prune[:TOL]")
     return out
 
 
 def _defaults(family_name: str, budget: Budget | None, can_prune: bool) -> list[Setting]:
     """Without --budgets: the knob's ladder, then prune:0 where the family prunes."""
     if budget is None and not can_prune:
-        raise ModelLoadError(f"tune: {family_name} has no visual budget to vary (its images have one fixed size) "
-                             "and cannot prune duplicate visual tokens")
+        raise UsageError(f"tune: {family_name} has no visual budget to vary (its images have one fixed size) "
+                         "and cannot prune duplicate visual tokens")
     out = [Setting(f"{budget.field}={v}", v) for v in budget.ladder] if budget else []
     if not out and not can_prune:
-        raise ModelLoadError(f"tune: model.{budget.field} is {budget.full}, the smallest {family_name} takes: "
-                             "nothing smaller to compare; set it higher in the job file")
+        raise JobError(f"tune: model.{budget.field} is {budget.full}, the smallest {family_name} takes: "
+                       "nothing smaller to compare; set it higher in the job file")
     return [FULL, *out, *([_prune("prune:0")] if can_prune else [])]
 
 
@@ -75,18 +75,18 @@ def _asked(item: str, family_name: str, budget: Budget | None, can_prune: bool) 
     """One --budgets item: an integer setting of the knob, or prune[:TOL]."""
     if item == "prune" or item.startswith("prune:"):
         if not can_prune:
-            raise ModelLoadError(f"--budgets: {item!r}: {family_name} cannot prune duplicate visual tokens "
-                                 "(native Qwen3-VL, Qwen3.5 and Florence-2 can)")
+            raise UsageError(f"--budgets: {item!r}: {family_name} cannot prune duplicate visual tokens "
+                             "(native Qwen3-VL, Qwen3.5 and Florence-2 can)")
         return _prune(item)
     try:
         value = int(item)
     except ValueError:
-        raise ModelLoadError(f"--budgets: {item!r} is neither an integer setting nor prune[:TOL]") from None
+        raise UsageError(f"--budgets: {item!r} is neither an integer setting nor prune[:TOL]") from None
     if budget is None:
-        raise ModelLoadError(f"--budgets: {value}: {family_name} has no visual budget knob (one fixed size); "
-                             "only prune[:TOL] applies")
+        raise UsageError(f"--budgets: {value}: {family_name} has no visual budget knob (one fixed size); "
+                         "only prune[:TOL] applies")
     try:
         budget.check(value)
     except ValueError as e:
-        raise ModelLoadError(f"--budgets: {e}") from None
+        raise UsageError(f"--budgets: {e}") from None
     return FULL if value == budget.full else Setting(f"{budget.field}={value}", value)

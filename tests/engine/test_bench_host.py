@@ -16,7 +16,7 @@ def test_every_family_and_mix_has_host_times_per_step(tmp_path):
     out = tmp_path / "host.json"
     run = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench_host.py"), "--rows", "8", "--steps", "3", "--skip", "1",
-         "--json-vocab", "600", "--workdir", str(tmp_path / "models"), "--json", str(out)],
+         "--json-vocab", "600", "--corpus-chars", "1000000", "--workdir", str(tmp_path / "models"), "--json", str(out)],
         capture_output=True, text=True, timeout=900, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     table = [line for line in run.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]

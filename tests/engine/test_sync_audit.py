@@ -8,6 +8,7 @@ engine labels images with Moondream, Qwen3-VL, Qwen3.5 and Florence-2 through th
 one compiled kernel on CUDA, so its eager CPU stand-in is not audited. (CPU-only blind spot:
 `.tolist()` of a CPU tensor dispatches nothing.)"""
 
+import sys
 import traceback
 
 import pytest
@@ -29,23 +30,28 @@ aten = torch.ops.aten
 DATA_DEPENDENT = {aten.nonzero.default, aten.masked_select.default, aten.masked_scatter.default}
 
 
+def caller() -> traceback.FrameSummary | None:
+    """The innermost caller outside torch, from the audit's __torch_dispatch__."""
+    frames = [f for f in traceback.extract_stack(sys._getframe(1))
+              if "/torch/" not in f.filename and f.name != "__torch_dispatch__"]
+    return frames[-1] if frames else None
+
+
 class SyncAudit(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.found: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        frames = [f for f in traceback.extract_stack()
-                  if "/torch/" not in f.filename and f.name != "__torch_dispatch__"]
-        where = frames[-1] if frames else None  # the innermost caller outside torch
-        why = None
+        where, why = None, None  # the caller is looked up only for an op that may be a sync (the
+        # stack and its source lines per op would be most of the tests' time)
         # Under inference_mode (the runner's), .item() and bool() reach the mode undecomposed.
         if func in (aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default):
             why = ".item() / bool()"
         elif func is aten.lift_fresh.default:
             # torch.tensor(list) (a blocking pageable upload on CUDA), not from_numpy of a staged
             # array, nor the 0-dim wrap of a Python scalar argument
-            if where is not None and "torch.tensor(" in (where.line or "") and args[0].dim() > 0:
+            if args[0].dim() > 0 and (where := caller()) is not None and "torch.tensor(" in (where.line or ""):
                 why = "torch.tensor from Python data"
         elif func in DATA_DEPENDENT:
             why = str(func)
@@ -53,6 +59,7 @@ class SyncAudit(TorchDispatchMode):
                 isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
             why = "boolean-mask index"
         if why:
+            where = where or caller()
             self.found.append(f"{why} at {where.filename.split('/')[-1]}:{where.lineno} {where.name}"
                               if where else f"{why} at ?")
         return func(*args, **(kwargs or {}))

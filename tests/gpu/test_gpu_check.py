@@ -1,44 +1,18 @@
 """scripts/gpu_check.sh, the script a lent GPU runs, on CPU: the plan's two calls (the first returns
 the headline bench before anything else), a step the call's time cannot cover is skipped and
 recorded and fails the call, a named step runs alone, bench_engine's JSON survives a runner that
-crashes, and `--dry-run` walks every step of both calls at tiny sizes (a few minutes: slow)."""
+crashes (the dry run of every step: test_gpu_check_dry_run.py)."""
 
 import json
-import os
 import re
 import subprocess
 import sys
 import tarfile
-from pathlib import Path
 
-import pytest
+from support.gpu_check import RUNNERS, SCRIPT, gpu_check, planned
+from support.paths import REPO
 
-ROOT = next(p for p in Path(__file__).resolve().parents if (p / "scripts" / "gpu_check.sh").is_file())
-SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 FIRST_CALL = ["environment", "bench_engine", "flex_smoke_cut", "gpu_tests_new"]
-RUNNERS = ["engine pipelined", "engine sync", "static batch", "one-at-a-time"]
-
-
-def gpu_check(tmp_path: Path, *args: str, timeout: int = 240, **env: str) -> tuple[subprocess.CompletedProcess, str]:
-    (tmp_path / "shared" / "fixtures" / "moondream-tiny").mkdir(parents=True, exist_ok=True)
-    out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "LOG_DIR": str(tmp_path / "logs"),
-           "BATCHVLM_SHARED": str(tmp_path / "shared"), **env}
-    run = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env)
-    summary = out / "summary.txt"
-    return run, summary.read_text() if summary.exists() else ""
-
-
-def planned(stdout: str) -> dict[int, list[tuple[str, int]]]:
-    """call -> [(step, budget)] as --plan prints them."""
-    calls, call = {}, 0
-    for line in stdout.splitlines():
-        if m := re.match(r"^call (\d) \((\d+) s", line):
-            call = int(m.group(1))
-            calls[call] = []
-        elif m := re.match(r"^  (\w+)\s+(\d+)\s+\(starts", line):
-            calls[call].append((m.group(1), int(m.group(2))))
-    return calls
 
 
 def test_the_first_call_returns_the_headline_bench_first_and_fits_its_380_s(tmp_path):
@@ -82,7 +56,7 @@ def test_bench_engine_writes_its_json_after_every_runner(tmp_path):
     out = tmp_path / "bench.json"
     code = f"""
 import sys
-sys.path.insert(0, {str(ROOT / "scripts")!r})
+sys.path.insert(0, {str(REPO / "scripts")!r})
 import bench_engine
 
 def crash(*args, **kwargs):
@@ -94,28 +68,9 @@ sys.argv = ["bench_engine.py", "--model", "demo", "--device", "cpu", "--images",
             "--runners", "engine pipelined", "engine sync", "static batch", "--json", {str(out)!r}]
 bench_engine.main()
 """
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, cwd=REPO)
     assert run.returncode != 0 and "the static batch crashed" in run.stderr, run.stdout + run.stderr
     results = json.loads(out.read_text())["results"]
     assert [r["workload"] for r in results] == ["caption"]
     assert [k for k in results[0] if k in RUNNERS] == ["engine pipelined", "engine sync"]
     assert results[0]["engine sync"]["images"] == 2
-
-
-@pytest.mark.slow
-def test_the_dry_run_walks_every_step_of_both_calls(tmp_path):
-    run, summary = gpu_check(tmp_path, "--dry-run", timeout=1200)
-    assert run.returncode == 0, summary + run.stdout[-4000:] + run.stderr[-2000:]
-    calls = planned(gpu_check(tmp_path, "--plan")[0].stdout)
-    lines = summary.splitlines()
-    for call, steps in calls.items():
-        start = lines.index(f"== call {call}: {380 if call == 1 else 220} s x4 on CPU")
-        walked = lines[start + 1 : start + 1 + len(steps)]
-        assert [line.split(":")[0] for line in walked] == [s for s, _ in steps], summary
-        assert all(re.match(r"^\w+: ok in \d+s/\d+s$", line) for line in walked), summary
-        assert re.match(rf"^call {call} dry run: every step ok", lines[start + 1 + len(steps)]), summary
-    # the headline JSON lands in $OUT itself: rows and runners in the first call's order
-    bench = json.loads((tmp_path / "out" / "bench.json").read_text())
-    assert [r["workload"] for r in bench["results"]] == ["caption@1024x768", "mixed"]
-    assert all([k for k in r if k in RUNNERS] == RUNNERS for r in bench["results"])
-    assert bench["results"][0]["crops_per_image"] == 13.0

@@ -8,7 +8,7 @@ import pytest
 from support.inputs import write_job
 
 from batchvlm.dist import Rank
-from batchvlm.errors import run_failure
+from batchvlm.errors import UsageError, run_failure
 from batchvlm.exits import EXIT_FAILED, EXIT_JOB_ERROR, EXIT_OK, EXIT_STOPPED
 from batchvlm.job import JobError, load_job
 from batchvlm.models.base.errors import ModelFetchError
@@ -60,6 +60,7 @@ def test_a_run_failure_is_a_code_and_one_line(tmp_path):
     assert run_failure(RunLockHeld("held by host:1"), "out") == (EXIT_STOPPED, "held by host:1")
     assert run_failure(ModelFetchError("the hub is down"), "out") == (EXIT_FAILED, "the hub is down")
     assert run_failure(JobError("tasks.0: no"), "out") == (EXIT_JOB_ERROR, "tasks.0: no")
+    assert run_failure(UsageError("--budgets: 7: no"), "out") == (EXIT_JOB_ERROR, "--budgets: 7: no")
     assert run_failure(ValueError("BATCHVLM_LOCAL_RANK: 3 of 2"), "out")[0] == EXIT_JOB_ERROR
     code, line = run_failure(OSError(errno.ENOSPC, "No space left on device"), str(tmp_path))
     assert code == EXIT_FAILED and line.startswith(f"output.dir: no space left on {tmp_path}")

@@ -12,10 +12,10 @@ from support.cli import cli, cli_app
 from support.inputs import good_png, write_job, write_tar
 
 from batchvlm.data.sources import ShardRef, SourceError
+from batchvlm.errors import UsageError
 from batchvlm.job import InputSpec
 from batchvlm.tune.agreement import Agreement, match_near, token_f1
 from batchvlm.models.base.budget import Budget, halvings
-from batchvlm.models.base.errors import ModelLoadError
 from batchvlm.tune.sample import draw
 from batchvlm.tune.settings import settings_for
 from batchvlm.tasks import CaptionTask, DetectTask, PointTask, QueryTask
@@ -74,9 +74,9 @@ def test_settings_from_the_budget_and_budgets():
     for asked, words in [("prune:2", r"'prune:2': the tolerance must be in \[0, 1\]"),
                          ("prune:x", "must be a number"), ("512", r"512 is outside model.max_pixels's range"),
                          ("9000", "9000 is outside")]:
-        with pytest.raises(ModelLoadError, match=words):
+        with pytest.raises(UsageError, match=words):
             settings_for("q", b, True, asked)
-    with pytest.raises(ModelLoadError, match="f2 has no visual budget knob"):
+    with pytest.raises(UsageError, match="f2 has no visual budget knob"):
         settings_for("f2", None, True, "4")
 
 
@@ -92,7 +92,7 @@ def test_the_draw_is_reproducible_and_independent_of_shard_order(tmp_path):
     assert [e.key for e in draw(refs, inp, 5, 0, exact=False).images] == a  # the default's draw is the same
     every = draw(refs, inp, 200, 0, exact=False)  # no --sample: the default, capped at what the inputs hold
     assert len(every.images) == every.population == 12
-    with pytest.raises(SourceError, match="--sample: 13 is more than the 12 readable"):
+    with pytest.raises(UsageError, match="--sample: 13 is more than the 12 readable"):
         draw(refs, inp, 13, 0)
     (tmp_path / "bad.tar").write_bytes(b"not a tar")
     with pytest.raises(SourceError, match="no readable image"):

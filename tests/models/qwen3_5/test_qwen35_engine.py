@@ -7,14 +7,15 @@ exact."""
 from __future__ import annotations
 
 import pytest
-from support.cli import heavy_imports_of_loading
 from support.qwen35_fixture import write_checkpoint
-from support.qwen_vl import MAX_NEW, MOE, PROMPTS, TASKS, cli_rows, images, prepared, reference_columns, reference_tokens
+from support.qwen_tests import (cli_rows_checked, engine_setup, engine_tokens,  # noqa: F401 - the two tests
+                                test_loading_imports_neither_dynamo_nor_sympy,  # run here, on this setup
+                                test_some_sequences_stop_by_themselves)
+from support.qwen_vl import MAX_NEW, MOE, prepared
 
 from batchvlm.data.loader import Sample
 from batchvlm.engine.engine import Engine
-from batchvlm.job import EngineSpec, ModelSpec
-from batchvlm.models.registry import open_family
+from batchvlm.job import EngineSpec
 from batchvlm.tasks import CaptionTask, QueryTask
 
 pytest.importorskip("transformers")
@@ -32,21 +33,9 @@ def setup(request, tmp_path_factory):
     # seed 6 for the MoE variant: some of its sequences stop by themselves on these two images
     folder = write_checkpoint(tmp_path_factory.mktemp(f"qwen35-{request.param}"), seed=6 if moe else 2,
                               likely_stops=True, moe=moe)
-    family = open_family(ModelSpec(name=str(folder)))  # backend auto: the native family, for both model types
-    ims = images()[: VARIANT_IMAGES[request.param]]
-    hf_class = "Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"
-    return dict(variant=request.param, folder=folder, family=family, model=family.load("float32", "cpu"), images=ims,
-                seqs=family.sequences(TASKS, EngineSpec(max_new_tokens=MAX_NEW)),
-                expected=reference_tokens(folder, ims, PROMPTS, hf_class, {"enable_thinking": False}, rows_per_call=1))
-
-
-def run(setup, seqs, batch: int, pipelined: bool, n_images: int) -> list[list[list[int]]]:
-    engine = Engine(setup["model"], seqs, EngineSpec(max_new_tokens=MAX_NEW, max_batch_size=batch,
-                                                     pipelined=pipelined), setup["family"].max_prefix_len())
-    done = {im.sample.index: [s.output.tokens for s in im.seqs]
-            for im in engine.run(Sample(0, i, f"k{i}", p) for i, p in enumerate(prepared(setup)[:n_images]))}
-    assert engine.scheduler.blocks.used == 0
-    return [done[i] for i in range(n_images)]
+    return engine_setup(request.param, folder, VARIANT_IMAGES[request.param],
+                        "Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration",
+                        template_kwargs={"enable_thinking": False}, rows_per_call=1)
 
 
 @pytest.mark.parametrize("batch,pipelined,n_images", [(1, False, 1), (1, True, 1), (7, True, N_IMAGES),
@@ -55,18 +44,7 @@ def run(setup, seqs, batch: int, pipelined: bool, n_images: int) -> list[list[li
 def test_engine_tokens_equal_transformers(setup, batch, pipelined, n_images):
     n_images = min(n_images, len(setup["images"]))
     assert setup["family"].name == FAMILY[setup["variant"]] and setup["family"].backend == "native"
-    assert run(setup, setup["seqs"], batch, pipelined, n_images) == setup["expected"][:n_images]
-
-
-def test_some_sequences_stop_by_themselves(setup):
-    lengths = [len(t) for per_image in setup["expected"] for t in per_image]
-    assert min(lengths) < MAX_NEW == max(lengths), lengths  # both stop paths are exercised
-
-
-def test_loading_imports_neither_dynamo_nor_sympy(setup):
-    """The meta-device build (hub.empty_on, hub.embedding_table, CPU rotary tables) keeps them
-    out of start-up."""
-    assert heavy_imports_of_loading(setup["folder"]) == ""
+    assert engine_tokens(setup, setup["seqs"], batch, pipelined, n_images) == setup["expected"][:n_images]
 
 
 @pytest.mark.parametrize("batch,n_images", [(1, 1), (64, N_IMAGES)])
@@ -77,22 +55,16 @@ def test_forked_state_is_exact(setup, batch, n_images):
         pytest.skip("the state bookkeeping does not depend on the MLP")
     query = QueryTask(query={"question": "What is in the picture?"})
     spec = EngineSpec(max_new_tokens=MAX_NEW)
-    both = run(setup, setup["family"].sequences([CaptionTask(caption={"length": "short"}), query], spec), batch,
+    both = engine_tokens(setup, setup["family"].sequences([CaptionTask(caption={"length": "short"}), query], spec), batch,
                True, n_images)
-    alone = run(setup, setup["family"].sequences([query], spec), batch, True, n_images)
+    alone = engine_tokens(setup, setup["family"].sequences([query], spec), batch, True, n_images)
     assert [b[1] for b in both] == [a[0] for a in alone]
     assert any(b[0] != b[1] for b in both)  # two different answers were decoded side by side
 
 
 def test_cli_on_a_sharded_hub_folder(setup, tmp_path):
-    assert len(list(setup["folder"].glob("*.safetensors"))) > 1
-    rows, meta = cli_rows(setup, tmp_path)
     # the family is named by config.json's model_type everywhere: model.family, job.json, the metadata
-    assert meta["model"]["family"] == FAMILY[setup["variant"]] and meta["model"]["backend"] == "native"
-    assert len(rows) == len(setup["images"])
-    for key, want in reference_columns(setup).items():  # every row's texts are the reference tokens'
-        assert rows[key]["status"] == "ok"
-        assert {c: rows[key][c] for c in want} == want, key
+    cli_rows_checked(setup, tmp_path, FAMILY[setup["variant"]])
 
 
 def test_json_and_constrained_detect(setup):

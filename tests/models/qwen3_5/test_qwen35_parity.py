@@ -15,9 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.qwen35_fixture import write_checkpoint
-from support.qwen3vl_fixture import IDS
+from support.qwen_tests import native_model, parity_case, positions, prompt_ids, reference_logits
 from support.qwen_vl import ours_uint8, sample_images
-from tokenizers import Tokenizer
 
 from batchvlm.models.base.hub import weight_files
 from batchvlm.models.qwen3_5.config import Qwen35Config
@@ -25,11 +24,7 @@ from batchvlm.models.qwen3_5.delta_rule import chunked, l2_normalize, recurrent_
 from batchvlm.cache.spans import ZERO
 from batchvlm.models.qwen3_5.linear_state import LinearState, Segments
 from batchvlm.models.qwen3_5.model import Qwen35Model
-from batchvlm.models.qwen_vl.chat import ChatTemplate, read_template, special_tokens
 from batchvlm.models.base.errors import ConfigError
-from batchvlm.models.qwen_vl.positions import next_position, prefix_positions
-from batchvlm.models.qwen_vl.preprocess import PixelSettings, Preprocessor
-from batchvlm.models.qwen_vl.weights import build_model, load_weights, read_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -62,21 +57,10 @@ CONFIGS = {
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def case(request, tmp_path_factory):
-    from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     folder = write_checkpoint(tmp_path_factory.mktemp(request.param), **CONFIGS[request.param])
-    config = read_config(folder, Qwen35Config)
-    settings = PixelSettings.read(folder)
-    model = build_model(Qwen35Model, config, torch.from_numpy(settings.lookup_table()), torch.device("cpu"),
-                        torch.float32)
-    load_weights(model, weight_files(folder), ("mtp.",))
     moe = "moe" in CONFIGS[request.param]
-    ref = (Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration).from_pretrained(folder)
-    processor = Qwen2VLImageProcessorPil.from_pretrained(folder)
-    return dict(name=request.param, folder=folder, config=config, model=model,
-                pre=Preprocessor.create(config.vision, settings), ref=ref.eval(),
-                processor=processor, hf_tok=AutoTokenizer.from_pretrained(folder))
+    return parity_case(request.param, folder, Qwen35Config, Qwen35Model,
+                       "Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration", ("mtp.",))
 
 
 class DenseKV:
@@ -116,31 +100,20 @@ def test_pixel_values_and_vision_features(case):
 def sequence(case, im, question: str):
     """One image's token ids (non-thinking template, checked against transformers' rendering),
     embeddings with the vision features in place and rotary positions; the prefix length."""
-    folder, model = case["folder"], case["model"]
-    template = ChatTemplate(*read_template(folder), special_tokens(folder),
-                            "<|image_pad|>", "<|vision_end|>")
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    head = tok.encode(template.head(), add_special_tokens=False).ids
-    task = tok.encode(template.split(question)[1], add_special_tokens=False).ids
+    model = case["model"]
     u = ours_uint8(case, im)
     with torch.inference_mode():
         vis = model.visual([u])
     n = vis.tokens[0]
     grid = (u.shape[0] // 32, u.shape[1] // 32) if case["config"].vision.patch_size == 16 else \
         (u.shape[0] // 16, u.shape[1] // 16)
-    ids = head + [IDS["<|image_pad|>"]] * n + [IDS["<|vision_end|>"]] + task
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-    text = case["hf_tok"].apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                              enable_thinking=False)
+    head, task, ids, text = prompt_ids(case, question, n, enable_thinking=False)
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert case["hf_tok"](text.replace("<|image_pad|>", "<|image_pad|>" * n))["input_ids"] == ids
     ids_t = torch.tensor(ids)
     with torch.inference_mode():
         embeds = model.embed(ids_t)
         embeds[len(head) : len(head) + n] = vis.features_TC
-    after = next_position(len(head), grid)
-    pos = torch.cat([prefix_positions(len(head), grid), torch.arange(after, after + len(task)).expand(3, -1)], dim=1)
-    return ids_t, embeds, pos, len(head) + n + 1
+    return ids_t, embeds, positions(len(head), grid, len(task)), len(head) + n + 1
 
 
 def forward(case, embeds, pos, kv, segments, state):
@@ -161,11 +134,7 @@ def test_logits_and_chunked_equals_recurrent(case):
              "wide": (images[6], "What is written here? Answer in one word."), "moe": (images[2], "Hi?")}
     for im, question in [pairs[case["name"]]]:
         ids, embeds, pos, P = sequence(case, im, question)
-        single = case["processor"](images=[im], return_tensors="pt")
-        with torch.inference_mode():
-            ref = case["ref"](input_ids=ids[None], pixel_values=single["pixel_values"],
-                              image_grid_thw=single["image_grid_thw"],
-                              mm_token_type_ids=(ids == IDS["<|image_pad|>"]).int()[None]).logits[0]
+        ref = reference_logits(case, ids, im)
         whole = new_state(case)
         hidden = forward(case, embeds, pos, DenseKV(), Segments.single(len(ids), embeds.device), whole)
         torch.testing.assert_close(case["model"].logits(hidden), ref, **LOGITS)
@@ -345,10 +314,7 @@ def test_expert_layouts_load_alike(case, tmp_path):
         dest.mkdir()
         shutil.copy(case["folder"] / "config.json", dest)
         save_file(fused, dest / "model.safetensors", metadata={"format": "pt"})
-        settings = PixelSettings.read(case["folder"])
-        model = build_model(Qwen35Model, case["config"], torch.from_numpy(settings.lookup_table()),
-                            torch.device("cpu"), torch.float32)
-        load_weights(model, weight_files(dest), ("mtp.",))
+        model = native_model(case["folder"], Qwen35Model, case["config"], ("mtp.",), weights=dest)
         theirs = dict(case["model"].named_parameters())
         for name, p in model.named_parameters():
             assert torch.equal(p, theirs[name]), name

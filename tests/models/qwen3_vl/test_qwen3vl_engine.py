@@ -9,10 +9,12 @@ import json
 
 import jsonschema
 import pytest
-from support.cli import heavy_imports_of_loading
 from support.qwen3vl_fixture import IDS, write_checkpoint
+from support.qwen_tests import (cli_rows_checked, engine_setup, engine_tokens,  # noqa: F401 - the two tests
+                                test_loading_imports_neither_dynamo_nor_sympy,  # run here, on this setup
+                                test_some_sequences_stop_by_themselves)
+from support.qwen_vl import MAX_NEW, MOE, TASKS, prepared
 from support.structured_cases import SCHEMAS
-from support.qwen_vl import MAX_NEW, MOE, PROMPTS, TASKS, cli_rows, images, prepared, reference_columns, reference_tokens
 
 from batchvlm.data.loader import Sample
 from batchvlm.engine.engine import Engine
@@ -27,18 +29,12 @@ N_IMAGES = {"dense": 7, "moe": 2}
 FAMILY = {"dense": "qwen3_vl", "moe": "qwen3_vl_moe"}  # config.json's model_type
 
 
-
-
 @pytest.fixture(scope="module", params=list(N_IMAGES))
 def setup(request, tmp_path_factory):
     moe = MOE if request.param == "moe" else None
     folder = write_checkpoint(tmp_path_factory.mktemp(f"qwen3vl-{request.param}"), seed=2, likely_stops=True, moe=moe)
-    family = open_family(ModelSpec(name=str(folder)))  # backend auto: the native family, for both model types
-    seqs = family.sequences(TASKS, EngineSpec(max_new_tokens=MAX_NEW))
-    ims = images()[: N_IMAGES[request.param]]
-    return dict(variant=request.param, folder=folder, family=family, model=family.load("float32", "cpu"), seqs=seqs,
-                images=ims, expected=reference_tokens(folder, ims, PROMPTS, "Qwen3VLMoeForConditionalGeneration"
-                                                      if moe else "Qwen3VLForConditionalGeneration"))
+    return engine_setup(request.param, folder, N_IMAGES[request.param],
+                        "Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration")
 
 
 @pytest.mark.parametrize("batch,pipelined,n_images", [(1, False, 2), (1, True, 1), (7, True, 7), (7, False, 7),
@@ -46,36 +42,12 @@ def setup(request, tmp_path_factory):
 def test_engine_tokens_equal_transformers(setup, batch, pipelined, n_images):
     n_images = min(n_images, len(setup["images"]))
     assert setup["family"].name == FAMILY[setup["variant"]] and setup["family"].backend == "native"
-    engine = Engine(setup["model"], setup["seqs"], EngineSpec(max_new_tokens=MAX_NEW, max_batch_size=batch,
-                                                              pipelined=pipelined),
-                    setup["family"].max_prefix_len())
-    done = {im.sample.index: [s.output.tokens for s in im.seqs]
-            for im in engine.run(Sample(0, i, f"k{i}", p) for i, p in enumerate(prepared(setup)[:n_images]))}
-    assert engine.scheduler.blocks.used == 0
-    assert [done[i] for i in range(n_images)] == setup["expected"][:n_images]
-
-
-def test_some_sequences_stop_by_themselves(setup):
-    lengths = [len(t) for per_image in setup["expected"] for t in per_image]
-    assert min(lengths) < MAX_NEW == max(lengths), lengths  # both stop paths are exercised
-
-
-def test_loading_imports_neither_dynamo_nor_sympy(setup):
-    """The meta-device build (hub.empty_on, hub.embedding_table, CPU rotary tables) keeps them
-    out of start-up."""
-    assert heavy_imports_of_loading(setup["folder"]) == ""
+    assert engine_tokens(setup, setup["seqs"], batch, pipelined, n_images) == setup["expected"][:n_images]
 
 
 def test_cli_on_a_sharded_hub_folder(setup, tmp_path):
-    assert len(list(setup["folder"].glob("*.safetensors"))) > 1
-    rows, meta = cli_rows(setup, tmp_path)
     # the family is named by config.json's model_type everywhere: model.family, job.json, the metadata
-    assert meta["model"]["family"] == FAMILY[setup["variant"]] and meta["model"]["backend"] == "native"
-    job = json.loads((tmp_path / "out" / "__batchvlm__" / "job.json").read_text())
-    assert job["model"]["family"] == FAMILY[setup["variant"]], job["model"]
-    for key, want in reference_columns(setup).items():  # every row's texts are the reference tokens'
-        assert rows[key]["status"] == "ok"
-        assert {c: rows[key][c] for c in want} == want, key
+    rows, _ = cli_rows_checked(setup, tmp_path, FAMILY[setup["variant"]])
     tok = setup["family"].tokenizer
     for i, expected in enumerate(setup["expected"]):
         row = rows[f"im{i}.png"]

@@ -10,17 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from support.qwen3vl_fixture import IDS, write_checkpoint
+from support.qwen3vl_fixture import write_checkpoint
+from support.qwen_tests import parity_case, positions, prompt_ids, reference_logits
 from support.qwen_vl import ours_uint8, sample_images
-from tokenizers import Tokenizer
 
-from batchvlm.models.base.hub import weight_files
 from batchvlm.models.qwen_vl.vision import DeepStack
-from batchvlm.models.qwen_vl.chat import ChatTemplate, read_template, special_tokens
 from batchvlm.models.base.errors import ConfigError
-from batchvlm.models.qwen_vl.positions import next_position, prefix_positions
-from batchvlm.models.qwen_vl.preprocess import PixelSettings, Preprocessor, smart_resize
-from batchvlm.models.qwen_vl.weights import build_model, load_weights, read_config
+from batchvlm.models.qwen_vl.preprocess import smart_resize
 from batchvlm.models.qwen3_vl.config import Qwen3VLConfig
 from batchvlm.models.qwen3_vl.model import Qwen3VLModel
 
@@ -41,21 +37,10 @@ CONFIGS = {
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def case(request, tmp_path_factory):
-    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     folder = write_checkpoint(tmp_path_factory.mktemp(request.param), **CONFIGS[request.param])
-    config = read_config(folder, Qwen3VLConfig)
-    settings = PixelSettings.read(folder)
-    model = build_model(Qwen3VLModel, config, torch.from_numpy(settings.lookup_table()), torch.device("cpu"),
-                        torch.float32)
-    load_weights(model, weight_files(folder))
     moe = "moe" in CONFIGS[request.param]
-    ref = (Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration).from_pretrained(folder)
-    processor = Qwen2VLImageProcessorPil.from_pretrained(folder)
-    return dict(name=request.param, folder=folder, config=config, model=model,
-                pre=Preprocessor.create(config.vision, settings), ref=ref.eval(),
-                processor=processor, hf_tok=AutoTokenizer.from_pretrained(folder))
+    return parity_case(request.param, folder, Qwen3VLConfig, Qwen3VLModel,
+                       "Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration")
 
 
 def test_smart_resize_bounds():
@@ -115,11 +100,7 @@ def test_prompt_tokens_and_logits(case, question):
     the logits of every position match."""
     if case["name"] == "moe" and question != "Describe this image.":
         pytest.skip("one question is enough")
-    folder, model = case["folder"], case["model"]
-    template = ChatTemplate(*read_template(folder), special_tokens(folder), "<|image_pad|>", "<|vision_end|>")
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    head = tok.encode(template.head(), add_special_tokens=False).ids
-    task = tok.encode(template.split(question)[1], add_special_tokens=False).ids
+    model = case["model"]
     images = sample_images()[:4] + sample_images()[6:8]
     if case["name"] == "moe":
         images = images[2:4]
@@ -130,22 +111,14 @@ def test_prompt_tokens_and_logits(case, question):
     for i, im in enumerate(images):
         n = vis.tokens[i]
         grid = (int(out["image_grid_thw"][i, 1]) // 2, int(out["image_grid_thw"][i, 2]) // 2)
-        ids = head + [IDS["<|image_pad|>"]] * n + [IDS["<|vision_end|>"]] + task
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-        text = case["hf_tok"].apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        assert case["hf_tok"](text.replace("<|image_pad|>", "<|image_pad|>" * n))["input_ids"] == ids
+        head, task, ids, _ = prompt_ids(case, question, n)
         ids_t = torch.tensor(ids)
         rows = torch.arange(len(head), len(head) + n)
+        ref = reference_logits(case, ids_t, im)
         with torch.inference_mode():
-            single = case["processor"](images=[im], return_tensors="pt")
-            ref = case["ref"](input_ids=ids_t[None], pixel_values=single["pixel_values"],
-                              image_grid_thw=single["image_grid_thw"],
-                              mm_token_type_ids=(ids_t == IDS["<|image_pad|>"]).int()[None]).logits[0]
             embeds = model.embed(ids_t)
             embeds[rows] = vis.features_TC[start : start + n]
-            prefix = prefix_positions(len(head), grid)
-            after = next_position(len(head), grid)
-            pos = torch.cat([prefix, torch.arange(after, after + len(task)).expand(3, -1)], dim=1)
+            pos = positions(len(head), grid, len(task))
             hidden = model.text(embeds, pos, lambda layer, q, k, v: causal(q, k, v),
                                 DeepStack(rows, [d[start : start + n] for d in vis.deepstack]))
             torch.testing.assert_close(model.logits(hidden), ref, atol=5e-5, rtol=1e-4)
