@@ -1,7 +1,8 @@
 """output.dir: s3://bucket/prefix against a real S3 server process on 127.0.0.1 (moto, served one
 request at a time), through the client code a user's run uses (AWS_ENDPOINT_URL, no patching):
 the layout and its readers, kill -9 at each step of the commit protocol, two ranks racing, an
-expired claim taken over, a store without conditional writes, wrong credentials, a 503 window."""
+expired claim taken over, a store without conditional writes, wrong credentials, an unreachable
+endpoint, a 503 window."""
 
 from __future__ import annotations
 
@@ -334,6 +335,22 @@ def test_a_missing_bucket_and_a_wrong_credential_are_one_line(tmp_path, s3, buck
     finally:
         server.set_auth(False)
     assert "refused the credentials" in line and "InvalidAccessKeyId" in line
+
+
+def test_an_unreachable_endpoint_is_one_line_before_any_work(tmp_path, s3, bucket, monkeypatch):
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on once this closes
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    write_shards(tmp_path / "data", 1, 2, seed=1)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", out=f"s3://{bucket[0]}/labels")
+    for command in ("validate", "run"):
+        line = _refusal(tmp_path, command, job)
+        assert f"cannot reach the store of s3://{bucket[0]}/labels" in line and f"127.0.0.1:{port}" in line, line
+        assert "AWS_ENDPOINT_URL" in line
 
 
 def test_credentials_that_may_only_read_are_refused_before_any_model_load(tmp_path, s3, bucket, monkeypatch):
