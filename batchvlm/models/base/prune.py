@@ -38,7 +38,7 @@ def kept_cells(pixels_HW3: np.ndarray, grid: tuple[int, int], stride: int, size:
     array holds every window (pad it first). Any integer dtype (a pad value outside 0-255 equals
     no pixel)."""
     gh, gw = grid
-    px = pixels_HW3.astype(np.int16)
+    px = np.asarray(pixels_HW3, dtype=np.int16)  # a copy unless it is int16 already
     flat = px.reshape(px.shape[0], -1)  # [H, W * 3]: channels interleaved, so a window is size x 3 * size
     limit = tolerance * 255
     # each cell's largest difference from its left / upper neighbour (-1 where it has none)
