@@ -69,7 +69,8 @@ def main() -> int:
         print("\n| setting | caption exact | query exact | detect F1@0.5 | point F1 |\n|---|---|---|---|---|")
         for tol in (None, *TOLERANCES):
             s = score_model(md.model, md.family.tokenizer, Preprocessor(demo, demo.max_crops, tol), 60, seed=31337)
-            print(f"| {'off' if tol is None else f'prune {tol:g}'} | " + " | ".join(f"{v:.3f}" for v in s.values()) + " |")
+            name = "off" if tol is None else f"prune {tol:g}"
+            print(f"| {name} | " + " | ".join(f"{v:.3f}" for v in s.values()) + " |")
     return 0
 
 

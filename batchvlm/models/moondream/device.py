@@ -53,7 +53,8 @@ class MoondreamEngineModel(EngineModelBase):
 
     def largest_vision_batch(self) -> list[PreparedImage]:
         s = self.model.config.vision.crop_size
-        return [PreparedImage(torch.zeros(1, s, s, 3, dtype=torch.uint8), (1, 1), self.P - 1)] * 128
+        image_tokens = self.model.config.vision.n_image_tokens
+        return [PreparedImage(torch.zeros(1, s, s, 3, dtype=torch.uint8), (1, 1), image_tokens)] * 128
 
     def prefix_inputs(self, features: list[torch.Tensor] | list[KeptFeatures],
                       prompts: list[torch.Tensor]) -> PrefixInputs:
@@ -69,14 +70,13 @@ class MoondreamEngineModel(EngineModelBase):
         return PrefixInputs(torch.cat(embeds), torch.cat(positions))
 
     def _kept_prefix_inputs(self, features: list[KeptFeatures], prompts: list[torch.Tensor]) -> PrefixInputs:
-        """[BOS][kept tokens][prefix prompt] per image: BOS at 0, a kept token at 1 + its grid
-        index, the prompt from P (the full prefix's length) on."""
-        bos = self.model.text.wte[self.model.config.tokenizer.bos_id][None]
-        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        """[BOS][kept tokens][prefix prompt] per image: the prompt from P (the full prefix's
+        length) on."""
         embeds, positions = [], []
         for f, p in zip(features, prompts):
-            embeds += [bos, f.features_TC.to(bos.dtype), self.model.text.wte[p]]
-            positions += [zero, 1 + f.keep, self.P + torch.arange(p.shape[0], device=self.device)]
+            image_embeds, image_positions = self.model.kept_prefix(f.features_TC, f.keep)
+            embeds += [image_embeds, self.model.text.wte[p]]
+            positions += [image_positions, self.P + torch.arange(p.shape[0], device=self.device)]
         return PrefixInputs(torch.cat(embeds), torch.cat(positions))
 
     def embed_tokens(self, ids_N: torch.Tensor) -> torch.Tensor:

@@ -34,10 +34,9 @@ def prefix_inputs(model: MoondreamModel, images: list[PreparedImage]) -> tuple[t
             torch.arange(P, device=dev).repeat(len(images))
     crops = torch.cat([im.crops for im in images]).to(dev)
     keeps = [im.keep.to(dev) for im in images]
-    feats = model.vision.forward_kept(crops, [im.tiling for im in images], keeps)
-    bos = model.text.wte[model.config.tokenizer.bos_id][None]
-    zero = torch.zeros(1, dtype=torch.long, device=dev)
-    return torch.cat([t for f in feats for t in (bos, f.to(bos.dtype))]), torch.cat([t for k in keeps for t in (zero, 1 + k)])
+    features = model.vision.forward_kept(crops, [im.tiling for im in images], keeps)
+    parts = [model.kept_prefix(f, k) for f, k in zip(features, keeps)]
+    return torch.cat([e for e, _ in parts]), torch.cat([p for _, p in parts])
 
 
 def _blocks(first: int, n: int) -> list[int]:

@@ -133,6 +133,7 @@ def test_pruned_classify_and_local_crops_are_batch_invariant(tmp_path):
     images = [tiny_pre(im) for im in flat_images([(150, 110), (40, 40), (70, 160), (120, 120)])]
     assert any(p.tiling != (1, 1) for p in images) and any(p.prefix_len < tiny.P for p in images)
     tiny_seqs = tiny.sequences([CaptionTask(caption={"length": "short"}), PointTask(point={"objects": ["23"]})], 12, 3)
-    reference = [[(o.tokens, o.objects) for o in img] for img in generate(tiny.model, images, [s.spec for s in tiny_seqs])]
+    reference = [[(o.tokens, o.objects) for o in img]
+                 for img in generate(tiny.model, images, [s.spec for s in tiny_seqs])]
     for batch in (1, 64):
         assert run_engine(tiny, images, tiny_seqs, max_batch_size=batch) == reference
