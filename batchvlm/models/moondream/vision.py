@@ -58,8 +58,8 @@ class VisionModel(nn.Module):
         self.post_ln = nn.LayerNorm(c.enc_dim)
         self.proj_mlp = MLP(2 * c.enc_dim, c.proj_inner_dim, c.proj_out_dim)
 
-    def encode_crops(self, crops_NHWC: torch.Tensor) -> torch.Tensor:
-        """uint8 crops -> encoder features [N, grid*grid, enc_dim]. Normalizes on the device."""
+    def patches(self, crops_NHWC: torch.Tensor) -> torch.Tensor:
+        """uint8 crops -> normalized patch vectors [N, grid*grid, C*p*p]. Normalizes on the device."""
         c = self.config
         p, g = c.enc_patch_size, c.grid
         x = crops_NHWC.to(self.pos_emb.dtype).permute(0, 3, 1, 2)
@@ -67,7 +67,11 @@ class VisionModel(nn.Module):
         N = x.shape[0]
         # [N, C, g, p, g, p] -> [N, g, g, C, p, p]: patch vectors in (channel, row, col) order.
         patches = x.reshape(N, c.in_channels, g, p, g, p).permute(0, 2, 4, 1, 3, 5)
-        h = self.patch_emb(patches.reshape(N, g * g, c.in_channels * p * p)) + self.pos_emb
+        return patches.reshape(N, g * g, c.in_channels * p * p)
+
+    def encode_crops(self, crops_NHWC: torch.Tensor) -> torch.Tensor:
+        """uint8 crops -> encoder features [N, grid*grid, enc_dim]."""
+        h = self.patch_emb(self.patches(crops_NHWC)) + self.pos_emb
         for block in self.blocks:
             h = block(h)
         return self.post_ln(h)
@@ -75,16 +79,12 @@ class VisionModel(nn.Module):
     def encode_kept(self, crops_NHWC: torch.Tensor, keeps: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """uint8 crops -> encoder features of each crop's kept patches [n_kept, enc_dim];
         `keeps[n]`: crop n's kept patches (long, raster order, on the device), None: all."""
-        c = self.config
-        p, g = c.enc_patch_size, c.grid
-        x = crops_NHWC.to(self.pos_emb.dtype).permute(0, 3, 1, 2)
-        x = x.div(255.0).sub_(0.5).div_(0.5)
-        N = x.shape[0]
-        patches = x.reshape(N, c.in_channels, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(N * g * g, -1)
-        every = torch.arange(g * g, device=patches.device)
-        rows = torch.cat([n * g * g + (every if keep is None else keep) for n, keep in enumerate(keeps)])
-        h = self.patch_emb(patches.index_select(0, rows)) + self.pos_emb[0].index_select(0, rows % (g * g))
-        lengths = [g * g if keep is None else keep.numel() for keep in keeps]
+        T = self.config.n_image_tokens
+        patches = self.patches(crops_NHWC).flatten(0, 1)
+        every = torch.arange(T, device=patches.device)
+        rows = torch.cat([n * T + (every if keep is None else keep) for n, keep in enumerate(keeps)])
+        h = self.patch_emb(patches.index_select(0, rows)) + self.pos_emb[0].index_select(0, rows % T)
+        lengths = [T if keep is None else keep.numel() for keep in keeps]
         layout = PaddedLayout(lengths, h.device)
         for block in self.blocks:
             h = block.forward_flat(h, layout)
@@ -133,7 +133,6 @@ class VisionModel(nn.Module):
         if start != feats_NTC.shape[0]:
             raise ValueError(f"crops ({feats_NTC.shape[0]}) do not match tilings ({start})")
         return self.proj_mlp(torch.stack(fused))
-
 
     def forward_kept(self, crops_NHWC: torch.Tensor, tilings: list[tuple[int, int]],
                      keeps: list[torch.Tensor]) -> list[torch.Tensor]:
