@@ -1,6 +1,6 @@
 """Duplicate-token pruning on CUDA (issue 43): the demo model's pruned labels on the GPU, eager
 and in CUDA graphs, equal its pruned labels on the CPU (float32 both; the kept-patch tower's
-padded per-crop attention and the prefix's position gaps run on the device's kernels)."""
+per-crop attention grouped by length and the prefix's position gaps run on the device's kernels)."""
 
 import random
 

@@ -13,7 +13,7 @@ from support.inputs import good_png, write_job, write_tar
 
 from batchvlm.data.sources import ShardRef, SourceError
 from batchvlm.errors import UsageError
-from batchvlm.job import InputSpec
+from batchvlm.job import InputSpec, JobError
 from batchvlm.tune.agreement import Agreement, match_near, token_f1
 from batchvlm.models.base.budget import Budget, halvings
 from batchvlm.tune.sample import draw
@@ -77,10 +77,10 @@ def test_settings_from_the_budget_and_budgets():
             settings_for("q", b, True, asked)
     with pytest.raises(UsageError, match="f2 has no visual budget knob"):
         settings_for("f2", None, True, "4")
-    with pytest.raises(ModelLoadError, match="f2 cannot prune"):
+    with pytest.raises(UsageError, match="f2 cannot prune"):
         settings_for("f2", None, False, "prune")
     one = Budget("max_crops", 1, 1, ())
-    with pytest.raises(ModelLoadError, match="nothing smaller to compare"):
+    with pytest.raises(JobError, match="nothing smaller to compare"):
         settings_for("m", one, False, None)
     assert [s.name for s in settings_for("moondream", one, True, None)] == ["full", "prune=0"]
 

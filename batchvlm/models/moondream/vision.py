@@ -8,19 +8,41 @@ Duplicate pruning (model.prune_duplicates, base/prune.py; `forward_kept`): token
 when patch t of the global crop repeats a kept neighbour. The global crop is then encoded on its
 kept patches alone (each with its own learned position embedding, attending among themselves);
 the local crops are encoded whole, because their features are stitched and pooled over the full
-grid, and only the pooled rows of the kept tokens are used. A 1 x 1 tiling (every image up to
+grid, and only the pooled rows of the kept tokens are used. Attention runs within each crop, the
+crops of one length batched together (CropGroups): a crop's result does not depend on the other
+images of the batch, so labels are the same at every batch size. A 1 x 1 tiling (every image up to
 about one crop in size) has no local crops: all its dropped patches skip the tower.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..base.padded import PaddedLayout
+
 from .config import VisionConfig
 from .layers import MLP, Attention
+
+
+class CropGroups:
+    """Attention within each crop of a flat batch of crops of different lengths: the crops of one
+    length are one dense call (as the whole-crop path's), so no crop is padded and no crop's
+    result depends on which other crops share the batch."""
+
+    def __init__(self, lengths: list[int], device: torch.device):
+        lens = np.asarray(lengths, dtype=np.int64)
+        starts = np.cumsum(lens) - lens
+        self.rows = [torch.from_numpy(starts[lens == n][:, None] + np.arange(n)[None]).to(device)
+                     for n in np.unique(lens).tolist()]  # [crops of length n, n] flat rows each
+
+    def attend(self, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(q_NHD)
+        for rows in self.rows:
+            o = F.scaled_dot_product_attention(*(t[rows].transpose(1, 2) for t in (q_NHD, k_NHD, v_NHD)))
+            out[rows.reshape(-1)] = o.transpose(1, 2).reshape(-1, *q_NHD.shape[1:])
+        return out
 
 
 class VisionBlock(nn.Module):
@@ -39,7 +61,7 @@ class VisionBlock(nn.Module):
         x_BTC = x_BTC + self.attn.proj(out_BHTD.transpose(1, 2).reshape(B, T, C))
         return x_BTC + self.mlp(self.ln2(x_BTC))
 
-    def forward_flat(self, x_NC: torch.Tensor, layout: PaddedLayout) -> torch.Tensor:
+    def forward_flat(self, x_NC: torch.Tensor, layout: CropGroups) -> torch.Tensor:
         """The same block on a flat batch of crops of different lengths (attention within each)."""
         N, C = x_NC.shape
         q, k, v = self.attn.qkv(self.ln1(x_NC)).view(N, 3, self.n_heads, C // self.n_heads).unbind(1)
@@ -85,7 +107,7 @@ class VisionModel(nn.Module):
         rows = torch.cat([n * T + (every if keep is None else keep) for n, keep in enumerate(keeps)])
         h = self.patch_emb(patches.index_select(0, rows)) + self.pos_emb[0].index_select(0, rows % T)
         lengths = [T if keep is None else keep.numel() for keep in keeps]
-        layout = PaddedLayout(lengths, h.device)
+        layout = CropGroups(lengths, h.device)
         for block in self.blocks:
             h = block.forward_flat(h, layout)
         return list(self.post_ln(h).split(lengths))
