@@ -131,12 +131,12 @@ class ModelSpec(Strict):
                                                            "tokens: faster vision and prefill, less KV memory.")
     prune_duplicates: float | None = Field(
         None, ge=0.0, le=1.0, allow_inf_nan=False,
-        description="Qwen3-VL / Qwen3.5: drop every 2x2 merge group of image patches whose pixels equal an "
-                    "already-kept neighbour's (left or above) within this tolerance (largest difference of any "
-                    "pixel channel, as a share of 0-255; 0 = identical), before the vision tower and the prefill; "
-                    "kept tokens keep their positions. Florence-2: after its vision tower, the image tokens of "
-                    "cells whose pixel footprint repeats a kept neighbour's are left out of the encoder. Off by "
-                    "default. docs/tune.md.")
+        description="Qwen3-VL / Qwen3.5 / Moondream: drop every image token whose pixels (Qwen: a 2x2 merge "
+                    "group of patches; Moondream: a patch of the global crop) equal an already-kept neighbour's "
+                    "(left or above) within this tolerance (largest difference of any pixel channel, as a share of "
+                    "0-255; 0 = identical), before the vision tower and the prefill; kept tokens keep their "
+                    "positions. Florence-2: after its vision tower, the image tokens of cells whose pixel footprint "
+                    "repeats a kept neighbour's are left out of the encoder. Off by default. docs/tune.md.")
 
     @field_validator("revision", mode="before")
     @classmethod

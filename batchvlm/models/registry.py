@@ -61,7 +61,7 @@ def open_family(spec: ModelSpec, weights: bool = True) -> Family:
         raise ModelLoadError(f"model.family: {spec.family!r}, but {spec.name!r} is a {family.name} model")
     if spec.prune_duplicates is not None and not family.can_prune():
         raise ModelLoadError(f"model.prune_duplicates: {family.name} ({family.backend}) cannot drop duplicate visual "
-                             "tokens (native Qwen3-VL, Qwen3.5 and Florence-2 can); remove the setting")
+                             "tokens (native Qwen3-VL, Qwen3.5, Florence-2 and Moondream can); remove the setting")
     return family
 
 

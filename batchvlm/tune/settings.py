@@ -76,7 +76,7 @@ def _asked(item: str, family_name: str, budget: Budget | None, can_prune: bool) 
     if item == "prune" or item.startswith("prune:"):
         if not can_prune:
             raise UsageError(f"--budgets: {item!r}: {family_name} cannot prune duplicate visual tokens "
-                             "(native Qwen3-VL, Qwen3.5 and Florence-2 can)")
+                             "(native Qwen3-VL, Qwen3.5, Florence-2 and Moondream can)")
         return _prune(item)
     try:
         value = int(item)

@@ -13,7 +13,7 @@ from support.inputs import good_png, write_job, write_tar
 
 from batchvlm.data.sources import ShardRef, SourceError
 from batchvlm.errors import UsageError
-from batchvlm.job import InputSpec
+from batchvlm.job import InputSpec, JobError
 from batchvlm.tune.agreement import Agreement, match_near, token_f1
 from batchvlm.models.base.budget import Budget, halvings
 from batchvlm.tune.sample import draw
@@ -33,15 +33,16 @@ def test_tune_subprocess_reports_every_setting_and_writes_nothing_into_the_outpu
                     tasks=[{"caption": {}}, {"query": {"question": "How many shapes are there?"}},
                            {"detect": {"objects": ["circle"]}}, {"point": {"objects": ["red circle"]}}])
     r = cli("tune", job, "--sample", "6", "--json", tmp_path / "t.json", "--plot", tmp_path / "t.png", cwd=tmp_path)
-    assert "max_crops=1" in r.stdout and "full" in r.stdout
+    assert "max_crops=1" in r.stdout and "prune=0" in r.stdout and "full" in r.stdout
     data = json.loads((tmp_path / "t.json").read_text())
-    assert [s["setting"] for s in data["settings"]] == ["full", "max_crops=1"]
+    assert [s["setting"] for s in data["settings"]] == ["full", "max_crops=1", "prune=0"]
     assert data["sample"] == 6 and data["population"] == 10 and data["family"] == "moondream"
     full = data["settings"][0]
     assert all(a["value"] == 1.0 for a in full["agreement"].values())  # the reference agrees with itself
     assert list(full["agreement"]) == ["caption", "query", "detect", "point"]
     assert full["images_per_s"] > 0 and full["prefix_tokens"] > 0
     assert data["settings"][0]["vision_cost"] >= data["settings"][1]["vision_cost"]
+    assert data["settings"][2]["prefix_tokens"] < full["prefix_tokens"]  # flat backgrounds: most tokens repeat
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     assert not (tmp_path / "out").exists()
 
@@ -49,9 +50,7 @@ def test_tune_subprocess_reports_every_setting_and_writes_nothing_into_the_outpu
 @pytest.mark.parametrize("args, model, words", [
     (["--sample", "11"], {"max_crops": 2}, "--sample: 11 is more than the 10"),
     (["--budgets", "3"], {"max_crops": 2}, "--budgets: 3 is outside model.max_crops's range [1, 2]"),
-    (["--budgets", "prune"], {"max_crops": 2}, "moondream cannot prune"),
     (["--budgets", "many"], {"max_crops": 2}, "neither an integer"),
-    ([], {}, "nothing smaller to compare"),
     (["--json", "out/r.json"], {"max_crops": 2}, "out/r.json: inside the job's output folder"),
     (["--budgets", "2,"], {"max_crops": 2}, "only the full budget"),
 ])
@@ -78,6 +77,12 @@ def test_settings_from_the_budget_and_budgets():
             settings_for("q", b, True, asked)
     with pytest.raises(UsageError, match="f2 has no visual budget knob"):
         settings_for("f2", None, True, "4")
+    with pytest.raises(UsageError, match="f2 cannot prune"):
+        settings_for("f2", None, False, "prune")
+    one = Budget("max_crops", 1, 1, ())
+    with pytest.raises(JobError, match="nothing smaller to compare"):
+        settings_for("m", one, False, None)
+    assert [s.name for s in settings_for("moondream", one, True, None)] == ["full", "prune=0"]
 
 
 def test_the_draw_is_reproducible_and_independent_of_shard_order(tmp_path):

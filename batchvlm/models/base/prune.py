@@ -2,14 +2,17 @@
 
 A cell is one visual token; it reads a size x size window of the pixels the tower reads, at
 (row * stride, col * stride). Qwen: its merge group, the 2 x 2 patches that become one text
-token (stride = size = patch * merge; qwen_vl/preprocess.py). Florence-2: the receptive field of
+token (stride = size = patch * merge; qwen_vl/preprocess.py). Moondream: a patch of the global
+crop (stride = size = patch; moondream/preprocess.py). Florence-2: the receptive field of
 DaViT's convolutional stem, overlapping windows (florence2/preprocess.py).
 
 In raster order over the grid, a cell is dropped when its window equals, within the tolerance,
 the window of the kept cell its left or upper neighbour is or stands for: every dropped cell is
 compared with a kept one, so a tolerance never drifts along a run of near-equal cells (at
 tolerance 0 equality is transitive, and equal neighbours are enough). The first cell is always
-kept. The tolerance is the largest difference of any pixel channel, as a share of 0-255. Decided
+kept. The tolerance is the largest difference of any pixel channel, as a share of 0-255. Above 0,
+a cell's representative depends on its neighbours': decided an anti-diagonal at a time
+(`_kept_within`), equal to the raster-order loop (tests/models/test_prune_blocks.py). Decided
 on the uint8 pixels the tower reads, in the loader workers, once per image: every task of the
 image shares it.
 """
@@ -35,36 +38,79 @@ def kept_cells(pixels_HW3: np.ndarray, grid: tuple[int, int], stride: int, size:
     array holds every window (pad it first). Any integer dtype (a pad value outside 0-255 equals
     no pixel)."""
     gh, gw = grid
-    px = pixels_HW3.astype(np.int16)
+    px = np.asarray(pixels_HW3, dtype=np.int16)  # a copy unless it is int16 already
     flat = px.reshape(px.shape[0], -1)  # [H, W * 3]: channels interleaved, so a window is size x 3 * size
     limit = tolerance * 255
-    same_left = np.zeros((gh, gw), dtype=bool)
-    same_up = np.zeros((gh, gw), dtype=bool)
+    # each cell's largest difference from its left / upper neighbour (-1 where it has none)
+    left_max = np.full((gh, gw), -1, dtype=np.int16)
+    up_max = np.full((gh, gw), -1, dtype=np.int16)
     if gw > 1:  # diff[y, x]: |flat[y, x + 3 stride] - flat[y, x]|, so cell (r, c) vs (r, c - 1) is a window of it
         diff = np.abs(flat[:, 3 * stride :] - flat[:, : -3 * stride])
-        same_left[:, 1:] = _window_max(diff, gh, gw - 1, stride, size) <= limit
+        left_max[:, 1:] = _window_max(diff, gh, gw - 1, stride, size)
     if gh > 1:
         diff = np.abs(flat[stride:] - flat[:-stride])
-        same_up[1:] = _window_max(diff, gh - 1, gw, stride, size) <= limit
+        up_max[1:] = _window_max(diff, gh - 1, gw, stride, size)
+    same_left = (left_max >= 0) & (left_max <= limit)
+    same_up = (up_max >= 0) & (up_max <= limit)
     candidate = same_left | same_up
     if not candidate.any():
         return None
     if limit == 0:
         keep = ~candidate
     else:
-        keep = np.ones((gh, gw), dtype=bool)
-        rep = np.arange(gh * gw).reshape(gh, gw)  # the kept cell each cell is, or stands for
-
-        def window(i: int) -> np.ndarray:
-            r, c = divmod(int(i), gw)
-            return px[r * stride : r * stride + size, c * stride : c * stride + size]
-
-        for r, c in zip(*np.nonzero(candidate)):  # raster order: neighbours are decided first
-            for near in ([rep[r, c - 1]] if same_left[r, c] else []) + ([rep[r - 1, c]] if same_up[r, c] else []):
-                if np.abs(window(r * gw + c) - window(near)).max() <= limit:
-                    keep[r, c], rep[r, c] = False, near
-                    break
+        keep = _kept_within(torch.from_numpy(px), (gh, gw), stride, size, torch.from_numpy(left_max),
+                            torch.from_numpy(up_max), limit).numpy()
     return torch.from_numpy(np.flatnonzero(keep.reshape(-1)))
+
+
+def _kept_within(px_HW3: torch.Tensor, grid: tuple[int, int], stride: int, size: int, left_max: torch.Tensor,
+                 up_max: torch.Tensor, limit: float) -> torch.Tensor:
+    """Tolerance > 0: -> keep [gh, gw]. A cell's representative depends on its left and upper
+    neighbours', so the cells of one anti-diagonal (r + c = d) depend only on the diagonal before:
+    decided a diagonal at a time, all of its cells at once. A cell is compared with its
+    neighbour's representative's window only where that is not already known: a kept neighbour
+    is its own representative, and a cell equal to its neighbour (largest difference 0) is as
+    near the representative as the neighbour is."""
+    gh, gw = grid
+    keep = torch.ones(gh, gw, dtype=torch.bool)
+    rep = torch.arange(gh * gw).view(gh, gw)  # the kept cell each cell is, or stands for
+    near_left = (left_max >= 0) & (left_max <= limit)
+    near_up = (up_max >= 0) & (up_max <= limit)
+    candidate = near_left | near_up
+    span = torch.arange(size)
+
+    def window(i: torch.Tensor) -> torch.Tensor:
+        """Cells' windows [n, size, size, 3]."""
+        y = (i // gw * stride)[:, None, None] + span[None, :, None]
+        x = (i % gw * stride)[:, None, None] + span[None, None, :]
+        return px_HW3[y, x]
+
+    def by(r: torch.Tensor, c: torch.Tensor, nr: torch.Tensor, nc: torch.Tensor, near: torch.Tensor,
+           most: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (the neighbour's representative, whether the cell is dropped for it)."""
+        nr, nc = nr.clamp(min=0), nc.clamp(min=0)
+        nb = rep[nr, nc]
+        ok = near[r, c].clone()
+        check = (ok & ~keep[nr, nc] & (most[r, c] != 0)).nonzero().view(-1)
+        if check.numel():
+            diff = (window((r * gw + c)[check]) - window(nb[check])).abs()
+            ok[check] = diff.flatten(1).amax(-1) <= limit
+        return nb, ok
+
+    for d in range(1, gh + gw - 1):
+        r = torch.arange(max(0, d - gw + 1), min(d, gh - 1) + 1)
+        c = d - r
+        on = candidate[r, c]
+        if not on.any():
+            continue
+        r, c = r[on], c[on]
+        left, by_left = by(r, c, r, c - 1, near_left, left_max)
+        up, by_up = by(r, c, r - 1, c, near_up, up_max)
+        by_up &= ~by_left
+        drop = by_left | by_up
+        keep[r[drop], c[drop]] = False
+        rep[r[drop], c[drop]] = torch.where(by_left, left, up)[drop]
+    return keep
 
 
 def _window_max(diff_YX: np.ndarray, rows: int, cols: int, stride: int, size: int) -> np.ndarray:

@@ -25,6 +25,20 @@ def encode_images(model: MoondreamModel, images: list[PreparedImage]) -> torch.T
     return model.vision(crops, [im.tiling for im in images])
 
 
+def prefix_inputs(model: MoondreamModel, images: list[PreparedImage]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every image's prefix, flat: (embeddings [n, C], positions [n]). With duplicate pruning
+    (PreparedImage.keep) the kept tokens only, each at 1 + its grid index (vision.py forward_kept)."""
+    dev, P = model.device, model.config.prefix_len
+    if images[0].keep is None:
+        return model.prefix_embeds(encode_images(model, images)).reshape(len(images) * P, -1), \
+            torch.arange(P, device=dev).repeat(len(images))
+    crops = torch.cat([im.crops for im in images]).to(dev)
+    keeps = [im.keep.to(dev) for im in images]
+    features = model.vision.forward_kept(crops, [im.tiling for im in images], keeps)
+    parts = [model.kept_prefix(f, k) for f, k in zip(features, keeps)]
+    return torch.cat([e for e, _ in parts]), torch.cat([p for _, p in parts])
+
+
 def _blocks(first: int, n: int) -> list[int]:
     return list(range(first, first + n))
 
@@ -39,8 +53,10 @@ def generate(
 ) -> list[list[RawOutput]]:
     """Run every spec on every image -> outputs[image][spec]. `seeds[image][spec]` seeds sampling."""
     dev = model.device
-    P, bs = model.config.prefix_len, block_size
-    nbp = -(-P // bs)
+    P, bs = model.config.prefix_len, block_size  # P: the full prefix; own positions start there
+    lens = [im.prefix_len for im in images]  # KV slots of each prefix (fewer where pruned)
+    L, full = max(lens), all(n == P for n in lens)
+    nbp = -(-L // bs)
     I, S = len(images), len(specs)
     B = I * S  # row b = (image b // S, spec b % S)
     own_blocks = [-(-(len(sp.prompt) + sp.budget) // bs) for sp in specs]
@@ -52,15 +68,16 @@ def generate(
         tables.append(_blocks(next_block, n) + [0] * (max(own_blocks) - n))
         next_block += n
     own_t = torch.tensor(tables, dtype=torch.long, device=dev)
-    lens_I = torch.full((I,), P, device=dev)
+    lens_I = torch.tensor(lens, device=dev)
     image_of = torch.arange(B, device=dev) // S
 
-    # 1. Vision, then every image prefix once: a bidirectional P-token prefill per image.
-    j = torch.arange(P, device=dev)
-    batch = AttentionBatch(slot_of(prefix_t, j.expand(I, P), bs).reshape(-1),
-                           [PrefixGroup(torch.arange(I * P, device=dev).view(I, P), prefix_t, lens_I, causal=False)], bs)
-    embeds = model.prefix_embeds(encode_images(model, images)).reshape(I * P, -1)
-    model.forward_tokens(embeds, j.repeat(I), batch, cache)
+    # 1. Vision, then every image prefix once: a bidirectional prefill per image.
+    pre_img = torch.repeat_interleave(torch.arange(I, device=dev), lens_I)
+    j = torch.arange(pre_img.shape[0], device=dev) - (torch.cumsum(lens_I, 0) - lens_I)[pre_img]
+    q_pre = torch.full((I, L), pre_img.shape[0], dtype=torch.long, device=dev)
+    q_pre[pre_img, j] = torch.arange(pre_img.shape[0], device=dev)
+    batch = AttentionBatch(slot_of(prefix_t[pre_img], j, bs), [PrefixGroup(q_pre, prefix_t, lens_I, causal=False)], bs)
+    model.forward_tokens(*prefix_inputs(model, images), batch, cache)
 
     def shared(q_rows_BT: torch.Tensor, n_rows: int) -> SharedPrefix:
         """Each image's queries: rows b of image i are i*S .. i*S+S-1, in order."""
@@ -68,7 +85,7 @@ def generate(
         by_image = q_rows_BT.reshape(I, S * Tq)
         q_slot = torch.arange(B * Tq, device=dev).view(B, Tq)
         q_slot = torch.where(q_rows_BT == n_rows, I * S * Tq, q_slot)
-        return SharedPrefix(prefix_t, lens_I, by_image, q_slot, P, True)
+        return SharedPrefix(prefix_t, lens_I, by_image, q_slot, L, full)
 
     # 2. Every prompt against its image's prefix, padded to the longest prompt.
     lens = [len(specs[b % S].prompt) for b in range(B)]
@@ -126,7 +143,7 @@ def generate(
         rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[img]  # active is sorted by image
         by_image = torch.full((I, M), n, dtype=torch.long, device=dev)
         by_image[img, rank] = torch.arange(n, device=dev)
-        prefix = SharedPrefix(prefix_t, lens_I, by_image, (img * M + rank)[:, None], P, True)
+        prefix = SharedPrefix(prefix_t, lens_I, by_image, (img * M + rank)[:, None], L, full)
         batch = AttentionBatch(slot_of(own_t[act], o, bs),
                                [TaskGroup(torch.arange(n, device=dev)[:, None], o[:, None], own_t[act], o + 1, prefix)],
                                bs)

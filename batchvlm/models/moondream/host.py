@@ -38,11 +38,12 @@ class Moondream(FamilyBase):
     name = "moondream"
 
     def __init__(self, config: MoondreamConfig, tokenizer, folder: Path, model_name: str, revision: str | None,
-                 max_crops: int | None = None):
+                 max_crops: int | None = None, prune: float | None = None):
         self.config = config
         self.tokenizer = TokenizerAdapter(tokenizer)
         self.folder, self.model_name, self.revision = folder, model_name, revision
         self.max_crops = max_crops or config.vision.max_crops
+        self.prune = prune  # model.prune_duplicates (vision.py forward_kept)
         # json answers: the logits are config.text.vocab_size wide (may exceed the tokenizer); EOS ends them
         self.grammars = Grammars(tokenizer, config.text.vocab_size, [config.tokenizer.eos_id])
 
@@ -52,10 +53,10 @@ class Moondream(FamilyBase):
             raise ModelLoadError(f"model.{given[0]}: a Qwen3-VL setting; Moondream sees fixed-size crops "
                                  "(fewer: model.max_crops)")
         return cls(read_config(folder), load_tokenizer(folder, TOKENIZER_REPO), folder, spec.name, revision,
-                   spec.max_crops)
+                   spec.max_crops, spec.prune_duplicates)
 
     def preprocessor(self) -> Preprocessor:
-        return Preprocessor(self.config.vision, self.max_crops)
+        return Preprocessor(self.config.vision, self.max_crops, self.prune)
 
     def max_prefix_len(self) -> int:
         return self.config.prefix_len
@@ -63,6 +64,9 @@ class Moondream(FamilyBase):
     def budget(self) -> Budget:
         """max_crops: vision work (the prefix is the same size whatever the crops)."""
         return Budget("max_crops", 1, self.max_crops, halvings(self.max_crops, 1))
+
+    def can_prune(self) -> bool:
+        return True
 
     def sequences(self, tasks: list[Task], engine: EngineSpec, constrain: bool = False) -> list[TaskSequence]:
         """`constrain` changes nothing: point / detect are always decoded by the grammar (grammar.py)."""

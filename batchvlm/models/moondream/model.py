@@ -41,6 +41,13 @@ class MoondreamModel(nn.Module):
         bos = self.text.wte[self.config.tokenizer.bos_id].expand(I, 1, -1)
         return torch.cat([bos, image_features_ITC.to(bos.dtype)], dim=1)
 
+    def kept_prefix(self, features_TC: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Duplicate pruning (vision.py forward_kept): [BOS, kept tokens] of one image -> (embeddings
+        [1 + n, C], positions [1 + n]): BOS at 0, a kept token at 1 + its grid index."""
+        bos = self.text.wte[self.config.tokenizer.bos_id][None]
+        positions = torch.cat([torch.zeros(1, dtype=torch.long, device=keep.device), 1 + keep])
+        return torch.cat([bos, features_TC.to(bos.dtype)]), positions
+
     def input_embeds(self, kind_N: torch.Tensor, token_N: torch.Tensor, value_N2: torch.Tensor) -> torch.Tensor:
         """Embeddings of decode inputs: wte[token], or the encoding of a coordinate / size.
 
