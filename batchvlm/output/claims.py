@@ -25,22 +25,27 @@ from .writer import tmp_path
 LAUNCH_ENV = "BATCHVLM_LAUNCH"
 
 
-def _pid_namespace() -> int | None:
-    """This process's pid namespace: containers that share a host name (host networking) do not
-    share it, so a pid of another one is not looked up here."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
+def _kernel() -> dict[str, object]:
+    """Which kernel and pid namespace this process runs in. A host name alone is not enough:
+    containers given one fixed host name on several machines share it, and the initial pid
+    namespace has the same inode on every machine; the boot id is one kernel's own."""
+    ids: dict[str, object] = {}
+    for key, read in (("boot", lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip()),
+                      ("pidns", lambda: os.stat("/proc/self/ns/pid").st_ino)):
+        try:
+            ids[key] = read()
+        except OSError:
+            ids[key] = None
+    return ids
 
 
 def holder_died(holder: object) -> bool:
-    """A claim's holder (its JSON) is a process of this host, and of this pid namespace, that is
-    gone (kill -9): its lease need not be waited out. Claims written before the namespace was
-    recorded are judged by the host alone."""
+    """A claim's holder (its JSON) is a process of this host, kernel and pid namespace that is
+    gone (kill -9): its lease need not be waited out. Claims written before the boot id or the
+    namespace was recorded are judged by what they record."""
     if not isinstance(holder, dict) or holder.get("host") != socket.gethostname():
         return False
-    if holder.get("pidns", _pid_namespace()) != _pid_namespace():
+    if any(holder.get(k, v) != v for k, v in _kernel().items()):
         return False
     pid = holder.get("pid")
     return isinstance(pid, int) and pid != os.getpid() and not pid_alive(pid)
@@ -49,7 +54,7 @@ def holder_died(holder: object) -> bool:
 class Claims:
     def __init__(self, folder: Path, lease_s: float = 300.0, heartbeat_s: float = 30.0):
         self.folder, self.lease_s, self.heartbeat_s = folder, lease_s, heartbeat_s
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "pidns": _pid_namespace()}
+        me = {"host": socket.gethostname(), "pid": os.getpid()} | _kernel()
         self.me = json.dumps(me | ({"launch": os.environ[LAUNCH_ENV]} if os.environ.get(LAUNCH_ENV) else {})).encode()
 
     def path(self, stem: str) -> Path:

@@ -172,6 +172,9 @@ def test_only_one_rank_takes_over_a_dead_holders_claim(tmp_path):
     assert b.take("s1")
     a.path("s2").write_text(json.dumps({"host": "node17", "pid": dead.pid}))  # elsewhere: wait for the lease
     assert not b.take("s2")
+    # Same host name, another machine (containers given one fixed host name): its boot id differs
+    a.path("s3").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "boot": "another-kernel"}))
+    assert not b.take("s3")
 
 
 def test_a_launcher_frees_the_claims_of_its_ended_ranks_only(tmp_path, monkeypatch):
