@@ -208,12 +208,13 @@ def clear_outputs(layout: Layout) -> None:
 
 def _clear_store(layout: Layout) -> None:
     """clear_outputs of an output in a store, in requests of 1000 keys: its own shards' Parquet
-    objects (a shard of its list or with a marker: a foreign object there was refused by the
-    preflight, so each is ours, and none is read to tell) and everything below `__batchvlm__/`
-    (a store holds no run lock). Which exist comes from listings, not a request per shard."""
+    objects and everything below `__batchvlm__/` (a store holds no run lock). An object beside its
+    own stats file is ours without a read; one without (a stem of an old shard list, which the
+    preflight does not check) is read to tell, as in a folder. Which exist comes from listings,
+    not a request per shard."""
     with layout.listed():
-        stems = own_stems(layout)
-        ours = [layout.parquet(stem).key for stem in stems if layout.parquet(stem).is_file()]
+        ours = [layout.parquet(stem).key for stem in own_stems(layout) if layout.parquet(stem).is_file()
+                and (layout.stats(stem).is_file() or written_by_us(layout.parquet(stem)))]
     store = layout.dir.store
     below = store.list(f"{layout.meta.key}/", recursive=True)[0]
     store.delete_many(ours + [o.key for o in below])

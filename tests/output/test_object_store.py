@@ -117,6 +117,26 @@ def test_run_limit_resume_status_preview_export_and_readers(tmp_path, s3, bucket
     assert len(r.stdout.strip().splitlines()) == 1, r.stdout
 
 
+def test_overwrite_leaves_a_foreign_object_at_a_stem_the_plan_no_longer_has(tmp_path, bucket):
+    """--overwrite deletes this output's shards. A stem of the stored shard list that the job no
+    longer plans is not checked by the preflight: an object there with no done marker is read to
+    tell whose it is, and somebody else's stays."""
+    import pyarrow.parquet as pq
+
+    name, client = bucket
+    write_shards(tmp_path / "data", 2, 2, seed=5)
+    job = write_job(tmp_path / "job.yaml", "data/shapes-*.tar", out=f"s3://{name}/labels")
+    cli_app(tmp_path, "run", job, "--limit", "2", check=True)  # shard 0 done; the list names both
+    (tmp_path / "data" / "shapes-000001.tar").unlink()
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"x": [1]}), sink)
+    client.put_object(Bucket=name, Key="labels/shapes-000001.parquet", Body=sink.getvalue().to_pybytes())
+    cli_app(tmp_path, "run", job, "--overwrite", check=True)
+    objs = _objects(client, name)
+    assert "shapes-000001.parquet" in objs and objs["shapes-000001.parquet"]["Size"] == len(sink.getvalue())
+    assert list(_done(client, name)) == ["shapes-000000"]
+
+
 def _run(job, env_extra=None) -> subprocess.Popen:
     env = os.environ | {"BATCHVLM_LEASE_S": "2"} | (env_extra or {})
     return subprocess.Popen([sys.executable, "-m", "batchvlm.cli", "run", str(job)], stdout=subprocess.DEVNULL,
