@@ -77,7 +77,8 @@ class Florence2EngineModel(EngineModelBase):
             if im.keep is None:
                 out.append(ImageFeatures(tokens_TC, None))
             else:
-                rows = torch.cat([im.keep.new_zeros(1), im.keep + 1]).to(self.device)  # the pooled token, kept cells
+                # the pooled token, kept cells; non_blocking: a blocking copy would wait for the vision stream's DaViT
+                rows = torch.cat([im.keep.new_zeros(1), im.keep + 1]).to(self.device, non_blocking=True)
                 out.append(ImageFeatures(tokens_TC[rows], rows))
         return out
 

@@ -48,7 +48,7 @@ class MoondreamEngineModel(EngineModelBase):
         tilings = [im.tiling for im in images]
         if images[0].keep is None:  # pruning is off (a job setting: every image alike)
             return list(self.model.vision(crops, tilings).unbind(0))
-        keeps = [im.keep.to(self.device) for im in images]
+        keeps = [im.keep.to(self.device, non_blocking=True) for im in images]  # not waiting for the vision stream
         return [KeptFeatures(f, k) for f, k in zip(self.model.vision.forward_kept(crops, tilings, keeps), keeps)]
 
     def largest_vision_batch(self) -> list[PreparedImage]:

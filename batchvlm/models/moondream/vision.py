@@ -21,7 +21,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
 from .config import VisionConfig
 from .layers import MLP, Attention
 
@@ -34,7 +33,7 @@ class CropGroups:
     def __init__(self, lengths: list[int], device: torch.device):
         lens = np.asarray(lengths, dtype=np.int64)
         starts = np.cumsum(lens) - lens
-        self.rows = [torch.from_numpy(starts[lens == n][:, None] + np.arange(n)[None]).to(device)
+        self.rows = [torch.from_numpy(starts[lens == n][:, None] + np.arange(n)[None]).to(device, non_blocking=True)
                      for n in np.unique(lens).tolist()]  # [crops of length n, n] flat rows each
 
     def attend(self, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor) -> torch.Tensor:

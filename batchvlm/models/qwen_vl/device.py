@@ -53,7 +53,7 @@ class QwenVLEngineModel(EngineModelBase):
         for im in images:
             pixels.append(flat[at : at + im.pixels.numel()].view(im.pixels.shape))
             at += im.pixels.numel()
-        keeps = [None if im.keep is None else im.keep.to(self.device) for im in images]
+        keeps = [None if im.keep is None else im.keep.to(self.device, non_blocking=True) for im in images]
         out = self.model.visual(pixels, keeps)
         deepstack = torch.stack(out.deepstack) if out.deepstack else out.features_TC.new_zeros(0, *out.features_TC.shape)
         feats, at = [], 0
