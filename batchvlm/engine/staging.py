@@ -89,6 +89,9 @@ class SlotWriter:
         return a
 
     def put(self, values: np.ndarray) -> np.ndarray:
+        """float32 or integer values (a slot holds nothing else: a float64 would be cut to int64)."""
+        if values.dtype.kind not in "iub" and values.dtype != np.float32:
+            raise TypeError(f"staging takes float32 or integer inputs, not {values.dtype}")
         a = self.empty(values.shape, np.float32 if values.dtype == np.float32 else np.int64)
         a[...] = values
         return a
