@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import itertools
 import json
 import os
 import statistics
@@ -319,6 +320,12 @@ def row_line(r: dict) -> str:
             f"{r['steps']} |")
 
 
+def finish(args, results: list[dict]) -> None:
+    print(f"# load after: {os.getloadavg()[0]:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
 def against(args) -> None:
     """Each row in --repeat pairs of fresh processes, the other tree's and this one's alternately."""
     import subprocess
@@ -329,35 +336,32 @@ def against(args) -> None:
     print("| family | mix | rows | staging other → this | host other → this | staging ratio | host ratio |")
     print("|---|---|---|---|---|---|---|")
     results = []
-    for family in args.families:
-        for mix in args.mixes:
-            for rows in args.rows:
-                runs: dict[str, list[dict]] = {"other": [], "this": []}
-                for _ in range(args.repeat):
-                    for name, tree in (("other", str(args.against)), ("this", str(ROOT))):
-                        with tempfile.TemporaryDirectory() as tmp:
-                            out = Path(tmp) / "r.json"
-                            cmd = [sys.executable, __file__, "--families", family, "--mixes", mix, "--rows", str(rows),
-                                   "--steps", str(args.steps), "--skip", str(args.skip), "--workdir", str(args.workdir),
-                                   "--json-vocab", str(args.json_vocab), "--clock", args.clock, "--json", str(out)]
-                            cmd += ["--mixed-admission"] * args.mixed_admission
-                            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL,
-                                           env=os.environ | {"BENCH_HOST_TREE": tree})
-                            runs[name].append(json.loads(out.read_text())[0])
-                row = {"family": family, "mix": mix, "rows": rows}
-                cells = []
-                for part in ("staging", "host"):
-                    old = [r[part]["p50"] for r in runs["other"]]
-                    new = [r[part]["p50"] for r in runs["this"]]
-                    row[part] = {"other": old, "this": new,
-                                 "ratio": round(statistics.median(n / o for n, o in zip(new, old)), 3)}
-                    cells.append(f"{statistics.median(old):.0f} → {statistics.median(new):.0f}")
-                results.append(row)
-                print(f"| {family} | {mix} | {rows} | {cells[0]} | {cells[1]} | {row['staging']['ratio']:.2f} | "
-                      f"{row['host']['ratio']:.2f} |", flush=True)
-    print(f"# load after: {os.getloadavg()[0]:.2f}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    for family, mix, rows in itertools.product(args.families, args.mixes, args.rows):
+        runs: dict[str, list[dict]] = {"other": [], "this": []}
+        for _ in range(args.repeat):
+            for name, tree in (("other", str(args.against)), ("this", str(ROOT))):
+                with tempfile.TemporaryDirectory() as tmp:
+                    out = Path(tmp) / "r.json"
+                    cmd = [sys.executable, __file__, "--families", family, "--mixes", mix, "--rows", str(rows),
+                           "--steps", str(args.steps), "--skip", str(args.skip), "--workdir", str(args.workdir),
+                           "--json-vocab", str(args.json_vocab), "--clock", args.clock, "--json", str(out),
+                           "--corpus-chars", str(args.corpus_chars)]
+                    cmd += ["--mixed-admission"] * args.mixed_admission
+                    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL,
+                                   env=os.environ | {"BENCH_HOST_TREE": tree})
+                    runs[name].append(json.loads(out.read_text())[0])
+        row = {"family": family, "mix": mix, "rows": rows}
+        cells = []
+        for part in ("staging", "host"):
+            old = [r[part]["p50"] for r in runs["other"]]
+            new = [r[part]["p50"] for r in runs["this"]]
+            row[part] = {"other": old, "this": new,
+                         "ratio": round(statistics.median(n / o for n, o in zip(new, old)), 3)}
+            cells.append(f"{statistics.median(old):.0f} → {statistics.median(new):.0f}")
+        results.append(row)
+        print(f"| {family} | {mix} | {rows} | {cells[0]} | {cells[1]} | {row['staging']['ratio']:.2f} | "
+              f"{row['host']['ratio']:.2f} |", flush=True)
+    finish(args, results)
 
 
 def main() -> None:
@@ -396,16 +400,12 @@ def main() -> None:
     print("| family | mix | rows | plan us p50 / p90 | masks | staging | commit | host | graph steps | steps |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     results = []
-    for family in args.families:
-        for mix in args.mixes:
-            for rows in args.rows:
-                r = run_one(family, mix, rows, args.steps, args.skip, args.workdir, args.json_vocab,
-                           args.clock == "cpu", not args.mixed_admission, args.corpus_chars)
-                results.append(r)
-                print(row_line(r), flush=True)
-    print(f"# load after: {os.getloadavg()[0]:.2f}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    for family, mix, rows in itertools.product(args.families, args.mixes, args.rows):
+        r = run_one(family, mix, rows, args.steps, args.skip, args.workdir, args.json_vocab,
+                    args.clock == "cpu", not args.mixed_admission, args.corpus_chars)
+        results.append(r)
+        print(row_line(r), flush=True)
+    finish(args, results)
 
 
 if __name__ == "__main__":
