@@ -23,22 +23,29 @@ SECRET = "s3cr3t-that-no-line-may-show"
 _buckets = itertools.count()
 
 
-class MotoServer:
+class _Served:
+    """An HTTP server answering on a daemon thread until stop()."""
+
+    def _serve(self, server) -> None:
+        self._server = server
+        self.port = server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._thread.join()
+
+
+class MotoServer(_Served):
     def __init__(self):
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
         from werkzeug.serving import make_server
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
         app = DomainDispatcherApplication(create_backend_app)
-        self._server = make_server("127.0.0.1", 0, app, threaded=False, request_handler=MotoRequestHandler)
-        self.port = self._server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._thread.join()
+        self._serve(make_server("127.0.0.1", 0, app, threaded=False, request_handler=MotoRequestHandler))
 
     def set_auth(self, on: bool) -> None:
         """moto accepts any key until told to check them (then only keys its IAM knows pass)."""
@@ -47,7 +54,7 @@ class MotoServer:
         urllib.request.urlopen(req).read()
 
 
-class Proxy:
+class Proxy(_Served):
     """Forwards every request to `target`; `fail_503` > 0 answers that many requests with 503
     SlowDown instead, `unconditional` drops If-None-Match / If-Match from PUTs. `kill` (a process
     group and a test of (method, path) -> "before" | "after") kill -9s a run at an exact request
@@ -118,15 +125,9 @@ class Proxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._thread.join()
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server.daemon_threads = True
+        self._serve(server)
 
 
 @contextmanager
