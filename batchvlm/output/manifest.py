@@ -52,11 +52,15 @@ def input_stat(ref: ShardRef) -> dict[str, int | str] | None:
 def done_stats(layout: Layout, ref: ShardRef) -> dict[str, Any] | None:
     """The stats of a finished shard whose input is unchanged since; None if it is to be (re)labelled."""
     stats = read_stats(layout, ref.stem)
+    return stats if still_done(layout, ref, stats) else None
+
+
+def still_done(layout: Layout, ref: ShardRef, stats: dict[str, Any] | None) -> bool:
+    """done_stats on stats already read."""
     # a folder marker written before folders were compared (input null) stays valid
     same_input = stats is not None and (stats.get("input") == input_stat(ref)
                                         or (ref.kind == "folder" and stats.get("input") is None))
-    done = bool(stats and stats.get("complete")) and same_input and has_output(layout, stats)
-    return stats if done else None
+    return same_input and was_done(layout, stats)
 
 
 def has_output(layout: Layout, stats: dict[str, Any]) -> bool:
@@ -74,7 +78,12 @@ def prior_output(layout: Layout, stem: str) -> dict[str, Any] | None:
     """The stats of a shard that was done, whatever its input is now: complete, its file still the
     one they were written for. A run replaces such a shard only by a complete new one."""
     stats = read_stats(layout, stem)
-    return stats if stats and stats.get("complete") and has_output(layout, stats) else None
+    return stats if was_done(layout, stats) else None
+
+
+def was_done(layout: Layout, stats: dict[str, Any] | None) -> bool:
+    """prior_output on stats already read."""
+    return stats is not None and bool(stats.get("complete")) and has_output(layout, stats)
 
 
 def missing_inputs(ref: ShardRef) -> list[str]:
@@ -213,8 +222,8 @@ def _clear_store(layout: Layout) -> None:
     preflight does not check) is read to tell, as in a folder. Which exist comes from listings,
     not a request per shard."""
     with layout.listed():
-        ours = [layout.parquet(stem).key for stem in own_stems(layout) if layout.parquet(stem).is_file()
-                and (layout.stats(stem).is_file() or written_by_us(layout.parquet(stem)))]
+        ours = [p.key for stem in own_stems(layout) if (p := layout.parquet(stem)).is_file()
+                and (layout.stats(stem).is_file() or written_by_us(p))]
     store = layout.dir.store
     below = store.list(f"{layout.meta.key}/", recursive=True)[0]
     store.delete_many(ours + [o.key for o in below])

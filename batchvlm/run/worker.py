@@ -103,8 +103,7 @@ def _run(pre: Preflight, limit: int | None, rank: Rank, progress: bool, stop: St
     mine = shards if claims else my_shards(shards, rank)  # with claims every rank may take any shard
     summary = RunSummary(len(shards), 0, skipped=Counter(shards.skipped))
     with layout.listed():  # a store: one listing says which markers exist, not a request per shard
-        pending, done = _skip_done(layout, mine, summary)
-        replacing = {s.stem for s in pending if manifest.prior_output(layout, s.stem)}
+        pending, done, replacing = _skip_done(layout, mine, summary)
     meter.shards_total, meter.shards_done = len(mine), summary.shards_done_before
     # done shards whose files lack the columns of tasks the job gained (not under --limit; with
     # work stealing rank 0 adds them; not in an object store, where preflight refuses new tasks)
@@ -178,18 +177,24 @@ def _open_folder(layout: Layout, clear: bool) -> None:
     manifest.sweep_temporaries(layout)
 
 
-def _skip_done(layout: Layout, mine: list[ShardRef], summary: RunSummary) -> tuple[list[ShardRef], list[ShardRef]]:
-    """-> (the shards of `mine` still to label, the done ones); the done ones are counted (damaged ones noted). A
-    shard done before whose input files are gone now (an unmounted mount point) is not relabelled
-    into "file not found" rows: its labels are kept, and the run says so (exit 1)."""
-    pending, done = [], []
+def _skip_done(layout: Layout, mine: list[ShardRef], summary: RunSummary
+               ) -> tuple[list[ShardRef], list[ShardRef], set[str]]:
+    """-> (the shards of `mine` still to label, the done ones, the pending ones that replace a
+    done output: their input changed); the done ones are counted (damaged ones noted). Each
+    marker is read once. A shard done before whose input files are gone now (an unmounted mount
+    point) is not relabelled into "file not found" rows: its labels are kept, and the run says so
+    (exit 1)."""
+    pending, done, replacing = [], [], set()
     for s in mine:
-        if (stats := manifest.done_stats(layout, s)) is None:
+        stats = manifest.read_stats(layout, s.stem)
+        if not manifest.still_done(layout, s, stats):
             if note := manifest.inputs_gone(layout, s):
                 summary.shards_kept.append(note)
                 log(f"batchvlm: shard {note}")
             else:
                 pending.append(s)
+                if manifest.was_done(layout, stats):
+                    replacing.add(s.stem)
             continue
         summary.shards_done_before += 1
         done.append(s)
@@ -197,7 +202,7 @@ def _skip_done(layout: Layout, mine: list[ShardRef], summary: RunSummary) -> tup
         summary.skipped.update(stats.get("skipped") or {})
         if stats.get("damaged"):  # reported by every run until the input is replaced
             summary.shards_damaged.append(manifest.damaged_note(s.stem, stats.get("rows", 0)))
-    return pending, done
+    return pending, done, replacing
 
 
 def _no_images(layout: Layout, shards: list[ShardRef], summary: RunSummary) -> bool:
