@@ -10,6 +10,7 @@ launch id (BATCHVLM_LAUNCH) in their claims."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -25,6 +26,7 @@ from .writer import tmp_path
 LAUNCH_ENV = "BATCHVLM_LAUNCH"
 
 
+@functools.cache
 def _kernel() -> dict[str, object]:
     """Which kernel and pid namespace this process runs in. A host name alone is not enough:
     containers given one fixed host name on several machines share it, and the initial pid

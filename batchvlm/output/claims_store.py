@@ -79,8 +79,7 @@ class StoreClaims(Claims):
             return None
 
     def is_free(self, stem: str) -> bool:
-        seen, expired = self._expired(stem)
-        return expired or self._dead_holder(stem) is not None
+        return self._expired(stem)[1] or self._dead_holder(stem) is not None
 
     def _held(self, stem: str) -> Held | None:
         """This rank's claim of `stem`. One taken in a loader worker (another process) is this

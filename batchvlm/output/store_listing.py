@@ -33,7 +33,7 @@ class Snapshot:
     suffixes: tuple[str, ...]  # the keys it answers for end in one of these
     objects: dict[str, ObjectInfo]
     bodies: dict[str, tuple[bytes, str] | None] = field(default_factory=dict)  # read ahead, not yet asked for
-    markers: list[str] = field(default_factory=list)  # the listed markers, sorted
+    markers: list[str] = field(init=False)  # the listed markers, sorted
 
     def __post_init__(self) -> None:
         self.markers = sorted(k for k in self.objects if k.endswith(MARKER))

@@ -58,25 +58,26 @@ def kept_cells(pixels_HW3: np.ndarray, grid: tuple[int, int], stride: int, size:
     if limit == 0:
         keep = ~candidate
     else:
-        keep = _kept_within(torch.from_numpy(px), (gh, gw), stride, size, torch.from_numpy(left_max),
-                            torch.from_numpy(up_max), limit).numpy()
+        t = torch.from_numpy
+        keep = _kept_within(t(px), (gh, gw), stride, size, (t(same_left), t(left_max)), (t(same_up), t(up_max)),
+                            limit).numpy()
     return torch.from_numpy(np.flatnonzero(keep.reshape(-1)))
 
 
-def _kept_within(px_HW3: torch.Tensor, grid: tuple[int, int], stride: int, size: int, left_max: torch.Tensor,
-                 up_max: torch.Tensor, limit: float) -> torch.Tensor:
+def _kept_within(px_HW3: torch.Tensor, grid: tuple[int, int], stride: int, size: int,
+                 left: tuple[torch.Tensor, torch.Tensor], up: tuple[torch.Tensor, torch.Tensor], limit: float
+                 ) -> torch.Tensor:
     """Tolerance > 0: -> keep [gh, gw]. A cell's representative depends on its left and upper
     neighbours', so the cells of one anti-diagonal (r + c = d) depend only on the diagonal before:
     decided a diagonal at a time, all of its cells at once. A cell is compared with its
     neighbour's representative's window only where that is not already known: a kept neighbour
     is its own representative, and a cell equal to its neighbour (largest difference 0) is as
-    near the representative as the neighbour is."""
+    near the representative as the neighbour is. `left` / `up`: (within the tolerance of that
+    neighbour, the largest difference from it) per cell."""
     gh, gw = grid
     keep = torch.ones(gh, gw, dtype=torch.bool)
     rep = torch.arange(gh * gw).view(gh, gw)  # the kept cell each cell is, or stands for
-    near_left = (left_max >= 0) & (left_max <= limit)
-    near_up = (up_max >= 0) & (up_max <= limit)
-    candidate = near_left | near_up
+    candidate = left[0] | up[0]
     span = torch.arange(size)
 
     def window(i: torch.Tensor) -> torch.Tensor:
@@ -104,12 +105,12 @@ def _kept_within(px_HW3: torch.Tensor, grid: tuple[int, int], stride: int, size:
         if not on.any():
             continue
         r, c = r[on], c[on]
-        left, by_left = by(r, c, r, c - 1, near_left, left_max)
-        up, by_up = by(r, c, r - 1, c, near_up, up_max)
+        from_left, by_left = by(r, c, r, c - 1, *left)
+        from_up, by_up = by(r, c, r - 1, c, *up)
         by_up &= ~by_left
         drop = by_left | by_up
         keep[r[drop], c[drop]] = False
-        rep[r[drop], c[drop]] = torch.where(by_left, left, up)[drop]
+        rep[r[drop], c[drop]] = torch.where(by_left, from_left, from_up)[drop]
     return keep
 
 
