@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import fsspec
 
 # botocore / s3fs error codes that mean the credentials themselves were refused
-_BAD_CREDENTIALS = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
+BAD_CREDENTIALS = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
                     "InvalidClientTokenId")
 
 
@@ -48,7 +48,7 @@ def filesystem(url: str):
     return fsspec.core.url_to_fs(url)  # no listing (get_fs_token_paths would expand a glob here)
 
 
-def _code(e: BaseException) -> str | None:
+def error_code(e: BaseException) -> str | None:
     """The store's error code where the backend kept it (botocore's ClientError, maybe as the cause)."""
     for err in (e, e.__cause__, e.__context__):
         response = getattr(err, "response", None)
@@ -60,9 +60,9 @@ def _code(e: BaseException) -> str | None:
 def failure(e: Exception, field: str, url: str, fs=None) -> RemoteError:
     """One line for a store that failed listing or reading `url`: never the store's own message
     (some quote the key id), never a credential."""
-    code = _code(e)
+    code = error_code(e)
     kind = type(e).__name__
-    if code in _BAD_CREDENTIALS or kind in ("NoCredentialsError", "PartialCredentialsError"):
+    if code in BAD_CREDENTIALS or kind in ("NoCredentialsError", "PartialCredentialsError"):
         return RemoteError(f"{field}: the store refused the credentials for {url} ({code or kind}); check "
                            "AWS_PROFILE / AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL)")
     if isinstance(e, PermissionError) or code in ("AccessDenied", "AllAccessDisabled"):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 
+from ..data.remote import BAD_CREDENTIALS, error_code
 from .store_listing import MARKER, Snapshot
 
 MAX_ATTEMPTS = 10
@@ -109,7 +110,7 @@ class S3Store:
             if code == "NoSuchBucket":
                 return StoreError(f"output.dir: the bucket of {url} does not exist at {self.endpoint}; create it "
                                   "or fix the URL")
-            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken") or status == 401:
+            if code in BAD_CREDENTIALS or status == 401:
                 return StoreError(f"output.dir: {self.endpoint} refused the credentials for {url} ({code}); check "
                                   "AWS_PROFILE / AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
             if code in ("AccessDenied", "AllAccessDisabled") or status == 403:
@@ -126,11 +127,6 @@ class S3Store:
             return fn(*args, **kw)
         except Exception as e:  # noqa: BLE001 - botocore's errors, one line each
             raise self.fail(e, key, doing) from None
-
-    @staticmethod
-    def _code(e: Exception) -> str | None:
-        response = getattr(e, "response", None)
-        return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
 
     @contextmanager
     def listed(self, prefixes: list[str], suffixes: tuple[str, ...]) -> Iterator[None]:
@@ -161,7 +157,7 @@ class S3Store:
         try:
             r = self.client.head_object(Bucket=self.bucket, Key=key)
         except Exception as e:  # noqa: BLE001
-            if self._code(e) in ("404", "NoSuchKey", "NotFound"):
+            if error_code(e) in ("404", "NoSuchKey", "NotFound"):
                 return None
             raise self.fail(e, key, "read") from None
         date = r.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
@@ -183,7 +179,7 @@ class S3Store:
             r = self.client.get_object(Bucket=self.bucket, Key=key)
             return r["Body"].read(), r["ETag"]
         except Exception as e:  # noqa: BLE001
-            if self._code(e) in ("404", "NoSuchKey", "NotFound"):
+            if error_code(e) in ("404", "NoSuchKey", "NotFound"):
                 return None
             raise self.fail(e, key, "read") from None
 
@@ -196,7 +192,7 @@ class S3Store:
             return self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **kw)["ETag"]
         except Exception as e:  # noqa: BLE001
             # 412 failed, 409 a concurrent conditional write won, 404 If-Match on a deleted object
-            if kw and self._code(e) in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey", "404"):
+            if kw and error_code(e) in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey", "404"):
                 return None
             raise self.fail(e, about or key, "write") from None
 
